@@ -1,0 +1,192 @@
+"""The one place that talks to ComfyUI's own modules, lazily, and degrades to plain behaviour outside ComfyUI.
+
+Invariant: importing this module (or any module of the pack) never imports ``comfy``, ``folder_paths``,
+``server`` or ComfyUI's ``nodes``. Each helper imports them inside the function, only when ComfyUI has already
+loaded them (``sys.modules``), so a plain Python process never pulls ComfyUI in by accident.
+
+Outside ComfyUI:
+- progress bars are tqdm bars (or silent when ``quiet``),
+- the interruption check is a no-op,
+- model folders resolve against ``$LEANDIFFUSION_MODELS/<folder>`` (same sub-folder names as ComfyUI's ``models/``),
+- ComfyUI's memory manager hooks do nothing,
+- ComfyUI's bundled tokenizer path is ``None``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+MODELS_ENV = "LEANDIFFUSION_MODELS"
+
+
+def _comfy_module(name: str):
+    """Return ComfyUI's module ``name`` if this process is running ComfyUI, else ``None``."""
+    if "comfy" not in sys.modules and name != "folder_paths":
+        return None
+    if name == "folder_paths" and "folder_paths" not in sys.modules:
+        return None
+    try:
+        return __import__(name, fromlist=["_"])
+    except ImportError:
+        return None
+
+
+def in_comfyui() -> bool:
+    """True when ComfyUI's modules are loaded in this process."""
+    return _comfy_module("comfy.model_management") is not None
+
+
+# --------------------------------------------------------------------------------------------- progress
+class ProgressBar:
+    """A progress bar over ``total`` units: ComfyUI's when inside ComfyUI, tqdm otherwise."""
+
+    def __init__(self, total: int, desc: str = "", quiet: bool = False):
+        self.total = int(total)
+        self._comfy = None
+        self._tqdm = None
+        utils = _comfy_module("comfy.utils")
+        if utils is not None:
+            self._comfy = utils.ProgressBar(self.total)
+        elif not quiet:
+            from tqdm.auto import tqdm
+
+            self._tqdm = tqdm(total=self.total, desc=desc, leave=False, disable=None)
+
+    def update(self, n: int = 1) -> None:
+        if self._comfy is not None:
+            self._comfy.update(n)
+        if self._tqdm is not None:
+            self._tqdm.update(n)
+
+    def close(self) -> None:
+        if self._tqdm is not None:
+            self._tqdm.close()
+            self._tqdm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+# --------------------------------------------------------------------------------------------- interruption
+_test_interrupt_hook: Optional[Callable[[], None]] = None
+
+
+def set_interrupt_hook(hook: Optional[Callable[[], None]]) -> None:
+    """Install a callable run at every interruption check (tests use it to interrupt mid-run)."""
+    global _test_interrupt_hook
+    _test_interrupt_hook = hook
+
+
+def check_interrupted() -> None:
+    """Raise ComfyUI's interruption exception if the user pressed Cancel; no-op outside ComfyUI."""
+    if _test_interrupt_hook is not None:
+        _test_interrupt_hook()
+    mm = _comfy_module("comfy.model_management")
+    if mm is not None:
+        mm.throw_exception_if_processing_interrupted()
+
+
+class Interrupted(Exception):
+    """Raised by test hooks (and usable by callers) to stop a run between steps."""
+
+
+# --------------------------------------------------------------------------------------------- model folders
+def _folder_roots(folder: str) -> list[Path]:
+    fp = _comfy_module("folder_paths")
+    if fp is not None:
+        try:
+            return [Path(p) for p in fp.get_folder_paths(folder)]
+        except KeyError:
+            return []
+    base = os.environ.get(MODELS_ENV)
+    return [Path(base) / folder] if base else []
+
+
+def list_models(folder: str, extensions: tuple[str, ...] = (".safetensors",), dirs: bool = False) -> list[str]:
+    """Names (relative paths with '/') of files with ``extensions`` (or sub-folders when ``dirs``) in ``folder``."""
+    names: set[str] = set()
+    for root in _folder_roots(folder):
+        if not root.is_dir():
+            continue
+        if dirs:
+            names.update(p.name for p in root.iterdir() if p.is_dir())
+            continue
+        for path in root.rglob("*"):
+            if path.is_file() and path.name.lower().endswith(tuple(e.lower() for e in extensions)):
+                names.add(path.relative_to(root).as_posix())
+    return sorted(names)
+
+
+def resolve_model(folder: str, name: str, input_name: str = "model_name") -> Path:
+    """Resolve ``name`` to a file or folder inside one of ``folder``'s roots.
+
+    Refuses absolute paths and ``..`` escapes: a model name resolves only inside its model folder.
+    Raises ``ValueError`` naming the input, the value and what to do.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{input_name}: expected a model name from the '{folder}' folder, got {name!r}")
+    candidate = Path(name)
+    if candidate.is_absolute() or ".." in candidate.parts:
+        raise ValueError(
+            f"{input_name}={name!r} points outside the '{folder}' model folder; "
+            f"give a name relative to that folder (as listed in the node's menu)"
+        )
+    roots = _folder_roots(folder)
+    if not roots:
+        raise ValueError(
+            f"{input_name}={name!r}: no '{folder}' model folder is configured; inside ComfyUI put the file in "
+            f"models/{folder}/, outside ComfyUI set {MODELS_ENV} to a folder that has a '{folder}' sub-folder"
+        )
+    for root in roots:
+        root_resolved = root.resolve()
+        path = (root / candidate).resolve()
+        try:
+            path.relative_to(root_resolved)
+        except ValueError:
+            continue  # a symlink that escapes the folder is refused too
+        if path.exists():
+            return path
+    searched = ", ".join(str(r) for r in roots)
+    raise ValueError(f"{input_name}={name!r} was not found in the '{folder}' folder(s): {searched}")
+
+
+# --------------------------------------------------------------------------------------------- memory manager
+def free_comfy_memory(bytes_needed: int, device) -> None:
+    """Ask ComfyUI's memory manager to unload its own models until ``bytes_needed`` are free on ``device``."""
+    mm = _comfy_module("comfy.model_management")
+    if mm is None:
+        return
+    try:
+        mm.free_memory(int(bytes_needed), device)
+    except Exception as exc:  # ComfyUI internals vary between versions; freeing is best effort by design
+        logger.warning("ComfyUI could not free %d bytes on %s: %s", bytes_needed, device, exc)
+
+
+def soft_empty_cache() -> None:
+    """Return cached blocks to the driver (ComfyUI's helper inside ComfyUI, torch's outside)."""
+    mm = _comfy_module("comfy.model_management")
+    if mm is not None:
+        mm.soft_empty_cache()
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def comfy_tokenizer_dir() -> Optional[Path]:
+    """Folder of ComfyUI's bundled CLIP tokenizer files (``comfy/sd1_tokenizer``), or ``None`` outside ComfyUI."""
+    mm = _comfy_module("comfy.model_management")
+    if mm is None or not getattr(mm, "__file__", None):
+        return None
+    path = Path(mm.__file__).resolve().parent / "sd1_tokenizer"
+    return path if (path / "vocab.json").is_file() else None

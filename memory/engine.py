@@ -1,0 +1,241 @@
+"""The engine handle (``LEAN_MODEL``): a loaded model's modules plus how and where they run.
+
+Invariants
+- An engine is an immutable *view*: ``with_changes`` / ``with_adapter`` return a new engine that shares every
+  module and weight with its parent; nothing a downstream node does changes an upstream engine (ComfyUI caches
+  node outputs, GUIDE convention 2).
+- Every model call of every node goes through the engine (``encode_prompts``, ``unet``, ``vae_decode``,
+  ``vae_encode``) inside ``with engine.session(stage):``. The session is where the VRAM policy places weights
+  (``placement``) and where the view's adapters (unmerged LoRAs) are attached to the shared modules; both are
+  undone on exit, so a view's LoRA never leaks into another view's run.
+- Latents handed to ``unet`` are in the model's *scaled* latent space (``raw * scaling_factor``); ``vae_decode``
+  takes raw latents (ComfyUI's LATENT convention) and returns images in 0..1 as ``[B, H, W, C]`` float32 on the
+  CPU (ComfyUI's IMAGE convention).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Protocol, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("text", "unet", "vae")
+
+
+@dataclass(frozen=True, eq=False)
+class ModelParts:
+    """The modules of one checkpoint. Shared by every view of it; never replaced in place."""
+
+    family: str  # "sd1", "sd2", "sd2-v", "sdxl"
+    unet: torch.nn.Module
+    vae: torch.nn.Module
+    text_encoder: torch.nn.Module
+    tokenizer: Any
+    scheduler_config: dict
+    text_encoder_2: Optional[torch.nn.Module] = None
+    tokenizer_2: Any = None
+    name: str = ""
+
+    @property
+    def is_sdxl(self) -> bool:
+        return self.text_encoder_2 is not None
+
+    @property
+    def prediction_type(self) -> str:
+        return self.scheduler_config.get("prediction_type", "epsilon")
+
+    @property
+    def vae_scaling_factor(self) -> float:
+        return float(self.vae.config.scaling_factor)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.vae.config.latent_channels)
+
+
+class Placement(Protocol):
+    """Where weights live while a stage runs (a VRAM policy's runtime side; see ``memory/policies.py``)."""
+
+    name: str
+
+    def enter(self, engine: "LeanEngine", stage: str) -> None: ...
+
+    def exit(self, engine: "LeanEngine", stage: str) -> None: ...
+
+
+class Adapter(Protocol):
+    """Something attached to the shared modules for the duration of a session (an unmerged LoRA, say)."""
+
+    def attach(self, parts: ModelParts) -> None: ...
+
+    def detach(self, parts: ModelParts) -> None: ...
+
+
+class ResidentPlacement:
+    """Every module on ``engine.device`` for the whole life of the engine (the ``full`` policy, and the CPU)."""
+
+    name = "full"
+
+    def enter(self, engine: "LeanEngine", stage: str) -> None:
+        module_for_stage(engine.parts, stage, engine.device, engine.dtype_for(stage))
+
+    def exit(self, engine: "LeanEngine", stage: str) -> None:
+        return None
+
+
+def modules_of_stage(parts: ModelParts, stage: str) -> list[torch.nn.Module]:
+    if stage == "text":
+        return [m for m in (parts.text_encoder, parts.text_encoder_2) if m is not None]
+    if stage == "unet":
+        return [parts.unet]
+    if stage == "vae":
+        return [parts.vae]
+    raise ValueError(f"stage={stage!r}: expected one of {STAGES}")
+
+
+def module_for_stage(parts: ModelParts, stage: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Move the stage's modules to ``device``/``dtype`` (no-op when already there)."""
+    for module in modules_of_stage(parts, stage):
+        p = next(module.parameters())
+        if p.device != device or p.dtype != dtype:
+            module.to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class PromptEmbeds:
+    """Text conditioning: ``context`` [B, 77*k, C] for cross-attention, ``pooled`` [B, P] for SDXL (else None)."""
+
+    context: torch.Tensor
+    pooled: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True, eq=False)
+class LeanEngine:
+    """A loaded model and the policy it runs under. See the module docstring for the invariants."""
+
+    parts: ModelParts
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+    vae_dtype: torch.dtype = torch.float32
+    text_dtype: Optional[torch.dtype] = None
+    placement: Any = field(default_factory=ResidentPlacement)
+    adapters: tuple = ()
+    pool: Any = None
+    plan: str = ""
+    extras: dict = field(default_factory=dict)
+
+    # ----------------------------------------------------------------- views
+    def with_changes(self, **changes) -> "LeanEngine":
+        """A new view sharing all modules; ``changes`` replace fields (never mutate this engine)."""
+        return dataclasses.replace(self, **changes)
+
+    def with_adapter(self, adapter) -> "LeanEngine":
+        return dataclasses.replace(self, adapters=self.adapters + (adapter,))
+
+    @property
+    def family(self) -> str:
+        return self.parts.family
+
+    def dtype_for(self, stage: str) -> torch.dtype:
+        if stage == "vae":
+            return self.vae_dtype
+        if stage == "text":
+            return self.text_dtype or self.dtype
+        return self.dtype
+
+    # ----------------------------------------------------------------- sessions
+    @contextlib.contextmanager
+    def session(self, stage: str) -> Iterator["LeanEngine"]:
+        """Run ``stage`` ("text", "unet", "vae"): place its weights per policy and attach this view's adapters."""
+        if stage not in STAGES:
+            raise ValueError(f"stage={stage!r}: expected one of {STAGES}")
+        self.placement.enter(self, stage)
+        attached = []
+        try:
+            for adapter in self.adapters:
+                adapter.attach(self.parts)
+                attached.append(adapter)
+            yield self
+        finally:
+            for adapter in reversed(attached):
+                adapter.detach(self.parts)
+            self.placement.exit(self, stage)
+
+    # ----------------------------------------------------------------- model calls
+    def stage_device(self, stage: str) -> torch.device:
+        """Device where the stage's inputs must be (the text stage may run on the CPU under ``lowvram``)."""
+        hook = getattr(self.placement, "stage_device", None)
+        return hook(self, stage) if hook is not None else self.device
+
+    def tokenize(self, prompts: Sequence[str], which: int = 1) -> torch.Tensor:
+        tok = self.parts.tokenizer if which == 1 else self.parts.tokenizer_2
+        return tok(list(prompts), padding="max_length", max_length=tok.model_max_length, truncation=True,
+                   return_tensors="pt").input_ids
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+        """Encode prompts as diffusers' pipelines do (no clip skip). Call inside ``session("text")``.
+
+        SD1/SD2: the text encoder's ``last_hidden_state``. SDXL: the penultimate hidden states of both encoders
+        concatenated on the channel axis, and the second encoder's projected pooled output.
+        """
+        dev = self.stage_device("text")
+        te = self.parts.text_encoder
+        ids = self.tokenize(prompts, 1).to(dev)
+        if not self.parts.is_sdxl:
+            context = te(ids)[0]
+            return PromptEmbeds(context.to(self.device, self.dtype))
+        h1 = te(ids, output_hidden_states=True).hidden_states[-2]
+        ids2 = self.tokenize(prompts, 2).to(dev)
+        out2 = self.parts.text_encoder_2(ids2, output_hidden_states=True)
+        context = torch.cat([h1, out2.hidden_states[-2]], dim=-1)
+        return PromptEmbeds(context.to(self.device, self.dtype), out2.text_embeds.to(self.device, self.dtype))
+
+    def unet(self, latents: torch.Tensor, timestep, context: torch.Tensor,
+             added_cond_kwargs: Optional[dict] = None) -> torch.Tensor:
+        """The UNet's raw prediction (epsilon or v). Call inside ``session("unet")``."""
+        kwargs = {"added_cond_kwargs": added_cond_kwargs} if added_cond_kwargs else {}
+        return self.parts.unet(latents, timestep, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
+
+    @torch.no_grad()
+    def vae_decode(self, raw_latents: torch.Tensor) -> torch.Tensor:
+        """Raw latents [B,C,h,w] -> IMAGE [B,H,W,3] float32 0..1 on the CPU. Call inside ``session("vae")``."""
+        vae = self.parts.vae
+        z = raw_latents.to(self.stage_device("vae"), self.vae_dtype)
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
+
+    @torch.no_grad()
+    def vae_encode(self, image: torch.Tensor) -> torch.Tensor:
+        """IMAGE [B,H,W,3] 0..1 -> raw latents (the distribution's mean). Call inside ``session("vae")``."""
+        vae = self.parts.vae
+        x = image.permute(0, 3, 1, 2).to(self.stage_device("vae"), self.vae_dtype) * 2 - 1
+        return vae.encode(x).latent_dist.mean.float().cpu()
+
+    def time_ids(self, height: int, width: int, batch: int) -> torch.Tensor:
+        """SDXL added time ids: original size, crop top-left (0, 0), target size, as diffusers' pipeline does."""
+        ids = torch.tensor([[height, width, 0, 0, height, width]], dtype=self.dtype, device=self.device)
+        return ids.repeat(batch, 1)
+
+
+def engine_from_parts(parts: ModelParts, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                      vae_dtype: torch.dtype = torch.float32, **kwargs) -> LeanEngine:
+    """An engine over ``parts`` with every module resident on ``device`` (the plain, reference configuration)."""
+    engine = LeanEngine(parts=parts, device=torch.device(device), dtype=dtype, vae_dtype=vae_dtype, **kwargs)
+    for stage in STAGES:
+        module_for_stage(parts, stage, engine.device, engine.dtype_for(stage))
+    return engine
+
+
+def parts_from_components(components: dict, name: str = "") -> ModelParts:
+    """ModelParts from a dict with diffusers module names (as ``memory.tiny.build_tiny_components`` returns)."""
+    return ModelParts(
+        family=components["family"], unet=components["unet"], vae=components["vae"],
+        text_encoder=components["text_encoder"], tokenizer=components["tokenizer"],
+        scheduler_config=dict(components["scheduler_config"]),
+        text_encoder_2=components.get("text_encoder_2"), tokenizer_2=components.get("tokenizer_2"), name=name)

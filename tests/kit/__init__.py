@@ -1,0 +1,68 @@
+"""Test kit: tiny random models, engines over them, and savers for the layouts users have on disk.
+
+Importable by every test as ``leandiffusion.tests.kit``. Models are cached per (family, seed) because building
+them takes a moment; callers that change a module must ``copy.deepcopy`` it first.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ...memory.engine import LeanEngine, ModelParts, engine_from_parts, parts_from_components
+from ...memory.tiny import build_tiny_components, write_tiny_clip_tokenizer
+
+_TOKENIZER_DIR = Path(tempfile.mkdtemp(prefix="leandiffusion-kit-tok-"))
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_components(family: str, seed: int) -> dict:
+    return build_tiny_components(family, seed, tokenizer_dir=_TOKENIZER_DIR)
+
+
+def tiny_components(family: str = "sd1", seed: int = 0) -> dict:
+    """Fresh copies of the tiny model's modules (safe to modify)."""
+    cached = _cached_components(family, seed)
+    return {k: (copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v) for k, v in cached.items()}
+
+
+def tiny_parts(family: str = "sd1", seed: int = 0) -> ModelParts:
+    return parts_from_components(tiny_components(family, seed), name=f"tiny-{family}")
+
+
+def tiny_engine(family: str = "sd1", seed: int = 0, device: str = "cpu", dtype=torch.float32) -> LeanEngine:
+    """A fully resident engine over a fresh copy of the tiny model (the plain reference configuration)."""
+    return engine_from_parts(tiny_parts(family, seed), device=device, dtype=dtype, vae_dtype=dtype)
+
+
+def tiny_tokenizer_dir(folder: str | Path) -> Path:
+    return write_tiny_clip_tokenizer(folder)
+
+
+def save_diffusers_folder(components: dict, folder: str | Path) -> Path:
+    """Save a tiny model as a diffusers pipeline folder (model_index.json + one sub-folder per component)."""
+    import json
+
+    from diffusers import DDIMScheduler
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sdxl = "text_encoder_2" in components
+    index = {"_class_name": "StableDiffusionXLPipeline" if sdxl else "StableDiffusionPipeline",
+             "_diffusers_version": "0.30.0"}
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        if key in components and components[key] is not None:
+            components[key].save_pretrained(folder / key, safe_serialization=True)
+            lib = "diffusers" if key in ("unet", "vae") else "transformers"
+            index[key] = [lib, type(components[key]).__name__]
+    for key in ("tokenizer", "tokenizer_2"):
+        if key in components and components[key] is not None:
+            components[key].save_pretrained(folder / key)
+            index[key] = ["transformers", "CLIPTokenizer"]
+    DDIMScheduler(**components["scheduler_config"]).save_pretrained(folder / "scheduler")
+    index["scheduler"] = ["diffusers", "DDIMScheduler"]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    return folder
