@@ -1,0 +1,158 @@
+"""Benchmark harness contract: every suite records measurements through one ``BenchContext``.
+
+A suite is a module ``bench/suite_<name>.py`` with ``SUITE = "<name>"`` and ``run(ctx: BenchContext) -> None``.
+It measures its case(s) and its peers *in the same process*, then calls ``ctx.record(...)`` once per metric.
+
+Modes: ``ctx.smoke`` (CPU, tiny models: checks the suite's plumbing and record shapes, numbers mean nothing),
+``ctx.quick`` (GPU, fits one 10-minute device call together with the other suites), full (GPU, every case).
+
+Timing rules (GUIDE section 5, METHOD.md): warm up first; time GPU work with CUDA events; take the median of
+several repeats; memory is ``torch.cuda.max_memory_reserved()`` after ``reset_peak_memory_stats()`` (the CUDA
+context is excluded by construction, since it is not allocator memory).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Record:
+    suite: str
+    case: str
+    metric: str  # e.g. "step_ms", "peak_reserved_gb", "images_per_s", "max_abs_diff"
+    ours: float
+    peer: Optional[float] = None
+    peer_name: str = ""
+    ratio: Optional[float] = None  # peer/ours for lower-is-better metrics, ours/peer for higher-is-better
+    target: str = ""  # human-readable target, e.g. ">= 2.0x" or "<= 4.0 GB"
+    passed: Optional[bool] = None  # None when the record has no target
+    unit: str = ""
+    device: str = ""
+    versions: dict = field(default_factory=dict)
+    notes: str = ""
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("diffusers", "transformers", "triton", "accelerate", "spandrel"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # optional packages: absent is a fact worth recording, not an error
+            out[name] = None
+    if torch.cuda.is_available():
+        out["cuda"] = torch.version.cuda
+    return out
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+class BenchContext:
+    """Collects records for one suite run. See the module docstring."""
+
+    def __init__(self, suite: str, out_dir: Path, smoke: bool = False, quick: bool = False, comfyui: Optional[Path] = None):
+        self.suite = suite
+        self.out_dir = Path(out_dir)
+        self.smoke = smoke
+        self.quick = quick
+        self.comfyui = comfyui
+        self.records: list[Record] = []
+        self.device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+        self._device_name = device_name()
+        self._versions = versions()
+
+    def record(self, case: str, metric: str, ours: float, peer: Optional[float] = None, peer_name: str = "",
+               target: Optional[float] = None, target_kind: str = "", lower_is_better: bool = True,
+               unit: str = "", notes: str = "") -> Record:
+        """Add one measurement.
+
+        ``target_kind``: "ratio>=" (ratio must reach ``target``), "ours<=" / "ours>=" (absolute bound on ours),
+        or "" (no target). The ratio is how many times better ours is than the peer.
+        """
+        ratio = None
+        if peer is not None and ours not in (0, None) and peer != 0:
+            ratio = (peer / ours) if lower_is_better else (ours / peer)
+        passed = None
+        target_text = ""
+        if target is not None and target_kind:
+            if target_kind == "ratio>=":
+                passed = ratio is not None and ratio >= target
+                target_text = f">= {target:g}x {peer_name}"
+            elif target_kind == "ours<=":
+                passed = ours <= target
+                target_text = f"<= {target:g} {unit}".strip()
+            elif target_kind == "ours>=":
+                passed = ours >= target
+                target_text = f">= {target:g} {unit}".strip()
+            else:
+                raise ValueError(f"target_kind={target_kind!r}: expected 'ratio>=', 'ours<=', 'ours>=' or ''")
+        rec = Record(self.suite, case, metric, float(ours), None if peer is None else float(peer), peer_name,
+                     ratio, target_text, passed, unit, self._device_name, self._versions, notes)
+        self.records.append(rec)
+        logger.info("%s/%s %s: ours=%.4g peer=%s ratio=%s %s", self.suite, case, metric, ours, peer, ratio,
+                    "" if passed is None else ("PASS" if passed else "FAIL"))
+        return rec
+
+    def to_json(self) -> list[dict]:
+        return [asdict(r) for r in self.records]
+
+
+# --------------------------------------------------------------------------------------------- measuring
+def time_ms(fn: Callable[[], object], warmup: int = 2, repeat: int = 5, device: Optional[torch.device] = None) -> float:
+    """Median wall time of ``fn()`` in milliseconds; CUDA events on a GPU, perf_counter on the CPU."""
+    cuda = (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available())
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device) -> Iterator[dict]:
+    """Yields a dict that, on exit, holds ``reserved_gb`` and ``allocated_gb`` peaks of the block (GPU only)."""
+    out = {"reserved_gb": 0.0, "allocated_gb": 0.0}
+    if device.type != "cuda":
+        yield out
+        return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield out
+    finally:
+        torch.cuda.synchronize()
+        out["reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+        out["allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+
+
+def write_json(records: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1))
