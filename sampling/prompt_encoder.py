@@ -124,7 +124,7 @@ def build_chunks(pieces: Sequence[Piece], spec: EncoderSpec,
         if piece.kind == "embedding":
             group = list(vectors(piece.text))
         else:
-            group = spec.tokenizer(piece.text)["input_ids"][1:-1]
+            group = spec.tokenizer(piece.text, verbose=False)["input_ids"][1:-1]
         if not group:
             continue
         pending_empty = False
