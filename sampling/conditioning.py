@@ -1,0 +1,145 @@
+"""ComfyUI CONDITIONING <-> the engine's prompt embeddings.
+
+ComfyUI's CONDITIONING is a list of ``[cond, extras]`` pairs: ``cond`` is ``[B, 77*k, C]`` (float32, CPU) and
+``extras`` a dict; ``CLIPTextEncode`` gives one pair with ``{"pooled_output": [B, P]}``, ``CLIPTextEncodeSDXL``
+adds ``width, height, crop_w, crop_h, target_width, target_height``.
+
+How ComfyUI 0.3.64 uses a single pair for SD1/SD2/SDXL (``comfy/samplers.py encode_model_conds``,
+``comfy/model_base.py SDXL.encode_adm``, ``comfy/conds.py``), and how we reproduce it:
+- batch: the cond is repeated (tiled, then cut) to the sampling batch (``repeat_to_batch_size``);
+- SDXL size conditioning: ``width``/``height`` default to the latent size * 8, ``crop_w``/``crop_h`` to 0,
+  ``target_width``/``target_height`` to the (resolved) width/height; the time ids are
+  ``[height, width, crop_h, crop_w, target_height, target_width]`` (diffusers' order: original size, crop
+  top-left, target size); the pooled output feeds the added embedding;
+- a cond and an uncond of different lengths are batched by repeating each along the sequence axis to the least
+  common multiple of the lengths: cross-attention over a sequence repeated r times is exactly the attention over
+  the original (every key's softmax weight is split evenly over its r copies), so this changes nothing.
+
+Entries that need ComfyUI's own sampler machinery (several pairs = ConditioningCombine averaging, areas, masks,
+ControlNet, GLIGEN, hooks, timestep ranges, non-unit strength, unCLIP) raise ``ValueError`` naming the key.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..memory.engine import LeanEngine, PromptEmbeds
+
+SIZE_KEYS = ("width", "height", "crop_w", "crop_h", "target_width", "target_height")
+# keys whose given values are what a plain pair means anyway
+NEUTRAL_VALUES = {"strength": 1.0, "start_percent": 0.0, "end_percent": 1.0, "clip_start_percent": 0.0,
+                  "clip_end_percent": 1.0}
+
+
+@dataclass(frozen=True, eq=False)
+class SamplerConditioning(PromptEmbeds):
+    """Prompt embeddings for one side of CFG, batched: ``context`` [B, L, C], ``pooled`` [B, P] (SDXL) and SDXL's
+    ``time_ids`` [B, 6] when they are known (from the CONDITIONING or from the image size), else ``None``."""
+
+    time_ids: Optional[torch.Tensor] = None
+
+
+def repeat_to_batch(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """Tile along dim 0 and cut to ``batch`` rows (ComfyUI's ``repeat_to_batch_size``); always a new tensor."""
+    n = tensor.shape[0]
+    if n == batch:
+        return tensor.clone()
+    if n > batch:
+        return tensor[:batch].clone()
+    reps = math.ceil(batch / n)
+    return tensor.repeat((reps,) + (1,) * (tensor.dim() - 1))[:batch]
+
+
+def match_lengths(a: PromptEmbeds, b: PromptEmbeds) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contexts of ``a`` and ``b`` repeated along the sequence axis to the lcm of their lengths (exact for attention)."""
+    la, lb = a.context.shape[1], b.context.shape[1]
+    if la == lb:
+        return a.context, b.context
+    lcm = math.lcm(la, lb)
+    return a.context.repeat(1, lcm // la, 1), b.context.repeat(1, lcm // lb, 1)
+
+
+def _expected_dims(engine: LeanEngine) -> tuple[Optional[int], Optional[int]]:
+    cfg = getattr(engine.parts.unet, "config", None)
+    cross = getattr(cfg, "cross_attention_dim", None) if cfg is not None else None
+    if isinstance(cross, (list, tuple)):
+        cross = cross[0]
+    pooled = None
+    if engine.parts.is_sdxl and cfg is not None:
+        total = getattr(cfg, "projection_class_embeddings_input_dim", None)
+        time_dim = getattr(cfg, "addition_time_embed_dim", None)
+        if total is not None and time_dim is not None:
+            pooled = int(total) - 6 * int(time_dim)
+    return (None if cross is None else int(cross)), pooled
+
+
+def time_ids_from_sizes(values: dict, width: Optional[int], height: Optional[int], batch: int,
+                        engine: LeanEngine) -> Optional[torch.Tensor]:
+    """SDXL time ids [batch, 6] as ComfyUI builds them from ``values`` with image-size defaults."""
+    w = values.get("width", width)
+    h = values.get("height", height)
+    if w is None or h is None:
+        return None
+    row = [h, w, values.get("crop_h", 0), values.get("crop_w", 0), values.get("target_height", h),
+           values.get("target_width", w)]
+    ids = torch.tensor([[float(v) for v in row]], dtype=engine.dtype, device=engine.device)
+    return ids.repeat(batch, 1)
+
+
+def from_conditioning(conditioning: Any, engine: LeanEngine, batch: int, *, width: Optional[int] = None,
+                      height: Optional[int] = None, input_name: str = "positive_cond") -> SamplerConditioning:
+    """One CONDITIONING -> :class:`SamplerConditioning` for ``engine`` with ``batch`` rows."""
+    if not isinstance(conditioning, (list, tuple)) or not conditioning:
+        raise TypeError(f"{input_name}: expected a CONDITIONING (a list of [tensor, dict] pairs), "
+                        f"got {type(conditioning).__name__}")
+    if len(conditioning) != 1:
+        raise ValueError(
+            f"{input_name}: got a CONDITIONING with {len(conditioning)} entries (e.g. from ConditioningCombine or "
+            f"scheduled CLIP hooks); LeanDiffusion samplers take a single entry: use ConditioningConcat or one "
+            f"text encode, or ComfyUI's KSampler for combined conditioning")
+    entry = conditioning[0]
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not torch.is_tensor(entry[0]) \
+            or not isinstance(entry[1], dict):
+        raise TypeError(f"{input_name}: each CONDITIONING entry must be [tensor, dict], got {entry!r:.80}")
+    cond, extras = entry
+    for key, value in extras.items():
+        if key in SIZE_KEYS or key == "pooled_output":
+            continue
+        if key in NEUTRAL_VALUES and value == NEUTRAL_VALUES[key]:
+            continue
+        raise ValueError(
+            f"{input_name}: the CONDITIONING carries {key!r}={value!r:.60}, which LeanDiffusion samplers do not "
+            f"support (areas, masks, ControlNet, GLIGEN, hooks, timestep ranges, strength); use ComfyUI's KSampler "
+            f"for it, or remove that node")
+    if cond.dim() != 3:
+        raise ValueError(f"{input_name}: the conditioning tensor must be [batch, tokens, channels], "
+                         f"got shape {tuple(cond.shape)}")
+    cross, pooled_dim = _expected_dims(engine)
+    if cross is not None and cond.shape[-1] != cross:
+        raise ValueError(
+            f"{input_name}: the conditioning has {cond.shape[-1]} channels but the {engine.family} model expects "
+            f"{cross}; encode the text with this model's CLIP (from the same checkpoint family)")
+    pooled = extras.get("pooled_output")
+    if engine.parts.is_sdxl:
+        if not torch.is_tensor(pooled):
+            raise ValueError(f"{input_name}: an SDXL model needs the CONDITIONING's 'pooled_output' (from "
+                             f"CLIPTextEncode with an SDXL CLIP); it is missing")
+        if pooled_dim is not None and pooled.shape[-1] != pooled_dim:
+            raise ValueError(f"{input_name}: pooled_output has width {pooled.shape[-1]}, the SDXL model expects "
+                             f"{pooled_dim}; encode the text with this model's CLIP")
+        pooled = repeat_to_batch(pooled.reshape(-1, pooled.shape[-1]), batch).to(engine.device, engine.dtype)
+        time_ids = time_ids_from_sizes(extras, width, height, batch, engine)
+    else:
+        pooled, time_ids = None, None
+    context = repeat_to_batch(cond, batch).to(engine.device, engine.dtype)
+    return SamplerConditioning(context, pooled, time_ids)
+
+
+def to_conditioning(embeds: PromptEmbeds, extras: Optional[dict] = None) -> list:
+    """Prompt embeddings -> a ComfyUI CONDITIONING (float32 on the CPU, as ComfyUI keeps them)."""
+    info = dict(extras or {})
+    info["pooled_output"] = None if embeds.pooled is None else embeds.pooled.detach().float().cpu()
+    return [[embeds.context.detach().float().cpu(), info]]

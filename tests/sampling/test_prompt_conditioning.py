@@ -1,0 +1,107 @@
+"""CONDITIONING in and out, and encode_for_sampler: what the samplers receive is what ComfyUI's samplers use."""
+import pytest
+import torch
+
+from leandiffusion.sampling.conditioning import from_conditioning, match_lengths, repeat_to_batch, to_conditioning
+from leandiffusion.sampling.prompt_encoder import PromptCache, encode_texts
+from leandiffusion.sampling.prompts import encode_for_sampler
+from leandiffusion.tests.kit import tiny_engine
+
+
+@pytest.fixture(scope="module")
+def sd1():
+    return tiny_engine("sd1")
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    return tiny_engine("sdxl")
+
+
+def test_repeat_to_batch_tiles_and_cuts():
+    t = torch.arange(2.0)[:, None]
+    assert repeat_to_batch(t, 3)[:, 0].tolist() == [0.0, 1.0, 0.0]
+    assert repeat_to_batch(t, 1)[:, 0].tolist() == [0.0]
+    assert repeat_to_batch(t, 2) is not t
+
+
+def test_lcm_repetition_does_not_change_the_unet_output(sd1):
+    """ComfyUI batches a 154-token cond with a 77-token uncond by repetition; the UNet output must not change."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 8, 8, generator=g)
+    ctx = torch.randn(1, 77, 64, generator=g)
+    with sd1.session("unet"), torch.no_grad():
+        a = sd1.unet(x, 500, ctx)
+        b = sd1.unet(x, 500, ctx.repeat(1, 2, 1))
+    assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_string_prompts(sd1):
+    cond, uncond = encode_for_sampler(sd1, "(red cube:1.2) " * 12, "blurry", 2, cache=PromptCache())
+    assert cond.context.shape == uncond.context.shape == (2, 154, 64)
+    ref = encode_texts(sd1, ["(red cube:1.2) " * 12, "blurry"], cache=None)
+    assert torch.equal(cond.context[1], ref[0].context[0])
+    assert torch.equal(uncond.context[0], ref[1].context[0].repeat(2, 1))
+    assert cond.pooled is None and cond.time_ids is None
+
+
+def test_conditioning_replaces_the_string(sd1):
+    c = torch.randn(1, 77, 64)
+    cond, uncond = encode_for_sampler(sd1, "ignored", "", 3, positive_cond=[[c, {"pooled_output": None}]],
+                                      cache=PromptCache())
+    assert torch.equal(cond.context, c.repeat(3, 1, 1))
+    assert torch.equal(uncond.context, encode_texts(sd1, [""], cache=None)[0].context.repeat(3, 1, 1))
+
+
+def test_sdxl_conditioning_sizes_and_pooled(sdxl):
+    c, p = torch.randn(1, 77, 192), torch.randn(1, 128)
+    info = {"pooled_output": p, "width": 1024, "height": 768, "crop_w": 16, "crop_h": 8, "target_width": 2048}
+    cond, uncond = encode_for_sampler(sdxl, None, "", 2, positive_cond=[[c, info]], width=64, height=96,
+                                      cache=PromptCache())
+    assert torch.equal(cond.pooled, p.repeat(2, 1))
+    # ComfyUI order: height, width, crop_h, crop_w, target_height (defaults to height), target_width
+    assert cond.time_ids.tolist() == [[768, 1024, 8, 16, 768, 2048]] * 2
+    assert uncond.time_ids.tolist() == [[96, 64, 0, 0, 96, 64]] * 2  # defaults: the image size
+    plain = from_conditioning([[c, {"pooled_output": p}]], sdxl, 1)
+    assert plain.time_ids is None  # neither the CONDITIONING nor the caller gave a size
+
+
+def test_round_trip_through_conditioning(sdxl):
+    emb = encode_texts(sdxl, ["a (red:1.3) cube"], cache=None)[0]
+    back = from_conditioning(to_conditioning(emb), sdxl, 1)
+    assert torch.equal(back.context, emb.context) and torch.equal(back.pooled, emb.pooled)
+
+
+@pytest.mark.parametrize("value,match", [
+    ("text", "CONDITIONING"),
+    ([], "CONDITIONING"),
+    ([[torch.zeros(1, 77, 64), {}], [torch.zeros(1, 77, 64), {}]], "2 entries"),
+    ([[torch.zeros(1, 77, 64), {"area": (8, 8, 0, 0)}]], "'area'"),
+    ([[torch.zeros(1, 77, 64), {"strength": 0.5}]], "'strength'"),
+    ([[torch.zeros(1, 77, 768), {}]], "768 channels"),
+    ([[torch.zeros(77, 64), {}]], "shape"),
+])
+def test_bad_conditioning_is_refused(sd1, value, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        encode_for_sampler(sd1, "", "", 1, positive_cond=value, cache=PromptCache())
+
+
+def test_sdxl_needs_pooled(sdxl):
+    with pytest.raises(ValueError, match="pooled_output"):
+        from_conditioning([[torch.zeros(1, 77, 192), {}]], sdxl, 1)
+
+
+def test_argument_errors(sd1):
+    with pytest.raises(ValueError, match="batch"):
+        encode_for_sampler(sd1, "", "", 0)
+    with pytest.raises(TypeError, match="negative"):
+        encode_for_sampler(sd1, "", None, 1)
+    with pytest.raises(ValueError, match="width"):
+        encode_for_sampler(sd1, "", "", 1, width=-8)
+
+
+def test_match_lengths_is_lcm():
+    from leandiffusion.memory.engine import PromptEmbeds
+
+    a, b = match_lengths(PromptEmbeds(torch.randn(1, 154, 4)), PromptEmbeds(torch.randn(1, 231, 4)))
+    assert a.shape[1] == b.shape[1] == 462
