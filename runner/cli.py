@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from .client import ComfyClient
 from .convert import apply_overrides, load_workflow, parse_override, ui_to_api
-from .errors import EXIT_INTERRUPTED, EXIT_OK, RunnerError, ValidationFailed, WorkflowError
+from .errors import EXIT_INTERRUPTED, EXIT_OK, ExecutionFailed, RunnerError, ValidationFailed, WorkflowError
 from .local import LocalComfyUI
 from .progress import RunProgress
 
@@ -124,8 +124,13 @@ def _run(args) -> int:
                       models_dir=args.models, input_dir=args.input_dir, start_timeout=args.start_timeout,
                       log_path=args.comfyui_log) as server:
         if not args.quiet:
-            print(f"ComfyUI started at {server.url} (log: {server.log_file})", file=sys.stderr)
-        return run_on_server(ComfyClient(server.url), kind, workflow, args)
+            kept = f" (log: {server.log_file})" if args.comfyui_log else ""
+            print(f"ComfyUI started at {server.url}{kept}", file=sys.stderr)
+        try:
+            return run_on_server(ComfyClient(server.url), kind, workflow, args)
+        except ExecutionFailed as exc:  # the server's traceback is in its log, which goes away with the server
+            exc.lines += ["  the end of ComfyUI's log:"] + server.log_tail(20)
+            raise
 
 
 def _raise_keyboard_interrupt(signum, frame):

@@ -157,3 +157,19 @@ def test_no_server_and_no_comfyui_path_exits_2(monkeypatch, capsys):
     monkeypatch.delenv("COMFYUI_PATH", raising=False)
     assert main([API, "-q"]) == EXIT_INVALID
     assert "--server URL" in _error_lines(capsys)[0]
+
+
+def test_runner_modules_never_import_torch_or_the_nodes():
+    # The runner must work on a machine that only talks to a remote ComfyUI: load it as a top-level package from
+    # the pack folder (so the pack's __init__ and its nodes are not imported) and check what got imported.
+    import subprocess
+    import sys
+
+    import leandiffusion
+
+    pack = Path(leandiffusion.__file__).resolve().parent
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import runner.cli, runner.local; "
+            "bad = [m for m in ('torch', 'diffusers', 'numpy', 'nodes', 'comfy') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code, str(pack)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
