@@ -1,0 +1,160 @@
+"""``python -m leandiffusion.run WORKFLOW.json``: run a ComfyUI workflow headless and save its images.
+
+Invariant: the process exits with 0 (success), 2 (invalid workflow / validation error), 3 (execution error or
+timeout), 4 (ComfyUI unreachable or failed to start) or 130 (interrupted), prints one plain line per problem on
+stderr, and never leaves a server it started running (``LocalComfyUI`` is stopped on every path, Ctrl-C and
+SIGTERM included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .client import ComfyClient
+from .convert import apply_overrides, load_workflow, parse_override, ui_to_api
+from .errors import EXIT_INTERRUPTED, EXIT_OK, ExecutionFailed, RunnerError, ValidationFailed, WorkflowError
+from .local import LocalComfyUI
+from .progress import RunProgress
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m leandiffusion.run",
+        description="Run a ComfyUI workflow (API or editor format) headless and save every output image.",
+        epilog="Exit codes: 0 success, 2 invalid workflow or validation error, 3 execution error or timeout, "
+               "4 ComfyUI unreachable or failed to start, 130 interrupted.")
+    p.add_argument("workflow", help="workflow file: API format (*.api.json) or editor (UI) format")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--server", metavar="URL", help="a running ComfyUI, e.g. http://127.0.0.1:8188")
+    where.add_argument("--comfyui", metavar="PATH",
+                       help="a ComfyUI folder to start headless with this pack (default: $COMFYUI_PATH)")
+    p.add_argument("--out", metavar="DIR", default="out", help="where to save the output images (default: ./out)")
+    p.add_argument("--set", dest="overrides", metavar="NODE.INPUT=VALUE", action="append", default=[],
+                   help="override an input; NODE is a node id or a class type (all nodes of it); VALUE is parsed "
+                        "as JSON when possible, else taken as a string. Repeatable.")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="seconds the run may take once queued (default: 600)")
+    p.add_argument("--start-timeout", type=float, default=180.0, metavar="S",
+                   help="seconds a started ComfyUI may take to answer (default: 180)")
+    p.add_argument("--python", metavar="EXE", help="interpreter for a started ComfyUI (default: $COMFYUI_PYTHON, "
+                                                    "else PATH/.venv/bin/python, else this one)")
+    p.add_argument("--cpu", action="store_true", help="start ComfyUI with --cpu")
+    p.add_argument("--comfyui-arg", dest="comfyui_args", metavar="ARG", action="append", default=[],
+                   help="extra argument for a started ComfyUI (repeatable), e.g. --comfyui-arg=--lowvram")
+    p.add_argument("--models", metavar="DIR", default=os.environ.get("LEANDIFFUSION_MODELS"),
+                   help="extra model folder (checkpoints/, diffusers/, loras/, upscale_models/ ...) for a started "
+                        "ComfyUI (default: $LEANDIFFUSION_MODELS)")
+    p.add_argument("--input-dir", metavar="DIR", help="input folder (LoadImage) for a started ComfyUI")
+    p.add_argument("--comfyui-log", metavar="FILE", help="keep a started ComfyUI's log in FILE")
+    p.add_argument("--convert-only", action="store_true",
+                   help="print the API-format prompt (after conversion and --set) as JSON and exit without running")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _read_workflow(path: str) -> tuple[str, dict]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise WorkflowError(f"cannot read workflow {path}: {exc.strerror or exc}") from exc
+    return load_workflow(text, source=path)
+
+
+def _check_known_nodes(prompt: dict, object_info: dict) -> None:
+    problems = [f"node {nid} ({node['class_type']}): unknown node type; this ComfyUI does not provide it "
+                f"(install the node pack that does, or remove the node)"
+                for nid, node in prompt.items() if node.get("class_type") not in object_info]
+    if problems:
+        raise ValidationFailed(problems[0], problems)
+
+
+def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
+    """Convert, submit, follow and save; returns the exit code (raises ``RunnerError`` on failure)."""
+    object_info = client.object_info()
+    prompt = ui_to_api(workflow, object_info) if kind == "ui" else workflow
+    _check_known_nodes(prompt, object_info)
+    prompt = apply_overrides(prompt, [parse_override(s) for s in args.overrides], object_info)
+    if args.convert_only:
+        print(json.dumps(prompt, indent=2))
+        return EXIT_OK
+    client_id = uuid.uuid4().hex
+    ws = client.open_websocket(client_id)
+    prompt_id = None
+    try:
+        prompt_id = client.submit(prompt, client_id)
+        with RunProgress(prompt, quiet=args.quiet) as progress:
+            entry = client.follow(prompt_id, ws, args.timeout, on_event=progress.event)  # cancels on timeout
+    except KeyboardInterrupt:
+        if prompt_id is not None:  # do not leave the prompt running on a server we do not own
+            client.cancel(prompt_id)
+        raise
+    finally:
+        if ws is not None:
+            ws.close()
+    saved = client.save_images(entry, Path(args.out))
+    if saved:
+        print(f"saved {len(saved)} image(s) to {Path(args.out).resolve()}:")
+        for path in saved:
+            print(f"  {path}")
+    else:
+        print("the workflow finished; it produced no images")
+    return EXIT_OK
+
+
+def _run(args) -> int:
+    for text in args.overrides:  # refuse a malformed --set before starting anything
+        parse_override(text)
+    kind, workflow = _read_workflow(args.workflow)
+    if args.server:
+        return run_on_server(ComfyClient(args.server), kind, workflow, args)
+    comfyui = args.comfyui or os.environ.get("COMFYUI_PATH")
+    if not comfyui:
+        raise WorkflowError("say where ComfyUI is: --server URL (a running ComfyUI), or --comfyui PATH / "
+                            "COMFYUI_PATH (a ComfyUI folder to start headless)")
+    with LocalComfyUI(comfyui, python=args.python, cpu=args.cpu, extra_args=args.comfyui_args,
+                      models_dir=args.models, input_dir=args.input_dir, start_timeout=args.start_timeout,
+                      log_path=args.comfyui_log) as server:
+        if not args.quiet:
+            kept = f" (log: {server.log_file})" if args.comfyui_log else ""
+            print(f"ComfyUI started at {server.url}{kept}", file=sys.stderr)
+        try:
+            return run_on_server(ComfyClient(server.url), kind, workflow, args)
+        except ExecutionFailed as exc:  # the server's traceback is in its log, which goes away with the server
+            exc.lines += ["  the end of ComfyUI's log:"] + server.log_tail(20)
+            raise
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    previous = None
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        try:  # SIGTERM behaves like Ctrl-C, so the started server is stopped on the way out
+            previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        except ValueError:  # not the main thread (e.g. called from a test thread)
+            previous = None
+    try:
+        return _run(args)
+    except RunnerError as exc:
+        for line in exc.lines:  # one line per problem; indented lines are context (a server log's tail)
+            print(line if line.startswith("  ") else f"error: {line}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

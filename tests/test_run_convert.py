@@ -1,0 +1,170 @@
+"""The runner's workflow handling: format detection, UI -> API conversion, --set overrides.
+
+Guards the promise that an editor (UI-format) workflow is queued exactly as ComfyUI's editor would queue it:
+widget order from /object_info, control_after_generate and upload values skipped, converted widgets, primitive and
+reroute nodes, muted and bypassed nodes. The expected prompts are written by hand from the editor's rules (and the
+fixture's expectation is checked against the real ComfyUI by tests/integration).
+"""
+import json
+from pathlib import Path
+
+import pytest
+
+from leandiffusion.runner.convert import (apply_overrides, load_workflow, parse_override, ui_to_api, widget_inputs,
+                                          widget_slots)
+from leandiffusion.runner.errors import WorkflowError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+OBJECT_INFO = json.loads((FIXTURES / "comfyui_0.3.64_recorded.json").read_text())["object_info"]
+
+
+def _strip_meta(prompt):
+    return {nid: {k: v for k, v in node.items() if k != "_meta"} for nid, node in prompt.items()}
+
+
+def _node(node_id, node_type, widgets=None, inputs=(), outputs=(), mode=0):
+    return {"id": node_id, "type": node_type, "mode": mode, "inputs": list(inputs), "outputs": list(outputs),
+            "widgets_values": widgets}
+
+
+def test_fixture_ui_workflow_converts_to_expected_prompt():
+    kind, workflow = load_workflow((FIXTURES / "core_image.json").read_text())
+    assert kind == "ui"
+    expected = json.loads((FIXTURES / "core_image_ui.expected.api.json").read_text())
+    prompt = ui_to_api(workflow, OBJECT_INFO)
+    assert _strip_meta(prompt) == expected
+    assert prompt["2"]["_meta"]["title"] == "Upscale Image"  # display name when the node has no title
+
+
+@pytest.mark.parametrize("control", ["randomize", "fixed", True])
+def test_seed_control_value_is_skipped(control):
+    node = _node(3, "KSampler", [156680208700286, control, 20, 8, "euler", "normal", 1])
+    assert widget_inputs(node, OBJECT_INFO["KSampler"]) == {
+        "seed": 156680208700286, "steps": 20, "cfg": 8, "sampler_name": "euler", "scheduler": "normal", "denoise": 1}
+
+
+def test_seed_without_control_value_still_maps():
+    node = _node(3, "KSampler", [7, 20, 8, "euler", "normal", 1])
+    assert widget_inputs(node, OBJECT_INFO["KSampler"])["steps"] == 20
+
+
+def test_upload_button_value_is_skipped_and_slots_announce_it():
+    assert widget_slots(OBJECT_INFO["LoadImage"]) == [("image", False, True)]
+    assert widget_inputs(_node(1, "LoadImage", ["photo.png", "image"]), OBJECT_INFO["LoadImage"]) == {"image": "photo.png"}
+
+
+def test_forced_inputs_and_links_are_not_widgets():
+    names = [name for name, _, _ in widget_slots(OBJECT_INFO["KSampler"])]
+    assert names == ["seed", "steps", "cfg", "sampler_name", "scheduler", "denoise"]
+
+
+def test_dict_widgets_values_map_by_name():
+    node = _node(1, "EmptyImage", {"width": 8, "height": 16, "batch_size": 1, "color": 0, "junk": 1})
+    assert widget_inputs(node, OBJECT_INFO["EmptyImage"]) == {"width": 8, "height": 16, "batch_size": 1, "color": 0}
+
+
+def test_dict_link_records_are_accepted():
+    workflow = {"nodes": [
+        _node(1, "EmptyImage", [8, 8, 1, 0], outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [1]}]),
+        _node(2, "SaveImage", ["p"], inputs=[{"name": "images", "type": "IMAGE", "link": 1}])],
+        "links": [{"id": 1, "origin_id": 1, "origin_slot": 0, "target_id": 2, "target_slot": 0, "type": "IMAGE"}]}
+    assert ui_to_api(workflow, OBJECT_INFO)["2"]["inputs"] == {"filename_prefix": "p", "images": ["1", 0]}
+
+
+def test_bypass_without_matching_input_drops_the_input():
+    # A bypassed MaskToImage has no IMAGE input to pass through: the editor leaves SaveImage's input unlinked (and
+    # ComfyUI then reports it missing); a bypassed ImageInvert passes its IMAGE input through.
+    workflow = {"nodes": [
+        _node(1, "EmptyImage", [8, 8, 1, 0], outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [1, 4]}]),
+        _node(2, "ImageToMask", ["red"], inputs=[{"name": "image", "type": "IMAGE", "link": 1}],
+              outputs=[{"name": "MASK", "type": "MASK", "links": [2]}]),
+        _node(3, "MaskToImage", None, inputs=[{"name": "mask", "type": "MASK", "link": 2}],
+              outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [3]}], mode=4),
+        _node(4, "SaveImage", ["p"], inputs=[{"name": "images", "type": "IMAGE", "link": 3}]),
+        _node(5, "ImageInvert", None, inputs=[{"name": "image", "type": "IMAGE", "link": 4}],
+              outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [5]}], mode=4),
+        _node(6, "SaveImage", ["q"], inputs=[{"name": "images", "type": "IMAGE", "link": 5}])],
+        "links": [[1, 1, 0, 2, 0, "IMAGE"], [2, 2, 0, 3, 0, "MASK"], [3, 3, 0, 4, 0, "IMAGE"],
+                  [4, 1, 0, 5, 0, "IMAGE"], [5, 5, 0, 6, 0, "IMAGE"]]}
+    prompt = ui_to_api(workflow, OBJECT_INFO)
+    assert set(prompt) == {"1", "2", "4", "6"}
+    assert prompt["4"]["inputs"] == {"filename_prefix": "p"}
+    assert prompt["6"]["inputs"] == {"filename_prefix": "q", "images": ["1", 0]}
+
+
+def test_unknown_ui_nodes_get_one_line_each():
+    workflow = {"nodes": [_node(1, "Mystery", []), _node(2, "AlsoMissing", []), _node(3, "Note", ["x"])], "links": []}
+    with pytest.raises(WorkflowError) as info:
+        ui_to_api(workflow, OBJECT_INFO)
+    assert len(info.value.lines) == 2
+    assert info.value.lines[0].startswith("node 1 (Mystery): unknown node type")
+    assert info.value.lines[1].startswith("node 2 (AlsoMissing): unknown node type")
+
+
+def test_undefined_link_is_reported_with_its_place():
+    workflow = {"nodes": [_node(2, "SaveImage", ["p"], inputs=[{"name": "images", "type": "IMAGE", "link": 9}])],
+                "links": []}
+    with pytest.raises(WorkflowError, match=r"node 2 \(SaveImage\) input 'images' uses link 9"):
+        ui_to_api(workflow, OBJECT_INFO)
+
+
+def test_subgraphs_are_refused_with_the_fix():
+    workflow = {"nodes": [_node(5, "0f2c-uuid", [])], "links": [],
+                "definitions": {"subgraphs": [{"id": "0f2c-uuid", "nodes": []}]}}
+    with pytest.raises(WorkflowError, match="Export \\(API\\)"):
+        ui_to_api(workflow, OBJECT_INFO)
+
+
+def test_only_notes_is_an_error():
+    with pytest.raises(WorkflowError, match="no node that ComfyUI can execute"):
+        ui_to_api({"nodes": [_node(1, "Note", ["x"])], "links": []}, OBJECT_INFO)
+
+
+# --------------------------------------------------------------------------------------------- formats
+def test_load_workflow_detects_api_and_wrapped_api():
+    api = (FIXTURES / "core_image.api.json").read_text()
+    assert load_workflow(api)[0] == "api"
+    kind, prompt = load_workflow(json.dumps({"prompt": json.loads(api), "client_id": "x"}))
+    assert kind == "api" and prompt["3"]["class_type"] == "SaveImage"
+
+
+@pytest.mark.parametrize("text, match", [("{not json", "not valid JSON"), ("[1, 2]", "neither"),
+                                         ('{"1": {"inputs": {}}}', "neither")])
+def test_load_workflow_refuses_other_files(text, match):
+    with pytest.raises(WorkflowError, match=match):
+        load_workflow(text, source="wf.json")
+
+
+# --------------------------------------------------------------------------------------------- overrides
+@pytest.mark.parametrize("text, expected", [
+    ("3.seed=42", ("3", "seed", 42)),
+    ("3.cfg=7.5", ("3", "cfg", 7.5)),
+    ("4.model=tiny-random (test)", ("4", "model", "tiny-random (test)")),
+    ('6.text="a=b"', ("6", "text", "a=b")),
+    ("6.flag=true", ("6", "flag", True)),
+    ("LeanModelLoader.model=x.safetensors", ("LeanModelLoader", "model", "x.safetensors")),
+])
+def test_parse_override(text, expected):
+    assert parse_override(text) == expected
+
+
+@pytest.mark.parametrize("text", ["3seed=1", "3.seed", ".seed=1", "3.=1"])
+def test_parse_override_refuses_malformed(text):
+    with pytest.raises(WorkflowError, match="NODE_ID.INPUT=VALUE"):
+        parse_override(text)
+
+
+def test_apply_overrides_by_id_and_by_class_without_mutating():
+    prompt = json.loads((FIXTURES / "core_image.api.json").read_text())
+    before = json.dumps(prompt)
+    out = apply_overrides(prompt, [("1", "width", 40), ("SaveImage", "filename_prefix", "x")], OBJECT_INFO)
+    assert out["1"]["inputs"]["width"] == 40 and out["3"]["inputs"]["filename_prefix"] == "x"
+    assert json.dumps(prompt) == before
+
+
+def test_apply_overrides_refuses_unknown_node_and_input():
+    prompt = json.loads((FIXTURES / "core_image.api.json").read_text())
+    with pytest.raises(WorkflowError, match="no node with id '9'.*node ids: 1, 2, 3"):
+        apply_overrides(prompt, [("9", "width", 1)], OBJECT_INFO)
+    with pytest.raises(WorkflowError, match=r"node 1 \(EmptyImage\) has no input 'wdth'.*width, height"):
+        apply_overrides(prompt, [("1", "wdth", 1)], OBJECT_INFO)

@@ -1,0 +1,139 @@
+"""The runner's private ComfyUI server: started with the pack linked in from outside, always stopped.
+
+A fake ComfyUI folder whose ``main.py`` runs tests/fixtures/fake_comfyui.py stands in for ComfyUI, so the life
+cycle (free port, temp folders, custom_nodes link, start failure, start timeout, Ctrl-C) is tested in seconds.
+Guards: "it never leaves a server running" and "exit 4 when ComfyUI fails to start".
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import leandiffusion
+from leandiffusion.runner.client import ComfyClient
+from leandiffusion.runner.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, ServerUnreachable
+from leandiffusion.runner.local import PACK_ROOT, LocalComfyUI, comfyui_python
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FAKE = FIXTURES / "fake_comfyui.py"
+
+
+@pytest.fixture
+def fake_comfyui_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "ComfyUI"
+    folder.mkdir()
+    (folder / "main.py").write_text(f"import runpy\nrunpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
+    monkeypatch.setenv("FAKE_COMFYUI_PIDFILE", str(tmp_path / "server.pid"))
+    monkeypatch.delenv("COMFYUI_PYTHON", raising=False)
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _server_pid(folder: Path) -> int:
+    return int((folder.parent / "server.pid").read_text())
+
+
+def test_start_links_the_pack_and_stop_leaves_nothing(fake_comfyui_dir, tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    server = LocalComfyUI(fake_comfyui_dir, python=sys.executable, cpu=True, models_dir=models)
+    with server:
+        assert ComfyClient(server.url).ping()["system"]["comfyui_version"] == "fake"
+        pid, tmp = _server_pid(fake_comfyui_dir), server.tmp
+        link = tmp / "custom_nodes" / "leandiffusion"
+        assert link.is_symlink() and link.resolve() == PACK_ROOT
+    log = server.log_text()
+    assert f"custom_nodes: {tmp / 'custom_nodes'}" in log and f"base_path: {models.resolve()}" in log
+    for flag in ("--cpu", "--listen 127.0.0.1", "--database-url sqlite:///:memory:", "--disable-auto-launch"):
+        assert flag in log
+    assert not _alive(pid) and not tmp.exists()
+
+
+def test_pack_already_in_custom_nodes_is_not_linked_twice(fake_comfyui_dir):
+    (fake_comfyui_dir / "custom_nodes").mkdir()
+    (fake_comfyui_dir / "custom_nodes" / "any-name").symlink_to(PACK_ROOT)
+    with LocalComfyUI(fake_comfyui_dir, python=sys.executable) as server:
+        assert not (server.tmp / "custom_nodes" / "leandiffusion").exists()
+    assert "custom_nodes:" not in server.log_text()
+
+
+def test_crash_at_start_is_exit_4_with_log_tail(fake_comfyui_dir, monkeypatch):
+    monkeypatch.setenv("FAKE_COMFYUI_MODE", "crash")
+    server = LocalComfyUI(fake_comfyui_dir, python=sys.executable)
+    with pytest.raises(ServerUnreachable) as info:
+        server.start()
+    assert info.value.exit_code == EXIT_UNREACHABLE
+    assert "exited with code 3 while starting" in info.value.lines[0]
+    assert any("fake start-up failure" in line for line in info.value.lines[1:])
+    assert server.proc is None and server.tmp is None
+
+
+def test_start_timeout_kills_the_server(fake_comfyui_dir, monkeypatch):
+    monkeypatch.setenv("FAKE_COMFYUI_MODE", "silent")
+    server = LocalComfyUI(fake_comfyui_dir, python=sys.executable, start_timeout=1.0)
+    with pytest.raises(ServerUnreachable, match="did not answer within 1 s"):
+        server.start()
+    assert not _alive(_server_pid(fake_comfyui_dir))
+
+
+def test_folder_without_main_py_is_refused(tmp_path):
+    with pytest.raises(ServerUnreachable, match="main.py is missing"):
+        LocalComfyUI(tmp_path)
+
+
+def test_python_choice_order(tmp_path, monkeypatch):
+    monkeypatch.delenv("COMFYUI_PYTHON", raising=False)
+    assert comfyui_python(tmp_path) == sys.executable
+    venv_python = tmp_path / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text("")
+    assert comfyui_python(tmp_path) == str(venv_python)
+    monkeypatch.setenv("COMFYUI_PYTHON", "/opt/py")
+    assert comfyui_python(tmp_path) == "/opt/py"
+    assert comfyui_python(tmp_path, "/explicit") == "/explicit"
+
+
+# --------------------------------------------------------------------------------------------- the CLI process
+def _cli(args, env_extra, **kw):
+    env = dict(os.environ, **env_extra)
+    parent = str(Path(leandiffusion.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), parent) if p)
+    return subprocess.Popen([sys.executable, "-m", "leandiffusion.run", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def test_cli_starts_runs_and_stops_comfyui(fake_comfyui_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = _cli([str(FIXTURES / "core_image.api.json"), "--out", str(out), "-q"],
+                {"COMFYUI_PATH": str(fake_comfyui_dir), "COMFYUI_PYTHON": sys.executable})
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_OK, stderr
+    assert len(list(out.glob("*.png"))) == 2 and "saved 2 image(s)" in stdout
+    assert not _alive(_server_pid(fake_comfyui_dir))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_interrupted_mid_run_stops_comfyui(fake_comfyui_dir, tmp_path, sig):
+    proc = _cli([str(FIXTURES / "core_image.api.json"), "--comfyui", str(fake_comfyui_dir), "--out",
+                 str(tmp_path / "out")], {"FAKE_COMFYUI_MODE": "hang", "COMFYUI_PYTHON": sys.executable})
+    pidfile = fake_comfyui_dir.parent / "server.pid"
+    deadline = time.monotonic() + 120
+    while not pidfile.exists() and time.monotonic() < deadline:  # the runner has started its server
+        time.sleep(0.1)
+    time.sleep(1.5)  # ... and submitted the prompt, which hangs
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED, stderr
+    assert "interrupted" in stderr
+    assert not _alive(_server_pid(fake_comfyui_dir))
