@@ -225,12 +225,14 @@ class _PackLoadedModel:
         self.device = device
         self.currently_used = False
         self.real_model = weakref.ref(owner)
-        self._size_fn = size_fn
-        self._release = release
+        # bound methods of the owner are held weakly too, or ComfyUI's list would keep the owner alive
+        self._size_fn = weakref.WeakMethod(size_fn) if hasattr(size_fn, "__self__") else (lambda: size_fn)
+        self._release = weakref.WeakMethod(release) if hasattr(release, "__self__") else (lambda: release)
         self.model = _PackLoadedModel._View(self)
 
     def model_memory(self) -> int:
-        return int(self._size_fn()) if self.real_model() is not None else 0
+        fn = self._size_fn()
+        return int(fn()) if fn is not None and self.real_model() is not None else 0
 
     def model_loaded_memory(self) -> int:
         return self.model_memory()
@@ -248,8 +250,9 @@ class _PackLoadedModel:
         return False
 
     def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
-        if self.real_model() is not None:
-            self._release()
+        fn = self._release()
+        if fn is not None and self.real_model() is not None:
+            fn()
         return True
 
 
