@@ -6,7 +6,7 @@ Policies (what lives on the device, per stage):
 - ``lowvram``: UNet resident; text encoders on the CPU in fp32 (only embeddings move); VAE on the device only
   while decoding.
 - ``stream``: UNet split into a resident set filling ``vram_budget_gb`` minus the activation/workspace estimate
-  and a streamed rest (``memory/streaming.py``); text encoders on the device while used if they fit next to the
+  and 5% headroom (allocator rounding, kernel workspaces beyond the estimate) and a streamed rest (``memory/streaming.py``); text encoders on the device while used if they fit next to the
   UNet's resident set inside the budget, else on the CPU; VAE on the device only while used.
 - ``auto``: the fastest of full > balanced > lowvram > stream whose estimated peak fits 90% of the free VRAM
   (on the CPU: ``full``).
@@ -43,6 +43,7 @@ from .streaming import BlockStreamer, StreamSchedule, minimum_arena_bytes, plan_
 logger = logging.getLogger(__name__)
 
 AUTO_FREE_FRACTION = 0.9
+HEADROOM = 0.05  # of the stream budget, left free for allocator rounding and kernel workspaces
 
 
 class VramPolicy(str, Enum):
@@ -163,7 +164,7 @@ def _plan_for(parts, config: PolicyConfig, units, act, sizes, name):
                       peaks={"text": U, "unet": U + act, "vae": U + V})
     else:
         fixed = U - sum(u.nbytes for u in units)
-        minimum = _stream_minimum(units, act, U)
+        minimum = int(_stream_minimum(units, act, U) / (1 - HEADROOM)) + 1
         if config.budget_bytes < minimum:
             raise ValueError(
                 f"vram_budget_gb={config.budget_bytes / GiB:.4g} is below the working minimum of "
@@ -171,7 +172,7 @@ def _plan_for(parts, config: PolicyConfig, units, act, sizes, name):
                 f"resident weights {gb(fixed)}, staging {gb(minimum_arena_bytes(units))} at latent "
                 f"{config.working_shape[1]}x{config.working_shape[2]}, batch {config.working_shape[0]}); raise "
                 f"vram_budget_gb to at least {_ceil_gb(minimum)}")
-        schedule = plan_schedule(units, config.budget_bytes - act - fixed)
+        schedule = plan_schedule(units, config.budget_bytes - act - fixed - int(HEADROOM * config.budget_bytes))
         resident = fixed + schedule.resident_unit_bytes + schedule.arena_bytes
         text_mode = "while used" if resident + T <= config.budget_bytes else "cpu"
         if text_mode == "cpu":
@@ -212,7 +213,7 @@ def stream_working_minimum_gb(parts: ModelParts, device=None, dtype: Optional[to
         working_shape = (2, s, s)
     units = trace_units(parts.unet, tuple(working_shape), dtype)
     act = activation_bytes(units, torch.empty((), dtype=dtype).element_size(), dev.type)
-    return _stream_minimum(units, act, module_bytes(parts.unet, dtype)) / GiB
+    return (int(_stream_minimum(units, act, module_bytes(parts.unet, dtype)) / (1 - HEADROOM)) + 1) / GiB
 
 
 # --------------------------------------------------------------------------------------------- runtime

@@ -8,7 +8,8 @@ What is streamed
     forward of an empty copy of the UNet on the ``meta`` device (no data, no memory, milliseconds).
 
 Resident set
-    ``capacity = budget - activations_estimate - always_resident - arena``. Units stay resident until the
+    ``capacity = 0.95 * budget - activations_estimate - always_resident - arena`` (5% headroom for allocator
+    rounding and workspaces; resident weights sit in one exact-size flat buffer). Units stay resident until the
     capacity is used; the rest (``S`` bytes) stream. Which units stream: those with the most compute per weight
     byte (``flops_i / bytes_i``; the high-resolution blocks), so their copies hide behind their own compute;
     among equal ratios (SDXL's 60 identical 32x32 transformer blocks) a bit-reversed pick spreads the streamed ones
@@ -317,7 +318,8 @@ class _CudaCopier:
         self.join.record(self.side)
         self.cur.wait_event(self.join)
         self.last.record(self.cur)
-        self._last_recorded = True
+        # an event recorded during a capture is not a real record outside it: only eager forwards chain on it
+        self._last_recorded = not torch.cuda.is_current_stream_capturing()
         self.cur = None
 
 
@@ -334,9 +336,22 @@ class BlockStreamer:
         self.device = torch.device(device)
         self.dtype = dtype
         self.handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        self._host_param_views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._src, self._dst = [], []
+        self.host = self.arena = self.resident = None
+        self.copies_issued = 0
+        self._cursor = 0
+        self._active = False
+        try:
+            self._build()
+        except BaseException:
+            self.remove()  # a failed build leaves the UNet whole, on the host, without hooks
+            raise
+
+    def _build(self) -> None:
+        unet, schedule, dtype = self.unet, self.schedule, self.dtype
         modules = dict(unet.named_modules())
         order = schedule.order
-        self._index = {u.name: i for i, u in enumerate(order)}
         streamed_mods = [modules[order[i].name] for i in schedule.streamed]
         streamed_params = {id(p) for m in streamed_mods for p in unit_params(m)}
         # Host side: one pinned buffer, unit k's params laid out exactly as in its arena slice.
@@ -347,7 +362,6 @@ class BlockStreamer:
             pos += lay.nbytes
         self.host = PinnedBuffer(max(pos, ALIGN), pin=self.device.type == "cuda")
         self.arena = torch.empty(max(schedule.arena_bytes, ALIGN), dtype=torch.uint8, device=self.device)
-        self._host_param_views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         with torch.no_grad():
             for m, lay, hoff, aoff in zip(streamed_mods, layouts, host_offsets, schedule.offsets):
                 params = unit_params(m)
@@ -355,9 +369,14 @@ class BlockStreamer:
                     hv.copy_(p.data)
                     p.data = av
                     self._host_param_views.append((p, hv))
-            for p in unet.parameters():
-                if id(p) not in streamed_params:
-                    p.data = p.data.to(device=self.device, dtype=dtype if p.is_floating_point() else p.dtype)
+            # Resident weights: one flat device buffer (exact size; per-tensor allocations would each be rounded
+            # up by the caching allocator, ~1 MB per large tensor, a quarter GB for SDXL).
+            resident = [p for p in unet.parameters() if id(p) not in streamed_params]
+            res_layout = FlatLayout.of(resident, dtype)
+            self.resident = torch.empty(res_layout.nbytes, dtype=torch.uint8, device=self.device)
+            for p, view in zip(resident, res_layout.views(self.resident)):
+                view.copy_(p.data)
+                p.data = view
             for mod in unet.modules():
                 for name, buf in list(mod._buffers.items()):
                     if buf is not None:
@@ -370,9 +389,6 @@ class BlockStreamer:
         self._kpos = {i: k for k, i in enumerate(schedule.streamed)}
         n = len(schedule.streamed)
         self.copier = _CudaCopier(self.device, len(order), n) if self.device.type == "cuda" else _SyncCopier()
-        self.copies_issued = 0
-        self._cursor = 0
-        self._active = False
         self._install_hooks(modules)
 
     # ----------------------------------------------------------------- hooks
@@ -430,7 +446,7 @@ class BlockStreamer:
             h.remove()
         self.handles.clear()
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)
         with torch.no_grad():
             for p, hv in self._host_param_views:
                 p.data = hv
@@ -444,4 +460,6 @@ class BlockStreamer:
         self._host_param_views = []
         self._src, self._dst = [], []
         self.arena = None
-        self.host.release()
+        self.resident = None
+        if self.host is not None:
+            self.host.release()

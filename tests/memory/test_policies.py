@@ -144,3 +144,26 @@ def test_remove_restores_plain_module():
     with torch.no_grad():
         plain = unet(x, torch.tensor(500), encoder_hidden_states=ctx).sample
     assert (plain - ref).abs().max().item() <= TOL
+
+
+def test_failed_stream_build_leaves_model_whole(monkeypatch):
+    from leandiffusion.memory import streaming
+
+    reference = _unet_call(_engine("sd1", "full"))
+
+    class Broken:
+        def __init__(self):
+            raise RuntimeError("injected failure after the arena and resident buffers exist")
+
+    monkeypatch.setattr(streaming, "_SyncCopier", Broken)
+    parts = tiny_parts("sd1")
+    with pytest.raises(RuntimeError, match="injected"):
+        apply_vram_policy(parts, "stream", device="cpu", vram_budget_gb=_stream_budget(parts))
+    unet = parts.unet
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in unet.modules())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 8, 8, generator=g)
+    ctx = torch.randn(2, 77, unet.config.cross_attention_dim, generator=g)
+    with torch.no_grad():
+        plain = unet(x, torch.tensor(500), encoder_hidden_states=ctx).sample
+    assert (plain - reference).abs().max().item() <= TOL  # no weight lost to a half-built arena
