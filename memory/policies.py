@@ -27,6 +27,7 @@ Invariants
 from __future__ import annotations
 
 import logging
+import traceback
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Optional
@@ -255,8 +256,9 @@ class ModelPlacement:
             else:
                 self.parts.unet.to(device=dev, dtype=self.config.dtype)
             self._place(self.parts.vae, "vae", plan.vae_mode, self.config.vae_dtype)
-        except BaseException:
+        except BaseException as exc:
             self._teardown()
+            traceback.clear_frames(exc.__traceback__)  # frames would keep views of freed device buffers alive
             raise
         self._live = True
         self.epoch += 1

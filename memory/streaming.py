@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import traceback
 from dataclasses import dataclass
 from typing import Optional
 
@@ -344,8 +345,10 @@ class BlockStreamer:
         self._active = False
         try:
             self._build()
-        except BaseException:
+        except BaseException as exc:
             self.remove()  # a failed build leaves the UNet whole, on the host, without hooks
+            # the traceback keeps _build's locals (views of the arena) alive: drop them so no GPU memory stays held
+            traceback.clear_frames(exc.__traceback__)
             raise
 
     def _build(self) -> None:
