@@ -1,0 +1,203 @@
+"""Loader suite: the ``stream`` VRAM policy on a full-size SDXL UNet against full residency and offload peers.
+
+Case ``sdxl_128_b2``: random-weight SDXL UNet, fp16, 128x128 latent (1024x1024 image), batch 2 (one CFG pair),
+one UNet call per step, all in one process on one GPU. Measured per configuration: step time (median of CUDA-event
+timed calls after warm-up) and ``max_memory_reserved`` from placing the weights through the timed calls (the CUDA
+context is not allocator memory, so it is excluded by construction).
+
+Configurations: ``full`` eager and ``full`` CUDA graph (the references), ``stream`` at 4 GB and 1.5 GB budgets
+(eager and CUDA graph), diffusers group offload (leaf_level, use_stream=True, record_stream=True) and
+``accelerate.cpu_offload`` (sequential offload).
+
+Targets (issue 3): stream@4GB peak reserved <= 4.0 GB and step <= 1.25x full eager; stream@1.5GB step <= 0.6x
+diffusers' group offload. Parity records: stream outputs vs full (fp16, max abs diff / max abs, target <= 1e-3)
+and graph replay vs eager.
+
+``ctx.smoke``: the tiny SD1 model on the CPU through the same code (numbers are meaningless; checks plumbing).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from .harness import BenchContext, peak_memory, time_ms
+
+logger = logging.getLogger(__name__)
+
+SUITE = "loader"
+CASE = "sdxl_128_b2"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _parts_with(unet, family="sdxl"):
+    from ..memory.engine import parts_from_components
+    from ..memory.tiny import build_tiny_components
+
+    comps = build_tiny_components(family)
+    comps["unet"] = unet
+    return parts_from_components(comps, name=f"{family}-random")
+
+
+def _graph(call, device):
+    """Capture ``call`` into a CUDA graph after a side-stream warm-up; returns (replay fn, static output)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph.replay, out
+
+
+def _fresh_unet(device):
+    from .models import full_unet
+
+    unet = full_unet("sdxl", device=device, dtype=torch.float16).to("cpu")
+    torch.cuda.empty_cache()
+    return unet
+
+
+def _free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run(ctx: BenchContext) -> None:
+    if ctx.smoke:
+        _smoke(ctx)
+        return
+    from ..memory.policies import apply_vram_policy
+    from .models import unet_inputs
+
+    dev = ctx.device
+    repeat = 3 if ctx.quick else 7
+    inputs = unet_inputs("sdxl", batch=2, latent_hw=128, device=dev, dtype=torch.float16)
+
+    def call(unet):
+        return lambda: unet(**inputs).sample
+
+    results = {}
+    with torch.no_grad():
+        # ---- full: eager and CUDA graph
+        parts = _parts_with(_fresh_unet(dev))
+        with peak_memory(dev) as peak:
+            placement = apply_vram_policy(parts, "full", device=dev, dtype=torch.float16)
+            ref = call(parts.unet)().clone()
+            full_ms = time_ms(call(parts.unet), warmup=2, repeat=repeat, device=dev)
+        results["full eager"] = (full_ms, peak["reserved_gb"])
+        replay, _ = _graph(call(parts.unet), dev)
+        results["full cuda graph"] = (time_ms(replay, warmup=2, repeat=repeat, device=dev), None)
+        placement.remove()
+        del replay
+        _free()
+
+        # ---- stream at 4 GB and 1.5 GB: eager, then CUDA graph (the sampler's mode)
+        for budget in (4.0, 1.5):
+            with peak_memory(dev) as peak:
+                placement = apply_vram_policy(parts, "stream", device=dev, dtype=torch.float16, vram_budget_gb=budget)
+                out = call(parts.unet)().clone()
+                ms = time_ms(call(parts.unet), warmup=2, repeat=repeat, device=dev)
+            name = f"stream {budget:g}GB"
+            results[name] = (ms, peak["reserved_gb"])
+            ctx.record(CASE, f"parity_{name.replace(' ', '_')}", _rel(out, ref), target=1e-3, target_kind="ours<=",
+                       unit="rel", notes="max|stream - full| / max|full|, fp16")
+            logger.info("%s", placement.report())
+            plan = placement.plan
+            ctx.record(CASE, f"plan_{name.replace(' ', '_')}_streamed_gb", plan.unet_streamed_bytes / 2**30, unit="GB",
+                       notes=f"resident {(plan.unet_fixed_bytes + plan.unet_resident_bytes) / 2**30:.2f} GB, arena "
+                             f"{plan.arena_bytes / 2**30:.2f} GB, activation estimate "
+                             f"{plan.unet_activation_bytes / 2**30:.2f} GB, est step {plan.est_step_ms:.0f} ms")
+            with peak_memory(dev) as gpeak:
+                replay, gout = _graph(call(parts.unet), dev)
+                gms = time_ms(replay, warmup=2, repeat=repeat, device=dev)
+            replay()
+            eager = call(parts.unet)()
+            torch.cuda.synchronize(dev)
+            ctx.record(CASE, f"parity_{name.replace(' ', '_')}_graph_vs_eager", _rel(gout, eager), target=1e-3,
+                       target_kind="ours<=", unit="rel", notes="CUDA graph replay of the streamed UNet vs eager")
+            results[f"{name} cuda graph"] = (gms, gpeak["reserved_gb"])
+            del replay, gout
+            placement.remove()
+            _free()
+        del parts
+        _free()
+
+        # ---- diffusers group offload (leaf level, stream, record_stream)
+        unet = _fresh_unet(dev)
+        with peak_memory(dev) as peak:
+            unet.enable_group_offload(onload_device=dev, offload_device=torch.device("cpu"), offload_type="leaf_level",
+                                      use_stream=True, record_stream=True)
+            gout = call(unet)().clone()
+            results["diffusers group offload"] = (time_ms(call(unet), warmup=2, repeat=repeat, device=dev),
+                                                  peak["reserved_gb"])
+        ctx.record(CASE, "parity_group_offload_vs_full", _rel(gout, ref), unit="rel", notes="peer sanity check")
+        del unet, gout
+        _free()
+
+        # ---- accelerate sequential CPU offload
+        from accelerate import cpu_offload
+
+        unet = _fresh_unet(dev)
+        with peak_memory(dev) as peak:
+            cpu_offload(unet, execution_device=dev)
+            results["accelerate cpu_offload"] = (time_ms(call(unet), warmup=1, repeat=2 if ctx.quick else 3,
+                                                         device=dev), peak["reserved_gb"])
+        del unet
+        _free()
+
+    full_ms = results["full eager"][0]
+    go_ms = results["diffusers group offload"][0]
+    for name, (ms, gb) in results.items():
+        if name == "stream 4GB":
+            ctx.record(CASE, "step_ms_stream_4GB", ms, full_ms, "full eager", target=1 / 1.25, target_kind="ratio>=",
+                       unit="ms", notes="target: <= 1.25x the full eager step")
+            ctx.record(CASE, "peak_reserved_gb_stream_4GB", gb, target=4.0, target_kind="ours<=", unit="GB")
+        elif name == "stream 1.5GB":
+            ctx.record(CASE, "step_ms_stream_1.5GB", ms, go_ms, "diffusers group offload (leaf, stream)",
+                       target=1 / 0.6, target_kind="ratio>=", unit="ms", notes="target: <= 0.6x group offload step")
+            ctx.record(CASE, "peak_reserved_gb_stream_1.5GB", gb, unit="GB")
+        else:
+            ctx.record(CASE, f"step_ms_{name.replace(' ', '_')}", ms, unit="ms", notes="reference/peer")
+            if gb is not None:
+                ctx.record(CASE, f"peak_reserved_gb_{name.replace(' ', '_')}", gb, unit="GB")
+
+
+def _smoke(ctx: BenchContext) -> None:
+    """Tiny SD1 on the CPU: full vs stream through the same code paths (plumbing check, seconds)."""
+    from ..memory.plan import GiB, module_bytes
+    from ..memory.policies import apply_vram_policy, stream_working_minimum_gb
+    from ..memory.tiny import build_tiny_components
+    from ..memory.engine import parts_from_components
+
+    def parts():
+        return parts_from_components(build_tiny_components("sd1"), name="tiny-sd1")
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 8, 8, generator=g)
+    c = torch.randn(2, 77, 64, generator=g)
+    with torch.no_grad():
+        p_full = parts()
+        apply_vram_policy(p_full, "full", device="cpu")
+        ref = p_full.unet(x, 500, encoder_hidden_states=c).sample
+        full_ms = time_ms(lambda: p_full.unet(x, 500, encoder_hidden_states=c), warmup=1, repeat=2,
+                          device=torch.device("cpu"))
+        p_str = parts()
+        budget = stream_working_minimum_gb(p_str, "cpu") + 0.3 * module_bytes(p_str.unet, torch.float32) / GiB
+        placement = apply_vram_policy(p_str, "stream", device="cpu", vram_budget_gb=budget)
+        out = p_str.unet(x, 500, encoder_hidden_states=c).sample
+        ms = time_ms(lambda: p_str.unet(x, 500, encoder_hidden_states=c), warmup=1, repeat=2,
+                     device=torch.device("cpu"))
+    ctx.record("tiny_sd1_cpu", "step_ms_stream", ms, full_ms, "full", unit="ms", notes="smoke: CPU, meaningless")
+    ctx.record("tiny_sd1_cpu", "parity_stream", (out - ref).abs().max().item(), target=1e-5, target_kind="ours<=",
+               unit="abs", notes=f"{len(placement.schedule.streamed)} of {len(placement.schedule.order)} blocks streamed")
+    placement.remove()
