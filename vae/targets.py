@@ -85,3 +85,16 @@ def from_module(ae: torch.nn.Module, device=None, dtype=None) -> VaeTarget:
     """A bare autoencoder module, used where it already sits (benchmarks, tests)."""
     p = next(ae.parameters())
     return VaeTarget(ae, torch.device(device) if device is not None else p.device, dtype or p.dtype)
+
+
+def resolve_target(lean_model=None, vae=None) -> VaeTarget:
+    """The node's model inputs -> a target; exactly one of ``lean_model`` / ``vae`` must be given."""
+    if (lean_model is None) == (vae is None):
+        given = "both" if lean_model is not None else "neither"
+        raise ValueError(f"lean_model / vae: {given} given; connect exactly one: a LEAN_MODEL from the Memory Pool "
+                         f"Loader, or a VAE from a ComfyUI loader")
+    if lean_model is not None:
+        if not hasattr(lean_model, "parts") or not hasattr(lean_model, "session"):
+            raise TypeError(f"lean_model: expected a LEAN_MODEL engine, got {type(lean_model).__name__}")
+        return from_engine(lean_model)
+    return from_comfy(vae)
