@@ -145,17 +145,27 @@ class _Pass:
     def run(self, store, sink: Callable[[int, torch.Tensor], None]) -> None:
         ops, final = self.stage.ops[:self.length], self.length == len(self.stage.ops)
         plans = [_regions(ops, self.heights, a, b) for a, b in self.bands]
+        cuda = self.cfg.device.type == "cuda"
+        inflight = []
         pending = store.prefetch(*plans[0][0])
         for j, need in enumerate(plans):
             bridge.check_interrupted()
             x = pending.wait()
-            if j + 1 < len(plans):
-                pending = store.prefetch(*plans[j + 1][0])
             if x.dtype != self.cfg.dtype:
                 x = x.to(self.cfg.dtype)
             y = self._forward(x, need, ops, final)
             sink(need[-1][0], y)
             del x, y
+            if cuda:
+                # Keep at most two bands in flight: the host must not run ahead and allocate every band's
+                # upload/download buffer at once (they are held until the GPU has used them).
+                ev = torch.cuda.Event()
+                ev.record()
+                inflight.append(ev)
+                if len(inflight) > 1:
+                    inflight.pop(0).synchronize()
+            if j + 1 < len(plans):
+                pending = store.prefetch(*plans[j + 1][0])
 
     def _forward(self, x: torch.Tensor, need: list, ops: list, final: bool) -> torch.Tensor:
         st = self.stage

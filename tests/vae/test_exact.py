@@ -30,25 +30,25 @@ def engine():
 
 
 def test_exact_decode_node_matches_untiled(engine):
-    z = torch.randn(2, 4, 21, 15)  # 168 x 120 px: not a multiple of the 128 px tile
+    z = torch.randn(2, 4, 19, 13)  # 152 x 104 px: not a multiple of the 128 px tile
     with engine.session("vae"):
         ref = engine.vae_decode(z)
     (img,) = LeanTiledVAEDecode().decode({"samples": z}, tile_size=128, overlap=32, seam_mode="exact",
                                          lean_model=engine)
-    assert img.shape == (2, 168, 120, 3) and img.dtype == torch.float32 and img.device.type == "cpu"
+    assert img.shape == (2, 152, 104, 3) and img.dtype == torch.float32 and img.device.type == "cpu"
     assert (img - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("tile_px,budget", [(8, 10**9), (24, 2 * 10**5)])
+@pytest.mark.parametrize("tile_px,budget", [(16, 10**9), (20, 4 * 10**5)])
 def test_exact_decode_small_bands(engine, tile_px, budget):
     """Bands of a few rows at every level; a tiny budget forces host stores and fused upsamplers."""
     vae = engine.parts.vae
-    z = torch.randn(1, 4, 11, 7)
+    z = torch.randn(1, 4, 7, 5)
     with torch.no_grad():
         ref = _image_head(vae.decode(z).sample)[0].permute(1, 2, 0)
     prog = decoder_program(vae)
     cfg = ExactConfig(CPU, torch.float32, budget, tile_px)
-    planned = plan(prog, (4, 11, 7), cfg)
+    planned = plan(prog, (4, 7, 5), cfg)
     if budget < 10**6:
         assert any("+" in p.stage.name for p in planned) and not all(p.out_on_device for p in planned)
     else:
@@ -68,11 +68,11 @@ def test_exact_encode_node_matches_untiled(engine):
     assert (lat["samples"] - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("tile_px,budget", [(8, 2 * 10**5), (16, 10**9)])
+@pytest.mark.parametrize("tile_px,budget", [(8, 10**5), (16, 10**9)])
 def test_exact_encode_small_bands(engine, tile_px, budget):
     """Downsampling bands (odd start rows, bottom padding) with host and device stores."""
     vae = engine.parts.vae
-    x = torch.rand(1, 3, 72, 56)
+    x = torch.rand(1, 3, 56, 40)
     with torch.no_grad():
         ref = vae.encode(x * 2 - 1).latent_dist.mean[0].permute(1, 2, 0)
     prog = _with_input_affine(encoder_program(vae))
@@ -98,12 +98,12 @@ def test_ldm_tree_equals_diffusers(ldm_vae):
 
 def test_exact_comfy_vae_decode_and_encode(ldm_vae):
     comfy_vae = FakeComfyVAE(ldm_vae)
-    z = torch.randn(1, 4, 19, 13)
+    z = torch.randn(1, 4, 17, 13)
     with torch.no_grad():
         ref = _image_head(ldm_vae.decode(z)).permute(0, 2, 3, 1)
     (img,) = LeanTiledVAEDecode().decode({"samples": z}, 128, 32, "exact", vae=comfy_vae)
     assert (img - ref).abs().max().item() <= TOL
-    pixels = torch.rand(1, 136, 104, 3)
+    pixels = torch.rand(1, 136, 96, 3)
     with torch.no_grad():
         ref_lat = ldm_vae.encode(pixels.permute(0, 3, 1, 2) * 2 - 1)
     (lat,) = LeanTiledVAEEncode().encode(pixels, 128, 32, "exact", vae=comfy_vae)
