@@ -26,13 +26,13 @@ def _conv(module, what: str) -> Op:
         if ks == (3, 3) and pad == (1, 1) and getattr(module, "padding_mode", "zeros") == "zeros":
             return Op("conv3", module)
     raise TypeError(f"unsupported convolution at {what}: kernel {ks}, stride {stride}, padding {pad}; "
-                    f"use seam_mode='blend' for this VAE")
+                    f"this VAE needs ComfyUI's own VAE Decode (Tiled)")
 
 
 def _gn(module, what: str) -> Op:
     if not isinstance(module, torch.nn.GroupNorm):
         raise TypeError(f"unsupported normalisation at {what}: {type(module).__name__} (expected a GroupNorm); "
-                        f"use seam_mode='blend' for this VAE")
+                        f"this VAE needs ComfyUI's own VAE Decode (Tiled)")
     return Op("gn", module)
 
 
@@ -54,7 +54,7 @@ def _resnet(block, name: str, diffusers: bool) -> Stage:
         shortcut = getattr(block, "nin_shortcut", None) if block.in_channels != block.out_channels else None
         scale = 1.0
     if shortcut is not None and _conv(shortcut, f"{name}.shortcut").kind != "conv1":
-        raise TypeError(f"unsupported 3x3 shortcut at {name}; use seam_mode='blend' for this VAE")
+        raise TypeError(f"unsupported 3x3 shortcut at {name}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
     ops = [_gn(block.norm1, f"{name}.norm1"), Op("silu"), _conv(block.conv1, f"{name}.conv1"),
            _gn(block.norm2, f"{name}.norm2"), Op("silu"), _conv(block.conv2, f"{name}.conv2")]
     return Stage("chain", ops, residual_src=0, shortcut=shortcut, output_scale=scale, name=name)
@@ -63,7 +63,7 @@ def _resnet(block, name: str, diffusers: bool) -> Stage:
 def _upsample_diffusers(up, name: str) -> Stage:
     if getattr(up, "use_conv_transpose", False) or not getattr(up, "interpolate", True) or up.norm is not None \
             or not up.use_conv:
-        raise TypeError(f"unsupported upsampler at {name}; use seam_mode='blend' for this VAE")
+        raise TypeError(f"unsupported upsampler at {name}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
     conv = up.conv if up.name == "conv" else up.Conv2d_0
     return Stage("chain", [Op("up2"), _conv(conv, f"{name}.conv")], name=name)
 
@@ -72,7 +72,7 @@ def _downsample(conv, name: str, padding: int) -> Stage:
     ks, stride = tuple(conv.kernel_size), tuple(conv.stride)
     pad = tuple(conv.padding) if not isinstance(conv.padding, str) else conv.padding
     if padding != 0 or ks != (3, 3) or stride != (2, 2) or pad not in ((0, 0), "valid"):
-        raise TypeError(f"unsupported downsampler at {name}; use seam_mode='blend' for this VAE")
+        raise TypeError(f"unsupported downsampler at {name}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
     return Stage("chain", [Op("down2", conv)], name=name)
 
 
@@ -115,7 +115,7 @@ def decoder_program(ae) -> Program:
     stages = []
     if diff:
         if getattr(dec, "up_blocks", None) is None or type(dec.conv_norm_out).__name__ == "SpatialNorm":
-            raise TypeError("unsupported diffusers decoder (SpatialNorm); use seam_mode='blend'")
+            raise TypeError("unsupported diffusers decoder (SpatialNorm); this VAE needs ComfyUI's own VAE Decode (Tiled)")
         stages.append(Stage("chain", head + [_conv(dec.conv_in, "decoder.conv_in")], name="conv_in"))
         mid = dec.mid_block
         stages.append(_resnet(mid.resnets[0], "mid.resnets.0", True))
@@ -125,7 +125,7 @@ def decoder_program(ae) -> Program:
             stages.append(_resnet(res, f"mid.resnets.{i + 1}", True))
         for bi, block in enumerate(dec.up_blocks):
             if getattr(block, "attentions", None):
-                raise TypeError(f"unsupported attention in decoder up block {bi}; use seam_mode='blend'")
+                raise TypeError(f"unsupported attention in decoder up block {bi}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
             for ri, res in enumerate(block.resnets):
                 stages.append(_resnet(res, f"up_blocks.{bi}.resnets.{ri}", True))
             for ui, up in enumerate(block.upsamplers or []):
@@ -134,7 +134,7 @@ def decoder_program(ae) -> Program:
         out_ch = int(dec.conv_out.out_channels)
     else:
         if getattr(dec, "give_pre_end", False) or getattr(dec, "tanh_out", False):
-            raise TypeError("unsupported LDM decoder (give_pre_end/tanh_out); use seam_mode='blend'")
+            raise TypeError("unsupported LDM decoder (give_pre_end/tanh_out); this VAE needs ComfyUI's own VAE Decode (Tiled)")
         stages.append(Stage("chain", head + [_conv(dec.conv_in, "decoder.conv_in")], name="conv_in"))
         stages.append(_resnet(dec.mid.block_1, "mid.block_1", False))
         stages.append(_attention(dec.mid.attn_1, "mid.attn_1", False))
@@ -147,7 +147,7 @@ def decoder_program(ae) -> Program:
                     stages.append(_attention(up.attn[i_block], f"up.{i_level}.attn.{i_block}", False))
             if i_level != 0:
                 if not getattr(up.upsample, "with_conv", False) or up.upsample.scale_factor not in (2, 2.0):
-                    raise TypeError(f"unsupported upsampler at up.{i_level}; use seam_mode='blend'")
+                    raise TypeError(f"unsupported upsampler at up.{i_level}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
                 stages.append(Stage("chain", [Op("up2"), _conv(up.upsample.conv, f"up.{i_level}.upsample.conv")],
                                     name=f"up.{i_level}.upsample"))
         stages.append(_tail(dec.norm_out, None, dec.conv_out, "decoder.out"))
@@ -164,12 +164,12 @@ def encoder_program(ae) -> Program:
     if diff:
         for bi, block in enumerate(enc.down_blocks):
             if getattr(block, "attentions", None):
-                raise TypeError(f"unsupported attention in encoder down block {bi}; use seam_mode='blend'")
+                raise TypeError(f"unsupported attention in encoder down block {bi}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
             for ri, res in enumerate(block.resnets):
                 stages.append(_resnet(res, f"down_blocks.{bi}.resnets.{ri}", True))
             for di, down in enumerate(block.downsamplers or []):
                 if not down.use_conv or down.norm is not None:
-                    raise TypeError(f"unsupported downsampler at down_blocks.{bi}; use seam_mode='blend'")
+                    raise TypeError(f"unsupported downsampler at down_blocks.{bi}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
                 stages.append(_downsample(down.conv, f"down_blocks.{bi}.downsamplers.{di}", down.padding))
         mid = enc.mid_block
         stages.append(_resnet(mid.resnets[0], "mid.resnets.0", True))
@@ -187,7 +187,7 @@ def encoder_program(ae) -> Program:
                     stages.append(_attention(down.attn[i_block], f"down.{i_level}.attn.{i_block}", False))
             if i_level != enc.num_resolutions - 1:
                 if not getattr(down.downsample, "with_conv", False):
-                    raise TypeError(f"unsupported average-pool downsampler at down.{i_level}; use seam_mode='blend'")
+                    raise TypeError(f"unsupported average-pool downsampler at down.{i_level}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
                 stages.append(_downsample(down.downsample.conv, f"down.{i_level}.downsample", 0))
         stages.append(_resnet(enc.mid.block_1, "mid.block_1", False))
         stages.append(_attention(enc.mid.attn_1, "mid.attn_1", False))

@@ -88,6 +88,6 @@ def spec_from_diffusers(attn) -> AttentionSpec:
                    if getattr(attn, name, None) is not None]
     if unsupported or not getattr(attn, "residual_connection", False) or attn.group_norm is None:
         raise TypeError(f"unsupported VAE attention block ({type(attn).__name__}: {unsupported or 'no residual'}); "
-                        f"use seam_mode='blend' for this VAE")
+                        f"this VAE needs ComfyUI's own VAE Decode (Tiled)")
     return AttentionSpec(attn.group_norm, attn.to_q, attn.to_k, attn.to_v, attn.to_out[0], heads=int(attn.heads),
                          rescale=float(getattr(attn, "rescale_output_factor", 1.0)))
