@@ -20,6 +20,10 @@ pytestmark = pytest.mark.comfyui
 @pytest.fixture(scope="module")
 def comfy_ae():
     sys.path.insert(0, os.environ["COMFYUI_PATH"])
+    import comfy.cli_args
+
+    if not torch.cuda.is_available():
+        comfy.cli_args.args.cpu = True  # as `main.py --cpu` does; must precede comfy.model_management
     from comfy.ldm.models.autoencoder import AutoencoderKL
 
     ddconfig = dict(double_z=True, z_channels=4, resolution=256, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 1, 2, 2],
