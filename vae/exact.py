@@ -45,7 +45,7 @@ class ExactConfig:
     device: torch.device
     dtype: torch.dtype
     budget_bytes: int  # activations on the device (stores + one band), excluding weights
-    tile_px: int = 0  # if > 0: a band holds at most tile_px**2 output pixels' worth of rows
+    tile_px: int = 0  # if > 0: a band holds at most tile_px**2 image pixels' worth of rows
     pool: object = None
     work_floor: float = 0.3  # share of the budget kept for band work when placing stores
 
@@ -254,7 +254,9 @@ def run_exact(program: Program, sample_hwc: torch.Tensor, cfg: ExactConfig, head
         data = data.pin_memory()
     store = HostStore(h, w, c, data.dtype, cfg.device, streams, data=data)
     planned = plan(program, (c, h, w), cfg)
-    out_hw = planned[-1].out_shape[1:]
+    out_hw = tuple(planned[-1].out_shape[1:])
+    if h * w > out_hw[0] * out_hw[1]:
+        out_hw = (h, w)  # an encoder: tile sizes are in image pixels, i.e. the input's
     stats: Optional[GroupStats] = None
     first_gn = planned[0].stage.first_groups
     if first_gn:  # a program that starts with a GroupNorm needs its input's statistics
