@@ -282,3 +282,12 @@ def unregister_memory_owner(handle) -> None:
         if entry is handle:
             models.pop(i)
             return
+
+
+# --------------------------------------------------------------------------------------------- model loading
+def load_comfy_model(patcher, memory_required: int = 0) -> None:
+    """Have ComfyUI load a ``ModelPatcher`` (e.g. ``VAE.patcher``) onto its device; no-op outside ComfyUI."""
+    mm = _comfy_module("comfy.model_management")
+    if mm is None or patcher is None:
+        return
+    mm.load_models_gpu([patcher], memory_required=int(memory_required))

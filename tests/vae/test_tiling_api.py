@@ -1,0 +1,168 @@
+"""Node/API contracts: clear errors, OOM fallback, blend mode (its error is reported), statistics accuracy.
+
+Guards the issue's error lines (both/neither model input, channel mismatch, tile too small for the overlap), the
+halve-and-retry promise on out-of-memory, and the numerical core (Chan-merged GroupNorm statistics).
+"""
+import logging
+
+import pytest
+import torch
+
+import leandiffusion.vae.tiled as tiled
+from leandiffusion.nodes.vae import LeanTiledVAEDecode, LeanTiledVAEEncode
+from leandiffusion.tests.kit import tiny_engine
+from leandiffusion.vae.blend import axis_tiles
+from leandiffusion.vae.stats import GroupStats, apply_group_norm
+from leandiffusion.vae.targets import from_module
+
+logger = logging.getLogger(__name__)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("sd1")
+
+
+# ----------------------------------------------------------------------------------------------- errors
+def test_exactly_one_model_input(engine):
+    z = {"samples": torch.randn(1, 4, 8, 8)}
+    with pytest.raises(ValueError, match="neither given"):
+        LeanTiledVAEDecode().decode(z, 0, 64, "exact")
+    with pytest.raises(ValueError, match="both given"):
+        LeanTiledVAEDecode().decode(z, 0, 64, "exact", lean_model=engine, vae=object())
+    with pytest.raises(ValueError, match="neither given"):
+        LeanTiledVAEEncode().encode(torch.rand(1, 64, 64, 3), 0, 64, "exact")
+
+
+def test_channel_mismatch(engine):
+    with pytest.raises(ValueError, match="16 channels but this VAE takes 4"):
+        LeanTiledVAEDecode().decode({"samples": torch.randn(1, 16, 8, 8)}, 0, 64, "exact", lean_model=engine)
+
+
+@pytest.mark.parametrize("tile,overlap,match", [(128, 64, "larger than twice the overlap"),
+                                                (256, 200, "larger than twice the overlap"),
+                                                (64, 16, "below the minimum 128")])
+def test_tile_too_small(engine, tile, overlap, match):
+    with pytest.raises(ValueError, match=match):
+        LeanTiledVAEDecode().decode({"samples": torch.randn(1, 4, 8, 8)}, tile, overlap, "exact", lean_model=engine)
+    with pytest.raises(ValueError, match=match):
+        LeanTiledVAEEncode().encode(torch.rand(1, 64, 64, 3), tile, overlap, "blend", lean_model=engine)
+
+
+def test_bad_seam_mode_and_vae(engine):
+    with pytest.raises(ValueError, match="seam_mode='seamless'"):
+        LeanTiledVAEDecode().decode({"samples": torch.randn(1, 4, 8, 8)}, 0, 64, "seamless", lean_model=engine)
+    with pytest.raises(TypeError, match="first_stage_model"):
+        LeanTiledVAEDecode().decode({"samples": torch.randn(1, 4, 8, 8)}, 0, 64, "exact", vae=object())
+
+
+# ----------------------------------------------------------------------------------------------- OOM fallback
+def test_oom_halves_tile_and_retries(engine, monkeypatch, caplog):
+    """An injected OOM for tiles above 256 px: the run retries at 512, then 256, and still matches untiled."""
+    real = tiled.run_exact
+    seen = []
+
+    def flaky(program, sample, cfg, *args, **kwargs):
+        seen.append(cfg.tile_px)
+        if cfg.tile_px > 256:
+            raise tiled._OOM("CUDA out of memory (injected)")
+        return real(program, sample, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(tiled, "run_exact", flaky)
+    z = torch.randn(1, 4, 9, 7)
+    with caplog.at_level(logging.WARNING):
+        img = tiled.tiled_decode(from_module(engine.parts.vae), z, tile_size=1024, overlap=64, quiet=True)
+    assert seen == [1024, 512, 256]
+    assert "retrying with 256 px tiles" in caplog.text
+    with engine.session("vae"):
+        ref = engine.vae_decode(z)
+    assert (img - ref).abs().max().item() <= 1e-4
+
+
+def test_oom_down_to_128_then_clear_error(engine, monkeypatch):
+    seen = []
+
+    def always(program, sample, cfg, *args, **kwargs):
+        seen.append(cfg.tile_px)
+        raise tiled._OOM("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(tiled, "run_exact", always)
+    with pytest.raises(tiled._OOM, match=r"even with 128 px tiles \(tried \[512, 256, 128\]"):
+        tiled.tiled_decode(from_module(engine.parts.vae), torch.randn(1, 4, 8, 8), tile_size=512, overlap=64,
+                           quiet=True)
+    assert seen == [512, 256, 128]
+
+
+# ----------------------------------------------------------------------------------------------- blend
+def test_blend_single_tile_is_untiled(engine):
+    z = torch.randn(1, 4, 10, 9)
+    with engine.session("vae"):
+        ref = engine.vae_decode(z)
+    img = tiled.tiled_decode(from_module(engine.parts.vae), z, tile_size=256, overlap=32, seam_mode="blend",
+                             quiet=True)
+    assert (img - ref).abs().max().item() <= 1e-5
+
+
+def test_blend_error_reported(engine, record_property):
+    """blend is approximate (per-tile GroupNorm statistics): its error against untiled is measured and reported."""
+    z = torch.randn(1, 4, 26, 19)  # 208 x 152 px, tiles of <= 128 px with 32 px overlap
+    with engine.session("vae"):
+        ref = engine.vae_decode(z)
+    (img,) = LeanTiledVAEDecode().decode({"samples": z}, 128, 32, "blend", lean_model=engine)
+    (exact,) = LeanTiledVAEDecode().decode({"samples": z}, 128, 32, "exact", lean_model=engine)
+    err_blend = (img - ref).abs().max().item()
+    err_exact = (exact - ref).abs().max().item()
+    mean_blend = (img - ref).abs().mean().item()
+    record_property("blend_max_abs_diff", err_blend)
+    record_property("blend_mean_abs_diff", mean_blend)
+    logger.warning("blend vs untiled: max abs diff %.4f, mean %.5f (exact: %.2e)", err_blend, mean_blend, err_exact)
+    assert err_exact <= 1e-4
+    assert err_blend > 10 * err_exact  # blend really is the approximate mode
+    assert mean_blend < 0.1  # but it is still the same picture
+
+
+def test_blend_encode_close(engine, record_property):
+    pixels = torch.rand(1, 160, 136, 3)
+    with engine.session("vae"):
+        ref = engine.vae_encode(pixels)
+    (lat,) = LeanTiledVAEEncode().encode(pixels, 128, 32, "blend", lean_model=engine)
+    err = (lat["samples"] - ref).abs().max().item()
+    record_property("blend_encode_max_abs_diff", err)
+    assert lat["samples"].shape == ref.shape
+    assert (lat["samples"] - ref).abs().mean().item() < 0.2 * ref.abs().mean().item()
+
+
+@pytest.mark.parametrize("length,tile,overlap,align", [(100, 40, 8, 1), (208, 128, 32, 8), (50, 64, 8, 1),
+                                                       (1024, 200, 64, 8)])
+def test_axis_tiles_cover_with_overlap(length, tile, overlap, align):
+    tiles = axis_tiles(length, tile, overlap, align)
+    assert tiles[0][0] == 0 and tiles[-1][0] + tiles[-1][1] == length
+    for (s0, n0), (s1, n1) in zip(tiles, tiles[1:]):
+        assert s0 + n0 - s1 >= min(overlap, n0)  # consecutive tiles overlap by at least `overlap`
+        assert s1 % align == 0
+    assert all(n <= max(tile, length if length <= tile else tile + align) for _, n in tiles)
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+def test_group_stats_merge_matches_fp64_whole():
+    """Uneven row bands merged with Chan's formula == fp64 statistics of the whole image, even with a large mean."""
+    x = torch.randn(1, 64, 37, 23, dtype=torch.float64) * 0.5 + 1000.0
+    stats = GroupStats(32)
+    for a, b in ((0, 5), (5, 6), (6, 30), (30, 37)):
+        stats.add(x[:, :, a:b].float())
+    var, mean = torch.var_mean(x.view(1, 32, -1), dim=-1, correction=0)
+    assert (stats.mean - mean[0]).abs().max().item() <= 1e-4
+    assert ((stats.variance() - var[0]) / var[0]).abs().max().item() <= 1e-3
+    gn = torch.nn.GroupNorm(32, 64, eps=1e-6)
+    torch.nn.init.normal_(gn.weight)
+    torch.nn.init.normal_(gn.bias)
+    x32 = x.float()
+    with torch.no_grad():
+        assert (apply_group_norm(x32, stats, gn.weight, gn.bias, gn.eps) - gn(x32)).abs().max().item() <= 2e-3
+
+
+def test_group_stats_rejects_empty_and_batches():
+    with pytest.raises(RuntimeError, match="no data"):
+        GroupStats(4).variance()
+    with pytest.raises(ValueError, match="one image"):
+        GroupStats(4).add(torch.zeros(2, 8, 2, 2))
