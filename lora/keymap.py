@@ -112,21 +112,31 @@ class ModuleIndex:
     def __init__(self, component: str, root: torch.nn.Module):
         self.component = component
         self.modules = targetable_modules(root)
+        self.dotted: dict[str, Optional[str]] = {}
         self.kohya: dict[str, Optional[str]] = {}
         aliases = [(n, n) for n in self.modules]
         if component == "unet":
             aliases += [(ldm, n) for n, ldm in ldm_unet_names(root).items()]
+        else:
+            aliases += [(alias, n) for n in self.modules if (alias := _text_model_alias(root, n))]
         for alias, name in aliases:
-            key = alias.replace(".", "_")
-            if key in self.kohya and self.kohya[key] != name:
-                self.kohya[key] = None  # ambiguous spelling: refuse rather than guess
-            else:
-                self.kohya[key] = name
+            for table, key in ((self.dotted, alias), (self.kohya, alias.replace(".", "_"))):
+                if key in table and table[key] != name:
+                    table[key] = None  # ambiguous spelling: refuse rather than guess
+                else:
+                    table[key] = name
 
     def lookup(self, layer: LoraLayer) -> Optional[str]:
-        if layer.naming == "dotted":
-            return layer.name if layer.name in self.modules else None
-        return self.kohya.get(layer.name)
+        table = self.dotted if layer.naming == "dotted" else self.kohya
+        return table.get(layer.name)
+
+
+def _text_model_alias(root: torch.nn.Module, name: str) -> Optional[str]:
+    """transformers 5 flattened CLIP text models (``encoder.layers.0...``); files (and transformers 4) spell
+    ``text_model.encoder.layers.0...``. Each spelling is accepted on either version."""
+    if hasattr(root, "text_model"):
+        return name[len("text_model."):] if name.startswith("text_model.") else None
+    return "text_model." + name
 
 
 def resolve(parsed: ParsedLora, roots: dict[str, Optional[torch.nn.Module]], model_family: str) -> list[Target]:

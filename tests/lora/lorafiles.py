@@ -24,6 +24,13 @@ def module_names(root: torch.nn.Module, pattern: re.Pattern) -> list[str]:
             if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) and pattern.search(n)]
 
 
+def file_name(root: torch.nn.Module, name: str) -> str:
+    """The module name as files spell it: CLIP text models keep transformers 4's ``text_model.`` prefix (real
+    kohya/diffusers files do; transformers 5 dropped the attribute)."""
+    is_clip = type(root).__name__.startswith("CLIPText")
+    return "text_model." + name if is_clip and not hasattr(root, "text_model") and name != "text_projection" else name
+
+
 def random_factors(module: torch.nn.Module, rank: int, gen: torch.Generator, conv_kernel: bool = True):
     """down [r, in(, k, k)], up [out, r(, 1, 1)]: ``up @ down`` has entries ~0.25/sqrt(fan_in), i.e. about 0.4x
     the scale of the default-initialised base weight (a strong LoRA; real ones change weights by less). Larger
@@ -51,7 +58,7 @@ def kohya_state_dict(roots: dict, patterns: dict, rank: int = 4, seed: int = 0, 
     for comp, pattern in patterns.items():
         root = roots[comp]
         for i, name in enumerate(module_names(root, pattern)):
-            spelled = ldm_names[name] if (comp == "unet" and ldm_names is not None) else name
+            spelled = ldm_names[name] if (comp == "unet" and ldm_names is not None) else file_name(root, name)
             key = prefixes[comp] + spelled.replace(".", "_")
             down, up = random_factors(root.get_submodule(name), rank, gen)
             sd[key + ".lora_down.weight"] = down
@@ -68,8 +75,8 @@ def peft_state_dict(roots: dict, patterns: dict, rank: int = 4, seed: int = 0) -
         root = roots[comp]
         for name in module_names(root, pattern):
             down, up = random_factors(root.get_submodule(name), rank, gen)
-            sd[f"{comp}.{name}.lora_A.weight"] = down
-            sd[f"{comp}.{name}.lora_B.weight"] = up
+            sd[f"{comp}.{file_name(root, name)}.lora_A.weight"] = down
+            sd[f"{comp}.{file_name(root, name)}.lora_B.weight"] = up
     return sd
 
 
