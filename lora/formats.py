@@ -88,7 +88,7 @@ def read_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"lora file {str(path)!r} does not exist; pick a file from the loras folder")
-    if path.suffix.lower() == ".safetensors":
+    if path.suffix.lower() in (".safetensors", ".sft"):
         from safetensors import safe_open
 
         try:
