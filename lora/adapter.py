@@ -95,6 +95,12 @@ def _check_strength(name: str, value) -> float:
     return value
 
 
+def _streams_unet(engine) -> bool:
+    """True when the engine's placement streams UNet blocks from host memory (the loader's ``stream`` policy)."""
+    plan = getattr(engine.placement, "plan", None)
+    return getattr(plan, "unet_mode", None) == "stream"
+
+
 def _targets_digest(targets: list[Target]) -> str:
     names = "\n".join(sorted(f"{t.component}.{t.module_name}" for t in targets))
     return hashlib.sha1(names.encode()).hexdigest()[:16]
@@ -124,6 +130,10 @@ def inject_lora(engine, lora_path: str | Path, strength: float = 1.0, strength_t
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
     if not isinstance(target_blocks, str):
         raise TypeError(f"target_blocks: expected a string, got {type(target_blocks).__name__}")
+    if mode == "merged" and _streams_unet(engine):
+        raise ValueError("mode='merged' cannot be used while the model's VRAM policy streams UNet weights (streamed "
+                         "blocks are re-copied from host memory every step, which would drop the merge); use "
+                         "mode='unmerged', or a policy that keeps the UNet resident")
     parts = engine.parts
     roots = {"unet": parts.unet, "text_encoder": parts.text_encoder, "text_encoder_2": parts.text_encoder_2}
     path = Path(lora_path)

@@ -135,3 +135,18 @@ def test_bad_arguments(sd1, sd1_lora, tmp_path, kwargs, exc, match):
 
 def test_missing_file(sd1, tmp_path):
     _refused(sd1, tmp_path / "nope.safetensors", "does not exist")
+
+
+def test_merged_refused_under_weight_streaming(sd1, sd1_lora, tmp_path):
+    """Streamed blocks are re-copied from host every step, so a merge would silently vanish: refuse it."""
+    from types import SimpleNamespace
+
+    from leandiffusion.memory.engine import ResidentPlacement
+
+    class StreamingPlacement(ResidentPlacement):
+        plan = SimpleNamespace(unet_mode="stream")
+
+    engine = sd1.with_changes(placement=StreamingPlacement())
+    path = lf.write(sd1_lora, tmp_path / "ok.safetensors")
+    _refused(engine, path, "cannot be used while the model's VRAM policy streams", mode="merged")
+    assert len(inject_lora(engine, path, mode="unmerged").adapters) == 1
