@@ -31,7 +31,7 @@ from .harness import time_ms
 logger = logging.getLogger(__name__)
 
 SUITE = "lora"
-SMOKE_BUDGET_S = 20
+SMOKE_BUDGET_S = 30
 QUICK_BUDGET_S = 150
 FULL_BUDGET_S = 240
 ATTN_FF = re.compile(r"(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))$")
