@@ -69,11 +69,34 @@ class Placement(Protocol):
 
 
 class Adapter(Protocol):
-    """Something attached to the shared modules for the duration of a session (an unmerged LoRA, say)."""
+    """Something attached to the shared modules for the duration of a session (an unmerged LoRA, say).
+
+    Optional: ``attach_stage(parts, stage)`` / ``detach_stage(parts, stage)`` are used instead of
+    ``attach``/``detach`` when present, so an adapter can touch only the modules of the running stage; and a
+    hashable ``graph_key`` naming the adapter's structure (not values such as a strength kept in device
+    tensors), for callers that cache CUDA graphs per set of adapters.
+    """
 
     def attach(self, parts: ModelParts) -> None: ...
 
     def detach(self, parts: ModelParts) -> None: ...
+
+
+def _attach_adapter(adapter, parts: ModelParts, stage: str) -> None:
+    """Stage-aware adapters (``attach_stage``) attach only what ``stage`` runs; others attach everything."""
+    hook = getattr(adapter, "attach_stage", None)
+    if hook is not None:
+        hook(parts, stage)
+    else:
+        adapter.attach(parts)
+
+
+def _detach_adapter(adapter, parts: ModelParts, stage: str) -> None:
+    hook = getattr(adapter, "detach_stage", None)
+    if hook is not None:
+        hook(parts, stage)
+    else:
+        adapter.detach(parts)
 
 
 class ResidentPlacement:
@@ -158,12 +181,12 @@ class LeanEngine:
         attached = []
         try:
             for adapter in self.adapters:
-                adapter.attach(self.parts)
+                _attach_adapter(adapter, self.parts, stage)
                 attached.append(adapter)
             yield self
         finally:
             for adapter in reversed(attached):
-                adapter.detach(self.parts)
+                _detach_adapter(adapter, self.parts, stage)
             self.placement.exit(self, stage)
 
     # ----------------------------------------------------------------- model calls

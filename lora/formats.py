@@ -1,0 +1,271 @@
+"""LoRA file formats: read a file and parse it into per-module low-rank factors (no model needed).
+
+Supported layouts
+- kohya-ss / A1111: ``lora_unet_<module>``, ``lora_te_<module>`` (= ``lora_te1_``), ``lora_te2_<module>`` with
+  ``.lora_down.weight``, ``.lora_up.weight`` and an optional scalar ``.alpha``. ``<module>`` is the module's
+  dotted name with ``.`` spelled ``_``, in diffusers naming (``down_blocks_0_attentions_0_...``, SD1.x trainers) or
+  LDM naming (``input_blocks_4_1_...``, SDXL trainers); resolving it is ``keymap``'s job. Linear layers and
+  conv "LoCon" layers (``lora_down`` a kxk conv with the base conv's kernel, ``lora_up`` a 1x1 conv).
+- diffusers / PEFT: ``<component>.<module>.lora_A.weight`` / ``.lora_B.weight`` (also the older
+  ``.lora.down/.lora.up`` and ``.lora_linear_layer.down/.up`` spellings), ``<component>`` one of ``unet``,
+  ``text_encoder``, ``text_encoder_2``. Alphas come from ``<module>.alpha`` keys or from the
+  ``lora_adapter_metadata`` JSON diffusers writes into the safetensors header (``<component>.lora_alpha``,
+  ``.alpha_pattern``, ``.use_rslora``); with neither, alpha = rank (PEFT's and diffusers' convention).
+
+Math (the invariant every consumer relies on): a layer contributes
+``delta_W = scale * up @ down`` with ``scale = alpha / rank`` (``alpha / sqrt(rank)`` under rsLoRA) and
+``rank = down.shape[0]``; for conv layers the product is taken over the rank axis with ``up`` a 1x1 kernel.
+
+Anything else (LoHa/LoKr/DoRA/Tucker "lora_mid"/bias-LoRA/full-diff keys, a down without its up) is refused with a
+``ValueError`` naming the keys, never skipped silently. Hand-written because diffusers' converters are private,
+string-replacement heuristics that (by design) also rewrite names for their own PEFT injection.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_te_": "text_encoder", "lora_te1_": "text_encoder",
+                  "lora_te2_": "text_encoder_2"}
+_PEFT_SUFFIXES = {
+    ".lora_A.weight": "down", ".lora_B.weight": "up",
+    ".lora.down.weight": "down", ".lora.up.weight": "up",
+    ".lora_linear_layer.down.weight": "down", ".lora_linear_layer.up.weight": "up",
+}
+_UNSUPPORTED_MARKERS = {
+    "hada_": "LoHa (LyCORIS Hadamard product)", "lokr_": "LoKr (LyCORIS Kronecker product)",
+    "dora_scale": "DoRA", "lora_magnitude_vector": "DoRA", "lora_mid": "LoCon with Tucker decomposition",
+    ".diff": "full weight difference", ".diff_b": "bias difference", "lora_B.bias": "LoRA with bias",
+    ".w_norm": "GLoRA/OFT", "oft_": "OFT", ".b_norm": "GLoRA/OFT",
+}
+METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
+
+
+@dataclass(frozen=True, eq=False)
+class LoraLayer:
+    """One module's factors as stored in the file (CPU tensors, file dtype)."""
+
+    component: str  # "unet" | "text_encoder" | "text_encoder_2"
+    name: str  # module name as spelled by the file (kohya: underscores, no prefix; PEFT: dotted)
+    naming: str  # "kohya" | "dotted"
+    down: torch.Tensor  # [r, in] or [r, in, kh, kw]
+    up: torch.Tensor  # [out, r] or [out, r, 1, 1]
+    scale: float  # alpha / rank (or alpha / sqrt(rank))
+    source: str  # the file key prefix, for error messages
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+    @property
+    def is_conv(self) -> bool:
+        return self.down.ndim == 4
+
+
+@dataclass(frozen=True, eq=False)
+class ParsedLora:
+    format: str  # "kohya" | "peft"
+    layers: tuple[LoraLayer, ...]
+    source: str = ""
+
+    def components(self) -> set[str]:
+        return {layer.component for layer in self.layers}
+
+
+# --------------------------------------------------------------------------------------------- reading
+def read_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors (CPU) and header metadata of a LoRA file. ``.safetensors`` or a torch file (``weights_only``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"lora file {str(path)!r} does not exist; pick a file from the loras folder")
+    if path.suffix.lower() in (".safetensors", ".sft"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                metadata = dict(f.metadata() or {})
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises its own error types for truncated/garbled headers
+            raise ValueError(f"lora file {path.name!r} is not a readable safetensors file ({exc}); "
+                             f"re-download or re-export it") from exc
+        return tensors, metadata
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError/RuntimeError/EOFError for corrupt or unsafe files
+        raise ValueError(f"lora file {path.name!r} could not be read as a torch state dict ({exc}); "
+                         f"convert it to .safetensors") from exc
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"lora file {path.name!r} does not hold a flat dict of tensors")
+    return dict(obj), {}
+
+
+# --------------------------------------------------------------------------------------------- parsing
+def parse_lora(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None,
+               source: str = "state dict") -> ParsedLora:
+    """Detect the layout of ``state_dict`` and return its layers. Raises ``ValueError`` on anything unknown."""
+    if not state_dict:
+        raise ValueError(f"lora {source}: the file holds no tensors")
+    _refuse_unsupported(state_dict, source)
+    keys = list(state_dict)
+    if all(k.startswith(tuple(KOHYA_PREFIXES)) for k in keys):
+        return ParsedLora("kohya", _parse_kohya(state_dict, source), source)
+    if any(k.endswith(tuple(_PEFT_SUFFIXES)) for k in keys):
+        return ParsedLora("peft", _parse_peft(state_dict, metadata or {}, source), source)
+    sample = ", ".join(keys[:5])
+    raise ValueError(f"lora {source}: unrecognised key layout (first keys: {sample}); expected kohya keys "
+                     f"(lora_unet_*/lora_te*_* with lora_down/lora_up) or diffusers/PEFT keys (lora_A/lora_B)")
+
+
+def _refuse_unsupported(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    for marker, kind in _UNSUPPORTED_MARKERS.items():
+        hits = [k for k in state_dict if marker in k]
+        if hits:
+            raise ValueError(f"lora {source}: {kind} weights are not supported by the LoRA injector "
+                             f"(keys such as {', '.join(hits[:3])}); use a plain LoRA/LoCon file")
+
+
+def _kohya_split(key: str) -> tuple[str, str]:
+    for suffix in (".lora_down.weight", ".lora_up.weight", ".alpha"):
+        if key.endswith(suffix):
+            return key[: -len(suffix)], suffix
+    return key, ""
+
+
+def _parse_kohya(state_dict: Mapping[str, torch.Tensor], source: str) -> tuple[LoraLayer, ...]:
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for key, tensor in state_dict.items():
+        base, suffix = _kohya_split(key)
+        if not suffix:
+            unknown.append(key)
+            continue
+        groups.setdefault(base, {})[suffix] = tensor
+    if unknown:
+        raise ValueError(f"lora {source}: keys with an unknown suffix (expected .lora_down.weight, "
+                         f".lora_up.weight, .alpha): {', '.join(sorted(unknown)[:20])}")
+    layers = []
+    incomplete = sorted(b for b, g in groups.items() if ".lora_down.weight" not in g or ".lora_up.weight" not in g)
+    if incomplete:
+        raise ValueError(f"lora {source}: these layers lack a lora_down or lora_up weight: "
+                         f"{', '.join(incomplete[:20])}")
+    for base in sorted(groups):
+        g = groups[base]
+        prefix = next(p for p in sorted(KOHYA_PREFIXES, key=len, reverse=True) if base.startswith(p))
+        down, up = g[".lora_down.weight"], g[".lora_up.weight"]
+        rank = _check_pair(down, up, base, source)
+        alpha = float(g[".alpha"].float().item()) if ".alpha" in g else float(rank)
+        layers.append(LoraLayer(KOHYA_PREFIXES[prefix], base[len(prefix):], "kohya", down, up, alpha / rank, base))
+    return tuple(layers)
+
+
+def _peft_split(key: str) -> tuple[str, str]:
+    for suffix, role in _PEFT_SUFFIXES.items():
+        if key.endswith(suffix):
+            return key[: -len(suffix)], role
+    if key.endswith(".alpha"):
+        return key[: -len(".alpha")], "alpha"
+    return key, ""
+
+
+def _component_of(name: str) -> tuple[str, str]:
+    for comp in sorted(COMPONENTS, key=len, reverse=True):
+        if name.startswith(comp + "."):
+            return comp, name[len(comp) + 1:]
+    if name.startswith("base_model.model."):
+        return "unet", name[len("base_model.model."):]
+    return "unet", name
+
+
+def _peft_metadata(metadata: Mapping[str, str], source: str) -> dict:
+    raw = metadata.get(METADATA_KEY)
+    if not raw:
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"lora {source}: the {METADATA_KEY} header is not valid JSON ({exc})") from exc
+    if not isinstance(parsed, dict):
+        raise ValueError(f"lora {source}: the {METADATA_KEY} header is not a JSON object")
+    return parsed
+
+
+def _pattern_value(patterns: Mapping[str, float], module: str) -> Optional[float]:
+    """PEFT's pattern rule: a key matches a module whose name ends with ``.key`` or equals it (regex allowed)."""
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?(?:{key})", module):
+            return float(value)
+    return None
+
+
+def _parse_peft(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str], source: str
+                ) -> tuple[LoraLayer, ...]:
+    meta = _peft_metadata(metadata, source)
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for key, tensor in state_dict.items():
+        base, role = _peft_split(key)
+        if not role:
+            unknown.append(key)
+            continue
+        groups.setdefault(base, {})[role] = tensor
+    if unknown:
+        raise ValueError(f"lora {source}: keys that are neither lora_A/lora_B weights nor alphas: "
+                         f"{', '.join(sorted(unknown)[:20])}")
+    incomplete = sorted(b for b, g in groups.items() if "down" not in g or "up" not in g)
+    if incomplete:
+        raise ValueError(f"lora {source}: these layers lack a lora_A or lora_B weight: {', '.join(incomplete[:20])}")
+    layers = []
+    for base in sorted(groups):
+        g = groups[base]
+        comp, module = _component_of(base)
+        rank = _check_pair(g["down"], g["up"], base, source)
+        if "alpha" in g:
+            alpha = float(g["alpha"].float().item())
+        else:
+            pattern = _pattern_value(meta.get(f"{comp}.alpha_pattern") or {}, module)
+            alpha = pattern if pattern is not None else float(meta.get(f"{comp}.lora_alpha", rank))
+        denom = math.sqrt(rank) if meta.get(f"{comp}.use_rslora") else rank
+        layers.append(LoraLayer(comp, module, "dotted", g["down"], g["up"], alpha / denom, base))
+    return tuple(layers)
+
+
+def _check_pair(down: torch.Tensor, up: torch.Tensor, name: str, source: str) -> int:
+    if down.ndim not in (2, 4) or up.ndim not in (2, 4):
+        raise ValueError(f"lora {source}: layer {name} has down {tuple(down.shape)} / up {tuple(up.shape)}; "
+                         f"expected 2-D (linear) or 4-D (conv) factors")
+    if not (down.is_floating_point() and up.is_floating_point()):
+        raise ValueError(f"lora {source}: layer {name} has non-float factors ({down.dtype}, {up.dtype})")
+    rank = int(down.shape[0])
+    if rank == 0 or up.shape[1] != rank or (up.ndim == 4 and tuple(up.shape[2:]) != (1, 1)):
+        raise ValueError(f"lora {source}: layer {name} has inconsistent factors down {tuple(down.shape)} / "
+                         f"up {tuple(up.shape)}; expected down [r, in, ...] and up [out, r] or [out, r, 1, 1]")
+    return rank
+
+
+def family_hint(parsed: ParsedLora) -> str:
+    """A best guess of the model family a LoRA was trained for, from tensor widths real models have ('' if none).
+
+    Cross-attention key projections read the text context: 768 wide in SD1.x, 1024 in SD2.x, 2048 in SDXL.
+    """
+    if "text_encoder_2" in parsed.components():
+        return "SDXL"
+    widths = {768: "SD1.x", 1024: "SD2.x", 2048: "SDXL"}
+    for layer in parsed.layers:
+        if layer.component == "unet" and re.search(r"attn2[._]to_k$", layer.name):
+            return widths.get(int(layer.down.shape[1]), "")
+    if any(re.match(r"(input_blocks_[78]_1|output_blocks_[0-2]_1)_transformer_blocks_9", layer.name)
+           for layer in parsed.layers):
+        return "SDXL"
+    return ""

@@ -1,0 +1,196 @@
+"""Map the module names a LoRA file uses onto the model's Linear / Conv2d modules.
+
+Invariant: every layer of a file resolves to exactly one module of one component, or the whole mapping fails
+with a ``ValueError`` listing every key that matched nothing (never a silent skip), before any module is touched.
+
+Names
+- PEFT files use the module's dotted diffusers/transformers name: looked up directly.
+- kohya files spell that name with ``_`` for ``.``: looked up in an index of ``name.replace(".", "_")`` of every
+  Linear/Conv2d module (this is how kohya's trainers derive the names, so it is exact, not a heuristic).
+- kohya SDXL files use the LDM (``sgm``) UNet names (``input_blocks.4.1.transformer_blocks.0.attn1.to_q``);
+  ``ldm_unet_names`` derives the LDM name of every diffusers UNet module from the UNet's *structure* (blocks,
+  resnets, attentions, samplers counted on the module itself), so it holds for SD1.x, SD2.x, SDXL and any
+  block layout. LDM block numbering: ``input_blocks[0]`` = conv_in, then per down block one entry per resnet
+  (``.0`` resnet, ``.1`` its attention) and one for the downsampler (``.0.op``); ``middle_block`` = resnet,
+  attention, resnet; ``output_blocks`` one entry per up-block resnet (``.0`` resnet, ``.1`` attention, then the
+  upsampler at ``.1`` or ``.2``). Inside a resnet: in_layers.2 = conv1, out_layers.3 = conv2, emb_layers.1 =
+  time_emb_proj, skip_connection = conv_shortcut.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .formats import LoraLayer, ParsedLora, family_hint
+
+TARGET_TYPES = (torch.nn.Linear, torch.nn.Conv2d)
+_RESNET_LDM = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
+               "conv_shortcut": "skip_connection"}
+_TOP_LDM = {"conv_in": "input_blocks.0.0", "conv_out": "out.2", "time_embedding.linear_1": "time_embed.0",
+            "time_embedding.linear_2": "time_embed.2", "add_embedding.linear_1": "label_emb.0.0",
+            "add_embedding.linear_2": "label_emb.0.2"}
+
+
+@dataclass(frozen=True, eq=False)
+class Target:
+    """A LoRA layer resolved onto one module."""
+
+    component: str
+    module_name: str  # dotted name inside the component
+    module: torch.nn.Module
+    layer: LoraLayer
+
+
+def targetable_modules(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in root.named_modules() if name and isinstance(m, TARGET_TYPES)}
+
+
+def _block_prefixes(unet: torch.nn.Module) -> dict[str, str]:
+    """diffusers block prefix -> LDM block prefix, derived from the UNet's module structure."""
+    out: dict[str, str] = {}
+    idx = 1
+    for b, block in enumerate(getattr(unet, "down_blocks", [])):
+        n_res = len(block.resnets)
+        has_attn = getattr(block, "attentions", None) is not None and len(block.attentions) > 0
+        for j in range(n_res):
+            out[f"down_blocks.{b}.resnets.{j}"] = f"input_blocks.{idx}.0"
+            if has_attn:
+                out[f"down_blocks.{b}.attentions.{j}"] = f"input_blocks.{idx}.1"
+            idx += 1
+        if getattr(block, "downsamplers", None):
+            out[f"down_blocks.{b}.downsamplers.0"] = f"input_blocks.{idx}.0"
+            idx += 1
+    mid = getattr(unet, "mid_block", None)
+    if mid is not None:
+        out["mid_block.resnets.0"] = "middle_block.0"
+        if getattr(mid, "attentions", None):
+            out["mid_block.attentions.0"] = "middle_block.1"
+            if len(mid.resnets) > 1:
+                out["mid_block.resnets.1"] = "middle_block.2"
+        elif len(mid.resnets) > 1:
+            out["mid_block.resnets.1"] = "middle_block.1"
+    idx = 0
+    for b, block in enumerate(getattr(unet, "up_blocks", [])):
+        n_res = len(block.resnets)
+        has_attn = getattr(block, "attentions", None) is not None and len(block.attentions) > 0
+        for j in range(n_res):
+            out[f"up_blocks.{b}.resnets.{j}"] = f"output_blocks.{idx}.0"
+            if has_attn:
+                out[f"up_blocks.{b}.attentions.{j}"] = f"output_blocks.{idx}.1"
+            if j == n_res - 1 and getattr(block, "upsamplers", None):
+                out[f"up_blocks.{b}.upsamplers.0"] = f"output_blocks.{idx}.{2 if has_attn else 1}"
+            idx += 1
+    return out
+
+
+def ldm_unet_names(unet: torch.nn.Module) -> dict[str, str]:
+    """diffusers module name -> LDM module name, for every Linear/Conv2d of ``unet`` that has an LDM twin."""
+    blocks = _block_prefixes(unet)
+    out = {}
+    for name in targetable_modules(unet):
+        if name in _TOP_LDM:
+            out[name] = _TOP_LDM[name]
+            continue
+        for prefix, ldm in blocks.items():
+            if not name.startswith(prefix + "."):
+                continue
+            rest = name[len(prefix) + 1:]
+            if ".resnets." in prefix:
+                rest = _RESNET_LDM.get(rest, rest)
+            elif ".downsamplers." in prefix and rest == "conv":
+                rest = "op"
+            out[name] = f"{ldm}.{rest}"
+            break
+    return out
+
+
+class ModuleIndex:
+    """Lookup of one component's Linear/Conv2d modules by dotted, kohya and (UNet) kohya-LDM names."""
+
+    def __init__(self, component: str, root: torch.nn.Module):
+        self.component = component
+        self.modules = targetable_modules(root)
+        self.dotted: dict[str, Optional[str]] = {}
+        self.kohya: dict[str, Optional[str]] = {}
+        aliases = [(n, n) for n in self.modules]
+        if component == "unet":
+            aliases += [(ldm, n) for n, ldm in ldm_unet_names(root).items()]
+        else:
+            aliases += [(alias, n) for n in self.modules if (alias := _text_model_alias(root, n))]
+        for alias, name in aliases:
+            for table, key in ((self.dotted, alias), (self.kohya, alias.replace(".", "_"))):
+                if key in table and table[key] != name:
+                    table[key] = None  # ambiguous spelling: refuse rather than guess
+                else:
+                    table[key] = name
+
+    def lookup(self, layer: LoraLayer) -> Optional[str]:
+        table = self.dotted if layer.naming == "dotted" else self.kohya
+        return table.get(layer.name)
+
+
+def _text_model_alias(root: torch.nn.Module, name: str) -> Optional[str]:
+    """transformers 5 flattened CLIP text models (``encoder.layers.0...``); files (and transformers 4) spell
+    ``text_model.encoder.layers.0...``. Each spelling is accepted on either version."""
+    if hasattr(root, "text_model"):
+        return name[len("text_model."):] if name.startswith("text_model.") else None
+    return "text_model." + name
+
+
+def resolve(parsed: ParsedLora, roots: dict[str, Optional[torch.nn.Module]], model_family: str) -> list[Target]:
+    """Resolve every layer of ``parsed`` onto ``roots`` (component -> module or None). Raises ValueError listing
+    every unmatched layer, and every shape mismatch, with a model-family hint."""
+    hint = family_hint(parsed)
+    about = f" (the file looks like a {hint} LoRA; the model is {model_family})" if hint else ""
+    missing_components = sorted(c for c in parsed.components() if roots.get(c) is None)
+    if missing_components:
+        raise ValueError(f"lora {parsed.source}: has layers for {', '.join(missing_components)}, which the "
+                         f"{model_family} model does not have{about}; use a LoRA made for this model family")
+    indexes = {c: ModuleIndex(c, roots[c]) for c in parsed.components()}
+    targets, unmatched, seen = [], [], {}
+    for layer in parsed.layers:
+        name = indexes[layer.component].lookup(layer)
+        if name is None:
+            unmatched.append(layer.source)
+            continue
+        if (layer.component, name) in seen:
+            raise ValueError(f"lora {parsed.source}: layers {seen[(layer.component, name)]} and {layer.source} "
+                             f"both target {layer.component}.{name}; the file is inconsistent")
+        seen[(layer.component, name)] = layer.source
+        targets.append(Target(layer.component, name, indexes[layer.component].modules[name], layer))
+    if unmatched:
+        shown = ", ".join(unmatched[:30]) + (f" (+{len(unmatched) - 30} more)" if len(unmatched) > 30 else "")
+        raise ValueError(f"lora {parsed.source}: {len(unmatched)} of {len(parsed.layers)} layers match no module "
+                         f"of the {model_family} model{about}: {shown}")
+    bad = [msg for t in targets if (msg := shape_problem(t))]
+    if bad:
+        raise ValueError(f"lora {parsed.source}: {len(bad)} layers do not fit their modules{about}: "
+                         + "; ".join(bad[:10]))
+    return targets
+
+
+def shape_problem(target: Target) -> str:
+    """'' when the factors fit the module, else a description."""
+    m, layer = target.module, target.layer
+    down, up = layer.down, layer.up
+    where = f"{target.component}.{target.module_name}"
+    if isinstance(m, torch.nn.Linear):
+        if down.ndim == 4 and tuple(down.shape[2:]) != (1, 1):
+            return f"{where} is Linear but the LoRA down factor is a {tuple(down.shape[2:])} conv"
+        if down.shape[1] != m.in_features or up.shape[0] != m.out_features:
+            return (f"{where} maps {m.in_features}->{m.out_features} but the LoRA maps "
+                    f"{down.shape[1]}->{up.shape[0]}")
+        return ""
+    if m.groups != 1 or m.padding_mode != "zeros":
+        return f"{where} is a grouped or non-zero-padded conv, which the injector does not support"
+    kernel = tuple(m.kernel_size)
+    if down.ndim == 2 and kernel != (1, 1):
+        return f"{where} is a {kernel} conv but the LoRA down factor is linear"
+    if down.ndim == 4 and tuple(down.shape[2:]) != kernel:
+        return f"{where} is a {kernel} conv but the LoRA down factor has kernel {tuple(down.shape[2:])}"
+    if down.shape[1] != m.in_channels or up.shape[0] != m.out_channels:
+        return f"{where} maps {m.in_channels}->{m.out_channels} channels but the LoRA maps " \
+               f"{down.shape[1]}->{up.shape[0]}"
+    return ""

@@ -1,0 +1,101 @@
+"""Load a LoRA file onto a device once, and cache it per (path, mtime, size, device, dtype, components).
+
+Invariant: a ``LoadedLora`` is immutable and model-independent; its layers hold the factors on the target
+device and dtype with the file's scale folded into ``up`` (``up_loaded = (alpha / rank) * up_file``, computed in
+fp32 and rounded once; each loaded layer's ``scale`` is 1.0). Views and bindings share it; nothing writes to it.
+
+Cache: a bounded strong LRU (``MAX_CACHED`` most recent) plus a weak map, so a LoRA stays loaded as long as any
+engine view uses it and a re-run of an unchanged workflow does not re-read the file. A file changed on disk
+(mtime or size) is a new key.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from .formats import LoraLayer, ParsedLora, parse_lora, read_state_dict
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED = 4
+_LOCK = threading.Lock()
+_STRONG: "collections.OrderedDict[tuple, LoadedLora]" = collections.OrderedDict()
+_WEAK: "weakref.WeakValueDictionary[tuple, LoadedLora]" = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedLora:
+    key: tuple  # (path, mtime_ns, size, device, dtype, components)
+    parsed: ParsedLora  # layers on the device, scale folded into up
+    name: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.down.nbytes + layer.up.nbytes for layer in self.parsed.layers)
+
+
+def _file_key(path: Path) -> tuple:
+    st = path.stat()
+    return str(path.resolve()), st.st_mtime_ns, st.st_size
+
+
+def to_device(parsed: ParsedLora, device: torch.device, dtype: torch.dtype,
+              components: Optional[Iterable[str]] = None) -> ParsedLora:
+    """A copy of ``parsed`` (only ``components`` if given) on ``device``/``dtype`` with scale folded into up."""
+    keep = set(components) if components is not None else None
+    layers = []
+    for layer in parsed.layers:
+        if keep is not None and layer.component not in keep:
+            continue
+        down = layer.down.to(device=device, dtype=dtype)
+        up = (layer.up.to(device=device, dtype=torch.float32) * layer.scale).to(dtype)
+        layers.append(replace(layer, down=down, up=up, scale=1.0))
+    return ParsedLora(parsed.format, tuple(layers), parsed.source)
+
+
+def load_lora(path: str | Path, device: torch.device | str, dtype: torch.dtype,
+              components: Optional[Iterable[str]] = None) -> LoadedLora:
+    """Read, parse and place a LoRA file (cached). Raises ValueError for unreadable or unsupported files."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"lora file {str(path)!r} does not exist; pick a file from the loras folder")
+    device = torch.device(device)
+    comps = None if components is None else tuple(sorted(set(components)))
+    key = _file_key(path) + (str(device), str(dtype), comps)
+    with _LOCK:
+        hit = _STRONG.get(key) or _WEAK.get(key)
+        if hit is not None:
+            _STRONG[key] = hit
+            _STRONG.move_to_end(key)
+            return hit
+    tensors, metadata = read_state_dict(path)
+    parsed = parse_lora(tensors, metadata, source=path.name)
+    del tensors
+    loaded = LoadedLora(key, to_device(parsed, device, dtype, comps), path.name)
+    logger.info("loaded lora %s (%s, %d layers, %.1f MB on %s %s)", path.name, parsed.format,
+                len(loaded.parsed.layers), loaded.nbytes / 2**20, device, dtype)
+    with _LOCK:
+        _WEAK[key] = loaded
+        _STRONG[key] = loaded
+        while len(_STRONG) > MAX_CACHED:
+            _STRONG.popitem(last=False)
+    return loaded
+
+
+def clear_cache() -> None:
+    """Drop the strong references of the cache (views still holding a LoRA keep it alive)."""
+    with _LOCK:
+        _STRONG.clear()
+
+
+def layer_summary(layers: Iterable[LoraLayer]) -> str:
+    layers = list(layers)
+    ranks = sorted({layer.rank for layer in layers})
+    return f"{len(layers)} layers, rank {'/'.join(map(str, ranks))}"

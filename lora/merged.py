@@ -1,0 +1,114 @@
+"""Merged LoRA: ``W <- W + strength * up @ down`` written into the shared weights for the duration of a session.
+
+Design (the view does not own a merged copy; it merges on attach and restores on detach):
+- ``attach`` saves a copy of *only the weights it touches*, then writes ``round(W + s * up @ down)`` into each
+  weight in place (the product and sum in fp32, rounded once to the weight's dtype). Weight storage and
+  ``data_ptr()`` never change, so a CUDA graph captured with the merged weights stays valid, and a strength
+  change is a re-merge at the next attach, never a recapture.
+- ``detach`` copies the saved weights back: the base weights are restored *bit-exactly* (a copy, not a
+  subtraction), so the upstream engine and every other view see the model exactly as before.
+- Cost per session: one extra copy of the touched weights (on their device; on OOM the copy falls back to
+  pinned CPU memory), one GEMM ``up @ down`` per layer at attach and one copy back at detach. A LoRA on every
+  attention/feed-forward Linear of SDXL touches 700 layers holding 4.37 GB of fp16 weights (1.7 of the UNet's
+  2.57 G parameters): 4.37 GB of extra VRAM during the session and ~4 copies of it (a few ms at HBM speed) per
+  session. Cheap next to a sampling loop in time, expensive in memory: use ``unmerged`` when VRAM is tight.
+- Strength 0 merges nothing. An error during attach restores what was merged before re-raising.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Mapping
+
+import torch
+
+from .keymap import Target
+
+logger = logging.getLogger(__name__)
+
+
+def lora_delta(target: Target, strength: float, device: torch.device) -> torch.Tensor:
+    """``strength * up @ down`` in fp32 on ``device``, shaped like the module's weight."""
+    w = target.module.weight
+    up, down = target.layer.up, target.layer.down
+    delta = up.reshape(up.shape[0], up.shape[1]).float() @ down.reshape(down.shape[0], -1).float()
+    return (delta * strength).reshape(w.shape).to(device)
+
+
+def _save_copy(w: torch.Tensor) -> torch.Tensor:
+    try:
+        return w.detach().clone()
+    except torch.OutOfMemoryError:
+        logger.warning("merged LoRA: no room for a %.1f MB weight backup on %s; keeping it in CPU memory",
+                       w.nbytes / 2**20, w.device)
+        out = torch.empty(w.shape, dtype=w.dtype, device="cpu", pin_memory=w.is_cuda)
+        return out.copy_(w)
+
+
+class MergedBinding:
+    """A loaded LoRA bound to a model's modules, merged into the weights while attached."""
+
+    mode = "merged"
+
+    def __init__(self, key: tuple, targets: Iterable[Target], label: str = ""):
+        self.key = key
+        self.label = label
+        self.targets = list(targets)
+        self.components = sorted({t.component for t in self.targets})
+        self._saved: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {c: [] for c in self.components}
+        self._depth: dict[str, int] = {c: 0 for c in self.components}
+        self._strength: dict[str, float] = {c: 0.0 for c in self.components}
+
+    @torch.no_grad()
+    def _merge(self, comp: str, strength: float) -> None:
+        saved = self._saved[comp]
+        try:
+            for t in self.targets:
+                if t.component != comp:
+                    continue
+                w = t.module.weight
+                backup = _save_copy(w)
+                saved.append((w, backup))
+                merged = w.float() + lora_delta(t, strength, w.device)
+                w.copy_(merged)
+        except BaseException:
+            self._restore(comp)
+            raise
+
+    @torch.no_grad()
+    def _restore(self, comp: str) -> None:
+        saved = self._saved[comp]
+        while saved:
+            w, backup = saved.pop()
+            w.copy_(backup)
+
+    def attach(self, strengths: Mapping[str, float]) -> None:
+        done = []
+        try:
+            for comp, s in strengths.items():
+                if comp not in self._depth:
+                    continue
+                if self._depth[comp] > 0:
+                    if self._strength[comp] != s:
+                        raise RuntimeError(
+                            f"LoRA {self.label!r} is already merged into the {comp} with strength "
+                            f"{self._strength[comp]}; two views of one LoRA cannot run at once with different "
+                            f"strengths (finish one session before starting the other)")
+                    self._depth[comp] += 1
+                    done.append(comp)
+                    continue
+                if s != 0.0:
+                    self._merge(comp, s)
+                self._strength[comp] = s
+                self._depth[comp] = 1
+                done.append(comp)
+        except BaseException:
+            self.detach({c: 0.0 for c in done})
+            raise
+
+    def detach(self, strengths: Mapping[str, float]) -> None:
+        for comp in strengths:
+            if self._depth.get(comp, 0) == 0:
+                continue
+            self._depth[comp] -= 1
+            if self._depth[comp] == 0:
+                self._restore(comp)

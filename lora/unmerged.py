@@ -1,0 +1,167 @@
+"""Unmerged LoRA: ``y = W x + b + strength * up(down(x))`` computed at forward time by removable forward hooks.
+
+Invariants
+- Base weights are never written: the hooks only read the module's output and add the low-rank term to it.
+  ``detach`` removes every hook it installed, leaving each module exactly as before (its hook dict as it was).
+  Hooks are ordinary forward hooks; their ids are reserved once per binding (``RemovableHandle``), so attach and
+  detach are one dict insert / pop per module instead of a ``register_forward_hook`` call (~2 us each).
+- Strength is data, not structure. Each layer owns a persistent buffer ``up_s = strength * up`` (``up`` already
+  carries ``alpha / rank``); ``attach`` rewrites those buffers in place with two multi-tensor kernels
+  (``_foreach_copy_`` + ``_foreach_mul_``, no allocation) only when the strength changed. A CUDA graph captured
+  while the binding was attached reads ``up_s`` on replay, so a strength change costs the rewrite (~0.1 ms for a
+  rank-32 SDXL LoRA), never a recapture, recompile or base-weight copy.
+- The hook adds in place into the module's fresh output with one GEMM (``out.addmm_(down(x), up_s.T)``): two
+  GEMMs per Linear and nothing else, no Python-side tensor creation, and no separate strength multiply.
+- Several bindings stack: each registers its own hooks; hooks run in registration order and each adds its term.
+
+A binding is shared by every view of the same (loaded LoRA, targets); the views differ only in the strength
+written at attach. Two views of one binding cannot be attached at the same time with different strengths
+(ComfyUI runs nodes one at a time; a nested attach with the same strength is counted and allowed).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
+
+from .keymap import Target
+
+logger = logging.getLogger(__name__)
+
+
+def _shaped(target: Target, tensor: torch.Tensor, role: str) -> torch.Tensor:
+    """View a factor in the layout the module's op expects (2-D for Linear, 4-D for conv)."""
+    if isinstance(target.module, torch.nn.Linear):
+        return tensor.reshape(tensor.shape[0], tensor.shape[1])
+    if tensor.ndim == 2:
+        return tensor.reshape(tensor.shape[0], tensor.shape[1], 1, 1)
+    return tensor
+
+
+def _can_add_in_place(output: torch.Tensor, dtype: torch.dtype) -> bool:
+    return output.dtype == dtype and output.is_contiguous() and not (torch.is_grad_enabled() and output.requires_grad)
+
+
+class _LinearLoraHook:
+    """Forward hook of one Linear: ``out += down(x) @ up_s.T``."""
+
+    __slots__ = ("down", "up_s", "__weakref__")
+
+    def __init__(self, down: torch.Tensor, up_s: torch.Tensor):
+        self.down, self.up_s = down, up_s
+
+    def __call__(self, module, args, output):
+        x = args[0]
+        down, up_s = self.down, self.up_s
+        if x.device != down.device or x.dtype != down.dtype:  # a placement ran this module elsewhere
+            h = F.linear(x.to(down.device, down.dtype), down)
+            return output + F.linear(h, up_s).to(output.device, output.dtype)
+        h = F.linear(x, down)
+        if _can_add_in_place(output, up_s.dtype):
+            output.view(-1, output.shape[-1]).addmm_(h.view(-1, h.shape[-1]), up_s.t())
+            return None
+        return output + F.linear(h, up_s)
+
+
+class _ConvLoraHook:
+    """Forward hook of one Conv2d: ``out += conv1x1(conv_kxk(x, down), up_s)`` (the base conv's geometry)."""
+
+    __slots__ = ("down", "up_s", "stride", "padding", "dilation", "__weakref__")
+
+    def __init__(self, down: torch.Tensor, up_s: torch.Tensor, module: torch.nn.Conv2d):
+        self.down, self.up_s = down, up_s
+        self.stride, self.padding, self.dilation = module.stride, module.padding, module.dilation
+
+    def __call__(self, module, args, output):
+        x = args[0]
+        down, up_s = self.down, self.up_s
+        foreign = x.device != down.device or x.dtype != down.dtype
+        xin = x.to(down.device, down.dtype) if foreign else x
+        delta = F.conv2d(F.conv2d(xin, down, None, self.stride, self.padding, self.dilation), up_s)
+        if not foreign and _can_add_in_place(output, up_s.dtype):
+            output.add_(delta)
+            return None
+        return output + delta.to(output.device, output.dtype)
+
+
+class UnmergedBinding:
+    """A loaded LoRA bound to a model's modules, injected by hooks. See the module docstring."""
+
+    mode = "unmerged"
+
+    def __init__(self, key: tuple, targets: Iterable[Target], label: str = ""):
+        self.key = key
+        self.label = label
+        self.targets = list(targets)
+        self.components = sorted({t.component for t in self.targets})
+        self._hooks: dict[str, list] = {c: [] for c in self.components}
+        self._up: dict[str, list[torch.Tensor]] = {c: [] for c in self.components}
+        self._up_s: dict[str, list[torch.Tensor]] = {c: [] for c in self.components}
+        for t in self.targets:
+            down = _shaped(t, t.layer.down, "down")
+            up = _shaped(t, t.layer.up, "up")
+            up_s = torch.zeros_like(up)  # persistent strength-scaled buffer (written at attach)
+            hook = (_LinearLoraHook(down, up_s) if isinstance(t.module, torch.nn.Linear)
+                    else _ConvLoraHook(down, up_s, t.module))
+            # A hook id reserved once per (binding, module): attach is one dict insert per module, detach one pop
+            # (``register_forward_hook`` costs ~2 us per module per session, 1.5 ms for 700 SDXL layers).
+            slot = RemovableHandle(t.module._forward_hooks)
+            self._hooks[t.component].append((t.module._forward_hooks, slot.id, hook))
+            self._up[t.component].append(up)
+            self._up_s[t.component].append(up_s)
+        self._written: dict[str, float] = {c: 0.0 for c in self.components}  # buffers start zeroed
+        self._depth: dict[str, int] = {c: 0 for c in self.components}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for c in self.components for t in self._up_s[c])
+
+    def write_strength(self, component: str, strength: float) -> None:
+        """Set ``up_s = strength * up`` for ``component`` in place (skipped when already written)."""
+        if self._written.get(component) == strength:
+            return
+        ups, bufs = self._up[component], self._up_s[component]
+        if strength == 0.0:
+            torch._foreach_zero_(bufs)
+        else:
+            torch._foreach_copy_(bufs, ups)
+            if strength != 1.0:
+                torch._foreach_mul_(bufs, float(strength))
+        self._written[component] = strength
+
+    def attach(self, strengths: Mapping[str, float]) -> None:
+        """Install the hooks of ``strengths``' components with those strengths (atomic: all or nothing)."""
+        done = []
+        try:
+            for comp, s in strengths.items():
+                if comp not in self._depth:
+                    continue
+                if self._depth[comp] > 0:
+                    if self._written[comp] != s:
+                        raise RuntimeError(
+                            f"LoRA {self.label!r} is already attached to the {comp} with strength "
+                            f"{self._written[comp]}; two views of one LoRA cannot run at once with different "
+                            f"strengths (finish one session before starting the other)")
+                    self._depth[comp] += 1
+                    done.append(comp)
+                    continue
+                self.write_strength(comp, s)
+                for hooks, hook_id, hook in self._hooks[comp]:
+                    hooks[hook_id] = hook
+                self._depth[comp] = 1
+                done.append(comp)
+        except BaseException:
+            self.detach({c: 0.0 for c in done})
+            raise
+
+    def detach(self, strengths: Mapping[str, float]) -> None:
+        for comp in strengths:
+            if self._depth.get(comp, 0) == 0:
+                continue
+            self._depth[comp] -= 1
+            if self._depth[comp] == 0:
+                for hooks, hook_id, _ in self._hooks[comp]:
+                    hooks.pop(hook_id, None)

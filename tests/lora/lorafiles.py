@@ -1,0 +1,212 @@
+"""Write random LoRA files for tiny models, in the layouts real trainers produce (test helper, not a test).
+
+kohya: ``lora_unet_<name with _>`` (diffusers naming) or the LDM naming kohya's SDXL trainer uses (derived here
+from a hand-written table of the LDM block layout, independent of ``lora.keymap``), ``lora_te*_``, with
+``lora_down``/``lora_up``/``alpha``. PEFT: ``<component>.<name>.lora_A/lora_B.weight`` plus diffusers'
+``lora_adapter_metadata`` header (``lora_alpha``, ``alpha_pattern``).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ATTN_FF = re.compile(r"(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))$")
+TE_LINEARS = re.compile(r"(self_attn\.(q_proj|k_proj|v_proj|out_proj)|mlp\.(fc1|fc2))$")
+LOCON = re.compile(r"(resnets\.\d+\.(conv1|conv2|conv_shortcut|time_emb_proj)|(down|up)samplers\.0\.conv|proj_in|proj_out)$")
+
+
+def module_names(root: torch.nn.Module, pattern: re.Pattern) -> list[str]:
+    return [n for n, m in root.named_modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) and pattern.search(n)]
+
+
+def file_name(root: torch.nn.Module, name: str) -> str:
+    """The module name as files spell it: CLIP text models keep transformers 4's ``text_model.`` prefix (real
+    kohya/diffusers files do; transformers 5 dropped the attribute)."""
+    is_clip = type(root).__name__.startswith("CLIPText")
+    return "text_model." + name if is_clip and not hasattr(root, "text_model") and name != "text_projection" else name
+
+
+def random_factors(module: torch.nn.Module, rank: int, gen: torch.Generator, conv_kernel: bool = True):
+    """down [r, in(, k, k)], up [out, r(, 1, 1)]: ``up @ down`` has entries ~0.25/sqrt(fan_in), i.e. about 0.4x
+    the scale of the default-initialised base weight (a strong LoRA; real ones change weights by less). Larger
+    deltas push fp32 rounding of *any* two correct implementations past 1e-5 on the tiny UNet (measured: both
+    unmerged and merged sit ~1e-5 from an fp64 reference when the delta is 1.7x the weight)."""
+    if isinstance(module, torch.nn.Linear):
+        fan_in, out = module.in_features, module.out_features
+        down = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
+        up = 0.25 * torch.randn(out, rank, generator=gen) / rank ** 0.5
+    else:
+        k = tuple(module.kernel_size) if conv_kernel else (1, 1)
+        fan_in = module.in_channels * k[0] * k[1]
+        down = torch.randn(rank, module.in_channels, *k, generator=gen) / fan_in ** 0.5
+        up = 0.25 * torch.randn(module.out_channels, rank, 1, 1, generator=gen) / rank ** 0.5
+    return down, up
+
+
+def kohya_state_dict(roots: dict, patterns: dict, rank: int = 4, seed: int = 0, ldm_names: dict | None = None,
+                     with_alpha: bool = True, varied_alpha: bool = False) -> dict[str, torch.Tensor]:
+    """``roots``: component -> module; ``patterns``: component -> regex of module names to cover."""
+    prefixes = {"unet": "lora_unet_", "text_encoder": "lora_te1_" if "text_encoder_2" in roots else "lora_te_",
+                "text_encoder_2": "lora_te2_"}
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for comp, pattern in patterns.items():
+        root = roots[comp]
+        for i, name in enumerate(module_names(root, pattern)):
+            spelled = ldm_names[name] if (comp == "unet" and ldm_names is not None) else file_name(root, name)
+            key = prefixes[comp] + spelled.replace(".", "_")
+            down, up = random_factors(root.get_submodule(name), rank, gen)
+            sd[key + ".lora_down.weight"] = down
+            sd[key + ".lora_up.weight"] = up
+            if with_alpha:
+                sd[key + ".alpha"] = torch.tensor(float(rank) * (0.5 + (i % 3) * 0.5) if varied_alpha else rank / 2.0)
+    return sd
+
+
+def peft_state_dict(roots: dict, patterns: dict, rank: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for comp, pattern in patterns.items():
+        root = roots[comp]
+        for name in module_names(root, pattern):
+            down, up = random_factors(root.get_submodule(name), rank, gen)
+            sd[f"{comp}.{file_name(root, name)}.lora_A.weight"] = down
+            sd[f"{comp}.{file_name(root, name)}.lora_B.weight"] = up
+    return sd
+
+
+def peft_metadata(roots: dict, patterns: dict, rank: int, alpha: float, alpha_pattern: dict) -> dict[str, str]:
+    """diffusers' ``lora_adapter_metadata`` header: ``<component>.<LoraConfig field>`` -> value."""
+    meta = {}
+    for comp, pattern in patterns.items():
+        names = sorted(module_names(roots[comp], pattern))
+        meta.update({f"{comp}.r": rank, f"{comp}.lora_alpha": alpha, f"{comp}.target_modules": names,
+                     f"{comp}.alpha_pattern": alpha_pattern.get(comp, {}), f"{comp}.rank_pattern": {},
+                     f"{comp}.init_lora_weights": True, f"{comp}.use_dora": False, f"{comp}.lora_bias": False})
+    return {"format": "pt", "lora_adapter_metadata": json.dumps(meta)}
+
+
+def write(sd: dict, path: Path, metadata: dict | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path), metadata=metadata)
+    return path
+
+
+# LDM (sgm) names for the tiny SDXL UNet, written out by hand from the LDM layout (not derived by lora.keymap):
+# down_blocks.0 = DownBlock2D (1 resnet + downsampler), down_blocks.1 = CrossAttnDownBlock2D (1 resnet+attn);
+# up_blocks.0 = CrossAttnUpBlock2D (2 resnets+attns + upsampler), up_blocks.1 = UpBlock2D (2 resnets).
+TINY_SDXL_LDM_BLOCKS = {
+    "down_blocks.0.resnets.0": "input_blocks.1.0", "down_blocks.0.downsamplers.0": "input_blocks.2.0",
+    "down_blocks.1.resnets.0": "input_blocks.3.0", "down_blocks.1.attentions.0": "input_blocks.3.1",
+    "mid_block.resnets.0": "middle_block.0", "mid_block.attentions.0": "middle_block.1",
+    "mid_block.resnets.1": "middle_block.2",
+    "up_blocks.0.resnets.0": "output_blocks.0.0", "up_blocks.0.attentions.0": "output_blocks.0.1",
+    "up_blocks.0.resnets.1": "output_blocks.1.0", "up_blocks.0.attentions.1": "output_blocks.1.1",
+    "up_blocks.0.upsamplers.0": "output_blocks.1.2",
+    "up_blocks.1.resnets.0": "output_blocks.2.0", "up_blocks.1.resnets.1": "output_blocks.3.0",
+}
+RESNET_LDM = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
+              "conv_shortcut": "skip_connection"}
+
+
+def tiny_sdxl_ldm_names(unet: torch.nn.Module) -> dict[str, str]:
+    out = {}
+    for name, m in unet.named_modules():
+        if not isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
+            continue
+        for prefix, ldm in TINY_SDXL_LDM_BLOCKS.items():
+            if name.startswith(prefix + "."):
+                rest = name[len(prefix) + 1:]
+                rest = RESNET_LDM.get(rest, rest) if ".resnets." in prefix else rest
+                rest = "op" if prefix.endswith("downsamplers.0") and rest == "conv" else rest
+                out[name] = f"{ldm}.{rest}"
+    return out
+
+
+def diffusers_pipeline(components: dict):
+    """A diffusers pipeline over ``components`` (the reference LoRA loader lives on pipelines)."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    sched = DDIMScheduler(**components["scheduler_config"])
+    if "text_encoder_2" in components:
+        return StableDiffusionXLPipeline(vae=components["vae"], text_encoder=components["text_encoder"],
+                                         text_encoder_2=components["text_encoder_2"],
+                                         tokenizer=components["tokenizer"], tokenizer_2=components["tokenizer_2"],
+                                         unet=components["unet"], scheduler=sched)
+    return StableDiffusionPipeline(vae=components["vae"], text_encoder=components["text_encoder"],
+                                   tokenizer=components["tokenizer"], unet=components["unet"], scheduler=sched,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def unet_inputs(family: str, batch: int = 2, seed: int = 1) -> dict:
+    """Random inputs for one tiny UNet call (SDXL adds the text_time conditioning)."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = 64 + 128 if family == "sdxl" else (128 if family.startswith("sd2") else 64)
+    out = {"latents": torch.randn(batch, 4, 8, 8, generator=g), "timestep": 10,
+           "context": torch.randn(batch, 77, ctx, generator=g)}
+    if family == "sdxl":
+        out["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, 128, generator=g),
+                                    "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * batch)}
+    return out
+
+
+def run_unet(unet: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    kwargs = {"added_cond_kwargs": inputs["added_cond_kwargs"]} if "added_cond_kwargs" in inputs else {}
+    with torch.no_grad():
+        return unet(inputs["latents"], inputs["timestep"], encoder_hidden_states=inputs["context"],
+                    return_dict=False, **kwargs)[0]
+
+
+def run_text(parts, prompts=("a photo of a cat", "x")) -> list[torch.Tensor]:
+    """Last and penultimate hidden states of every text encoder (what the pipelines consume)."""
+    outs = []
+    with torch.no_grad():
+        for tok, te in ((parts.tokenizer, parts.text_encoder), (parts.tokenizer_2, parts.text_encoder_2)):
+            if te is None:
+                continue
+            ids = tok(list(prompts), padding="max_length", max_length=tok.model_max_length, truncation=True,
+                      return_tensors="pt").input_ids
+            res = te(ids, output_hidden_states=True)
+            outs += [res[0], res.hidden_states[-2]]
+    return outs
+
+
+def _hooks(m: torch.nn.Module) -> dict:
+    return {n: (tuple(sub._forward_hooks.values()), tuple(sub._forward_pre_hooks.values()))
+            for n, sub in m.named_modules()}
+
+
+def snapshot(*modules: torch.nn.Module) -> list:
+    """(name, data_ptr, copy) of every parameter and buffer, and every module's hooks, to prove a model was left
+    untouched (transformers' CLIP keeps hooks of its own, so hooks are compared, not required absent)."""
+    out = []
+    for i, m in enumerate(modules):
+        if m is None:
+            continue
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            out.append((f"{i}.{name}", t.data_ptr(), t.detach().clone()))
+        out.append((f"{i}.<hooks>", 0, _hooks(m)))
+    return out
+
+
+def assert_untouched(before, *modules: torch.nn.Module) -> None:
+    after = {}
+    for i, m in enumerate(modules):
+        if m is None:
+            continue
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            after[f"{i}.{name}"] = t
+        after[f"{i}.<hooks>"] = _hooks(m)
+    assert len(after) == len(before)
+    for name, ptr, copy in before:
+        t = after[name]
+        if name.endswith("<hooks>"):
+            assert t == copy, "hooks were left on the model"
+            continue
+        assert t.data_ptr() == ptr, f"{name} was reallocated"
+        assert torch.equal(t, copy), f"{name} changed"

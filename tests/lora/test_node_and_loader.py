@@ -1,0 +1,85 @@
+"""The LeanLoraInjector node contract, and the loader's cache and alpha conventions.
+
+Guards: node ID / inputs / COMBO from the loras folder; the node returns a view and leaves its input unchanged;
+files are cached per (path, mtime, size, device, dtype) and re-read when changed; PEFT alphas from ``.alpha`` keys,
+metadata and rsLoRA; no alpha means alpha = rank.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from leandiffusion.lora import formats, load_lora
+from leandiffusion.lora.loader import clear_cache
+from leandiffusion.memory.engine import engine_from_parts, parts_from_components
+from leandiffusion.nodes.lora import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from leandiffusion.tests.kit import tiny_components
+from leandiffusion.tests.lora import lorafiles as lf
+
+
+@pytest.fixture()
+def models_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(tmp_path))
+    (tmp_path / "loras" / "sub").mkdir(parents=True)
+    return tmp_path
+
+
+def test_node_contract_and_run(models_dir):
+    node = NODE_CLASS_MAPPINGS["LeanLoraInjector"]
+    assert NODE_DISPLAY_NAME_MAPPINGS["LeanLoraInjector"] == "Dynamic LoRA Injector"
+    assert node.CATEGORY == "LeanDiffusion/lora" and node.RETURN_TYPES == ("LEAN_MODEL",)
+    c = tiny_components("sd1")
+    engine = engine_from_parts(parts_from_components(c))
+    sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF})
+    lf.write(sd, models_dir / "loras" / "sub" / "style.safetensors")
+    spec = node.INPUT_TYPES()["required"]
+    assert list(spec) == ["lean_model", "lora_name", "strength", "strength_text_encoder", "target_blocks", "mode"]
+    assert spec["lora_name"][0] == ["sub/style.safetensors"]
+    assert spec["mode"][0] == ["unmerged", "merged"]
+    assert (spec["strength"][1]["min"], spec["strength"][1]["max"], spec["strength"][1]["default"]) == (-10.0, 10.0, 1.0)
+    assert spec["target_blocks"][1]["default"] == ""
+    (view,) = node().inject(engine, "sub/style.safetensors", 0.5, 1.0, "", "unmerged")
+    assert engine.adapters == () and len(view.adapters) == 1 and view.parts is engine.parts
+    with pytest.raises(ValueError, match="lora_name"):
+        node().inject(engine, "../escape.safetensors", 0.5, 1.0, "", "unmerged")
+
+
+def test_cache_per_file_identity(tmp_path):
+    clear_cache()
+    c = tiny_components("sd1")
+    path = lf.write(lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}), tmp_path / "a.safetensors")
+    a = load_lora(path, "cpu", torch.float32)
+    assert load_lora(path, "cpu", torch.float32) is a
+    assert load_lora(path, "cpu", torch.float64) is not a
+    lf.write(lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, seed=9), path)
+    os.utime(path, ns=(1, 1))
+    b = load_lora(path, "cpu", torch.float32)
+    assert b is not a and not torch.equal(b.parsed.layers[0].down, a.parsed.layers[0].down)
+
+
+def test_alpha_conventions():
+    down, up = torch.randn(4, 8), torch.randn(6, 4)
+    kohya = formats.parse_lora({"lora_unet_x.lora_down.weight": down, "lora_unet_x.lora_up.weight": up})
+    assert kohya.format == "kohya" and kohya.layers[0].scale == 1.0  # no alpha: alpha = rank
+    kohya = formats.parse_lora({"lora_unet_x.lora_down.weight": down, "lora_unet_x.lora_up.weight": up,
+                                "lora_unet_x.alpha": torch.tensor(2.0)})
+    assert kohya.layers[0].scale == 0.5
+    peft = {"unet.a.b.lora_A.weight": down, "unet.a.b.lora_B.weight": up,
+            "text_encoder.c.lora_A.weight": down, "text_encoder.c.lora_B.weight": up}
+    assert [l.scale for l in formats.parse_lora(peft).layers] == [1.0, 1.0]
+    meta = {"lora_adapter_metadata": json.dumps({"unet.lora_alpha": 8, "unet.alpha_pattern": {"b": 2},
+                                                 "text_encoder.lora_alpha": 16, "text_encoder.use_rslora": True})}
+    parsed = {(l.component, l.name): l.scale for l in formats.parse_lora(peft, meta).layers}
+    assert parsed == {("unet", "a.b"): 0.5, ("text_encoder", "c"): 8.0}
+    with_alpha_keys = dict(peft, **{"unet.a.b.alpha": torch.tensor(12.0)})
+    assert {l.name: l.scale for l in formats.parse_lora(with_alpha_keys).layers}["a.b"] == 3.0
+
+
+def test_loaded_layers_fold_scale_into_up(tmp_path):
+    down, up = torch.randn(4, 8), torch.randn(6, 4)
+    path = lf.write({"lora_unet_x.lora_down.weight": down, "lora_unet_x.lora_up.weight": up,
+                     "lora_unet_x.alpha": torch.tensor(1.0)}, tmp_path / "s.safetensors")
+    layer = load_lora(path, "cpu", torch.float64).parsed.layers[0]
+    assert layer.scale == 1.0 and torch.equal(layer.up, up.double() * 0.25)
+    assert layer.down.dtype == torch.float64

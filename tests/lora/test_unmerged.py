@@ -1,0 +1,208 @@
+"""Unmerged and merged injection on tiny fp32 CPU models, against plain math and against each other.
+
+Guards: y = W x + s * (alpha / r) * up(down(x)) with per-layer alphas and separate UNet / text strengths; merged ==
+unmerged; strength 0 == base bit-exactly; target_blocks touches nothing else; strength changes never move a base
+weight; stacking; the input view and its modules are left exactly as they were.
+"""
+import re
+
+import pytest
+import torch
+
+from leandiffusion.lora import inject_lora
+from leandiffusion.memory.engine import engine_from_parts, parts_from_components
+from leandiffusion.tests.kit import tiny_components
+from leandiffusion.tests.lora import lorafiles as lf
+
+TOL = 1e-5
+UNET_ALL = re.compile(lf.ATTN_FF.pattern + "|" + lf.LOCON.pattern)
+PATS = {"unet": UNET_ALL, "text_encoder": lf.TE_LINEARS}
+
+
+def _setup(tmp_path, seed=0, varied_alpha=True, family="sd1"):
+    c = tiny_components(family)
+    engine = engine_from_parts(parts_from_components(c))
+    lf.run_text(engine.parts)  # transformers installs its output-capturing hooks at the first call
+    roots = {"unet": c["unet"], "text_encoder": c["text_encoder"]}
+    sd = lf.kohya_state_dict(roots, PATS, rank=4, seed=seed, varied_alpha=varied_alpha)
+    path = lf.write(sd, tmp_path / f"k{seed}.safetensors")
+    return engine, sd, path
+
+
+def _reference_engine(sd_and_strengths, family="sd1"):
+    """A fresh model with W + s * alpha / r * up @ down written in by plain fp64 math (the trusted reference)."""
+    c = tiny_components(family)
+    roots = {"unet": c["unet"], "text_encoder": c["text_encoder"]}
+    with torch.no_grad():
+        for sd, s_unet, s_te in sd_and_strengths:
+            for comp, pattern in PATS.items():
+                prefix = "lora_unet_" if comp == "unet" else "lora_te_"
+                for name in lf.module_names(roots[comp], pattern):
+                    key = prefix + lf.file_name(roots[comp], name).replace(".", "_")
+                    down, up = sd[key + ".lora_down.weight"].double(), sd[key + ".lora_up.weight"].double()
+                    scale = sd[key + ".alpha"].item() / down.shape[0]
+                    w = roots[comp].get_submodule(name).weight
+                    delta = (up.flatten(1) @ down.flatten(1)).reshape(w.shape)
+                    s = s_unet if comp == "unet" else s_te
+                    w.copy_((w.double() + s * scale * delta).float())
+    return engine_from_parts(parts_from_components(c))
+
+
+def _outputs(view):
+    inputs = lf.unet_inputs(view.family)
+    with view.session("unet"):
+        u = lf.run_unet(view.parts.unet, inputs)
+    with view.session("text"):
+        t = lf.run_text(view.parts)
+    return [u] + t
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_per_layer_alphas_and_separate_strengths_match_plain_math(tmp_path):
+    engine, sd, path = _setup(tmp_path)
+    view = inject_lora(engine, path, strength=0.7, strength_text_encoder=-0.4)
+    ref = _reference_engine([(sd, 0.7, -0.4)])
+    assert _max_diff(_outputs(ref), _outputs(engine)) > 0.05
+    assert _max_diff(_outputs(view), _outputs(ref)) <= TOL
+
+
+@pytest.mark.parametrize("strength", [1.0, -1.3])
+def test_merged_equals_unmerged_and_restores_bit_exactly(tmp_path, strength):
+    engine, sd, path = _setup(tmp_path)
+    before = lf.snapshot(engine.parts.unet, engine.parts.text_encoder)
+    unmerged = inject_lora(engine, path, strength, 0.5, mode="unmerged")
+    merged = inject_lora(engine, path, strength, 0.5, mode="merged")
+    assert _max_diff(_outputs(merged), _outputs(unmerged)) <= TOL
+    lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
+
+
+@pytest.mark.parametrize("mode", ["unmerged", "merged"])
+def test_strength_zero_is_base_bit_exact(tmp_path, mode):
+    engine, _, path = _setup(tmp_path)
+    base = _outputs(engine)
+    view = inject_lora(engine, path, 0.0, 0.0, mode=mode)
+    for a, b in zip(_outputs(view), base):
+        assert torch.equal(a, b)
+
+
+def test_target_blocks_leave_every_other_module_bit_identical(tmp_path):
+    engine, _, path = _setup(tmp_path)
+    view = inject_lora(engine, path, 1.0, 1.0, target_blocks="mid_block, up_blocks.1.attentions.0")
+    chosen = lambda n: n.startswith("mid_block.") or n.startswith("up_blocks.1.attentions.0.")
+    covered = {n for n in lf.module_names(engine.parts.unet, UNET_ALL)}
+    g = torch.Generator().manual_seed(0)
+    probes = {}
+    for name, m in engine.parts.unet.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            probes[name] = torch.randn(3, m.in_features, generator=g)
+        elif isinstance(m, torch.nn.Conv2d):
+            probes[name] = torch.randn(1, m.in_channels, 6, 6, generator=g)
+    te_probe = engine.tokenize(["a cat"])
+    with torch.no_grad():
+        base = {n: engine.parts.unet.get_submodule(n)(x) for n, x in probes.items()}
+        base_te = engine.parts.text_encoder(te_probe)[0]
+        with view.session("unet"), view.session("text"):
+            ours = {n: view.parts.unet.get_submodule(n)(x) for n, x in probes.items()}
+            ours_te = view.parts.text_encoder(te_probe)[0]
+    changed = {n for n in probes if not torch.equal(base[n], ours[n])}
+    assert changed == {n for n in covered if chosen(n)}
+    assert torch.equal(base_te, ours_te)  # the text encoder is not listed, so it is untouched
+    # the whole UNet: every module before the first targeted block sees the same input, so the same output
+    outs = {}
+
+    def grab(store, name):
+        return lambda mod, args, out: store.__setitem__(name, out.detach().clone())
+
+    for store, eng in (("base", engine), ("lora", view)):
+        outs[store] = {}
+        hs = [m.register_forward_hook(grab(outs[store], n)) for n, m in eng.parts.unet.named_modules()
+              if n.startswith("down_blocks.") and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+        with eng.session("unet"):
+            lf.run_unet(eng.parts.unet, lf.unet_inputs("sd1"))
+        for h in hs:
+            h.remove()
+    assert outs["base"] and all(torch.equal(outs["base"][n], outs["lora"][n]) for n in outs["base"])
+
+
+@pytest.mark.parametrize("mode", ["unmerged", "merged"])
+def test_strength_change_moves_no_weight_and_keeps_graph_key(tmp_path, mode):
+    engine, _, path = _setup(tmp_path)
+    before = lf.snapshot(engine.parts.unet, engine.parts.text_encoder)
+    views = [inject_lora(engine, path, s, s, mode=mode) for s in (0.5, 1.5, -2.0)]
+    keys = {v.adapters[-1].graph_key for v in views}
+    assert len(keys) == 1 and hash(next(iter(keys)))
+    assert len({id(v.adapters[-1].binding) for v in views}) == 1  # one set of buffers for every strength
+    ptrs = None
+    outs = []
+    for v in views + [views[0]]:
+        with v.session("unet"):
+            if mode == "unmerged":
+                now = [t.data_ptr() for t in v.adapters[-1].binding._up_s["unet"]]
+                assert ptrs is None or now == ptrs
+                ptrs = now
+            assert all(p.data_ptr() == ptr for (_, ptr, _), p in zip(before, engine.parts.unet.parameters()))
+            outs.append(lf.run_unet(v.parts.unet, lf.unet_inputs("sd1")))
+    assert torch.equal(outs[0], outs[-1])  # back to the first strength: bit-identical result
+    assert not torch.equal(outs[0], outs[1])
+    lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
+
+
+def test_stacking_two_files_and_the_same_file_twice(tmp_path):
+    engine, sd_a, path_a = _setup(tmp_path, seed=1)
+    _, sd_b, path_b = _setup(tmp_path, seed=2)
+    stacked = inject_lora(inject_lora(engine, path_a, 0.6, 0.3), path_b, -0.8, 0.9)
+    ref = _reference_engine([(sd_a, 0.6, 0.3), (sd_b, -0.8, 0.9)])
+    assert _max_diff(_outputs(stacked), _outputs(ref)) <= TOL
+    twice = inject_lora(inject_lora(engine, path_a, 0.4, 0.2, mode="merged"), path_a, 0.5, 0.1)
+    once = inject_lora(engine, path_a, 0.9, 0.3)
+    assert twice.adapters[0].graph_key != twice.adapters[1].graph_key
+    assert _max_diff(_outputs(twice), _outputs(once)) <= TOL
+    same_twice = inject_lora(inject_lora(engine, path_a, 0.4, 0.2), path_a, 0.5, 0.1)
+    assert same_twice.adapters[0].binding is not same_twice.adapters[1].binding
+    assert _max_diff(_outputs(same_twice), _outputs(once)) <= TOL
+
+
+def test_input_view_and_modules_untouched(tmp_path):
+    engine, _, path = _setup(tmp_path)
+    before = lf.snapshot(engine.parts.unet, engine.parts.text_encoder)
+    base = _outputs(engine)
+    view = inject_lora(engine, path, 1.0, 1.0)
+    assert engine.adapters == () and len(view.adapters) == 1
+    assert view.parts is engine.parts
+    _outputs(view)
+    for a, b in zip(_outputs(engine), base):
+        assert torch.equal(a, b)
+    lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
+
+
+def test_sessions_attach_only_their_stage_and_nest(tmp_path):
+    engine, _, path = _setup(tmp_path)
+    view = inject_lora(engine, path, 1.0, 1.0)
+    own = {id(m): len(m._forward_hooks) for m in engine.parts.text_encoder.modules()}  # transformers' hooks
+    hooked = lambda root: sum(len(m._forward_hooks) - own.get(id(m), 0) for m in root.modules())
+    n_unet = len(lf.module_names(engine.parts.unet, UNET_ALL))
+    n_te = len(lf.module_names(engine.parts.text_encoder, lf.TE_LINEARS))
+    with view.session("unet"):
+        assert (hooked(engine.parts.unet), hooked(engine.parts.text_encoder)) == (n_unet, 0)
+        with view.session("text"):
+            assert (hooked(engine.parts.unet), hooked(engine.parts.text_encoder)) == (n_unet, n_te)
+            with view.session("text"):  # the same view nested again: counted, not re-attached
+                assert hooked(engine.parts.text_encoder) == n_te
+        assert hooked(engine.parts.text_encoder) == 0
+    assert hooked(engine.parts.unet) == 0
+
+
+def test_two_strengths_of_one_binding_cannot_run_at_once(tmp_path):
+    engine, _, path = _setup(tmp_path)
+    before = lf.snapshot(engine.parts.unet)
+    v1, v2 = inject_lora(engine, path, 1.0, 1.0), inject_lora(engine, path, 0.5, 1.0)
+    with v1.session("unet"):
+        with pytest.raises(RuntimeError, match="different strengths"):
+            with v2.session("unet"):
+                pass
+    lf.assert_untouched(before, engine.parts.unet)
+    with v2.session("unet"):  # and it still works afterwards
+        lf.run_unet(v2.parts.unet, lf.unet_inputs("sd1"))
