@@ -115,7 +115,10 @@ class _Reader:
             return np.frombuffer(raw[:2 * count], dtype="<f2").copy()
         if tag == 0:
             return self.raw_fp32(count, what)
-        kind = {TAG_INT8: "int8", TAG_FP32_SCALED: "fp32 with int8 scales"}.get(tag, "256-entry quantised table")
+        kind = {TAG_INT8: "int8", TAG_FP32_SCALED: "fp32 with int8 scales"}.get(tag)
+        if kind is None:
+            raise ValueError(f"{self.source}: {what} starts with tag 0x{tag:08X}, which is neither fp16 nor fp32: "
+                             f"the .bin does not belong to this .param (or holds a quantised table, unsupported)")
         raise ValueError(f"{self.source}: {what} is stored as {kind} (tag 0x{tag:08X}); only fp16 and fp32 "
                          f"ncnn weights are supported, re-export the model without int8 quantisation")
 

@@ -60,7 +60,8 @@ def test_compact_detect_and_forward(scale, num_conv):
 @pytest.mark.skipif(SPANDREL is None, reason=WHY or "spandrel")
 @pytest.mark.parametrize("kind", ["rrdb_x4", "rrdb_x2", "compact"])
 def test_matches_spandrel(kind):
-    sd = {"rrdb_x4": lambda: H.random_rrdb(), "rrdb_x2": lambda: H.random_rrdb(unshuffle=2),
+    # spandrel hard-codes the growth channels to 32
+    sd = {"rrdb_x4": lambda: H.random_rrdb(grow=32), "rrdb_x2": lambda: H.random_rrdb(grow=32, unshuffle=2),
           "compact": lambda: H.random_compact()}[kind]()
     ours = build_upscaler(sd)
     theirs = SPANDREL.ModelLoader().load_from_state_dict(sd).eval()
