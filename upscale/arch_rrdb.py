@@ -12,7 +12,8 @@ Network (all convolutions 3x3, stride 1, zero padding 1, LeakyReLU slope 0.2 wri
 Memory invariant (why this module is hand-written rather than imported from spandrel): a dense block keeps one
 preallocated ``[N, F + 4G, H, W]`` buffer and writes each new growth slice into it, so the concatenations of the
 reference code (which copy 96+128+160+192 channels per block) never exist; the convolutions read channel prefixes
-of the buffer, which for N == 1 are contiguous views. The arithmetic is the reference's, operation for operation.
+of the buffer, which for N == 1 in NCHW are contiguous views (batches and channels_last inputs concatenate as the
+reference does). The arithmetic is the reference's, operation for operation.
 
 The upsampling tail runs at up to 16x the pixel count of the body, so :meth:`RRDBNet.forward` can run it in row
 strips (``tail_rows``). Every tail layer is a 3x3 convolution at 2x/4x resolution or a nearest upsample, so an
@@ -49,6 +50,12 @@ class ResidualDenseBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, c, h, w = x.shape
         g = self.num_grow_ch
+        if n > 1 or (x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()):
+            # channel prefixes of a buffer are not dense here (batch > 1 or NHWC): concatenate instead
+            feats = [x]
+            for conv in (self.conv1, self.conv2, self.conv3, self.conv4):
+                feats.append(F.leaky_relu_(conv(torch.cat(feats, 1)), 0.2))
+            return self.conv5(torch.cat(feats, 1)).mul_(0.2).add_(x)
         buf = torch.empty((n, c + 4 * g, h, w), dtype=x.dtype, device=x.device)
         buf[:, :c].copy_(x)
         for k, conv in enumerate((self.conv1, self.conv2, self.conv3, self.conv4)):

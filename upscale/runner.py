@@ -16,7 +16,9 @@ Invariants:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import logging
 import math
 from typing import Optional
@@ -101,11 +103,26 @@ def auto_tile(upscaler: Upscaler, height: int, width: int, overlap: int, dtype: 
     return max(MIN_TILE, min(MAX_TILE, side // 8 * 8))
 
 
-def _placed_module(upscaler: Upscaler, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+LAYOUTS = ("nchw", "nhwc")
+
+
+def _placed_module(upscaler: Upscaler, device: torch.device, dtype: torch.dtype, layout: str) -> torch.nn.Module:
     params = list(upscaler.module.parameters())
-    if params and all(p.device == device and p.dtype == dtype for p in params):
+    if layout == "nchw" and params and all(p.device == device and p.dtype == dtype for p in params):
         return upscaler.module
-    return copy.deepcopy(upscaler.module).to(device=device, dtype=dtype).eval()
+    module = copy.deepcopy(upscaler.module).to(device=device, dtype=dtype).eval()
+    return module.to(memory_format=torch.channels_last) if layout == "nhwc" else module
+
+
+def _cudnn_benchmark(enabled: bool, device: torch.device):
+    """cuDNN autotuning for the duration of one call, every other cuDNN setting kept as it is, restored after."""
+    if not enabled or device.type != "cuda":
+        return contextlib.nullcontext()
+    cudnn = torch.backends.cudnn
+    names = inspect.signature(cudnn.flags).parameters
+    current = {name: getattr(cudnn, name) for name in names if hasattr(cudnn, name)}
+    current["benchmark"] = True
+    return cudnn.flags(**current)
 
 
 # --------------------------------------------------------------------------------------------- staging
@@ -169,7 +186,7 @@ def _crop(t: torch.Tensor, r: Span, c: Span, s: int) -> torch.Tensor:
 
 
 def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                 tile: int, overlap: int, work_bytes: int, on_tile) -> torch.Tensor:
+                 tile: int, overlap: int, work_bytes: int, on_tile, layout: str = "nchw") -> torch.Tensor:
     """[C, H, W] host image (aligned to ``multiple_of``) -> [H*s, W*s, C_out] float32 host image."""
     _, h, w = chw.shape
     s = upscaler.scale
@@ -184,6 +201,8 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
     for r, c in tiles:
         check_interrupted()
         x = stager.upload(chw[:, r.win0:r.win1, c.win0:c.win1]).to(dtype)
+        if layout == "nhwc":
+            x = x.contiguous(memory_format=torch.channels_last)
         y = _crop(upscaler.call(module, x, work_bytes), r, c, s)[0]
         del x
         y = y.clamp_(0, 1)
@@ -198,12 +217,12 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
 
 
 def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                        tile: int, overlap: int, work_bytes: int, on_tile) -> torch.Tensor:
+                        tile: int, overlap: int, work_bytes: int, on_tile, layout: str) -> torch.Tensor:
     tried = []
     tile = min(tile, max(chw.shape[1:]))
     while True:
         try:
-            return _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, on_tile)
+            return _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, on_tile, layout)
         except torch.OutOfMemoryError as exc:
             tried.append(tile)
             if tile // 2 < MIN_TILE:
@@ -253,14 +272,18 @@ def _validate(upscaler, images, output_scale, tile_size, tile_overlap) -> None:
 
 def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float = 0.0, device: str = "auto",
                    tile_size: int = 0, tile_overlap: int = 32, precision: str = "auto", quiet: bool = False,
-                   work_cap: Optional[int] = None) -> torch.Tensor:
+                   work_cap: Optional[int] = None, layout: str = "nchw", cudnn_benchmark: bool = False) -> torch.Tensor:
     """Upscale a [B, H, W, C] image batch; returns a new [B, H', W', C_out] float32 host tensor in 0..1.
 
     ``tile_size`` is the kept core of a tile (0: the largest that fits the working-memory budget, the whole image
     when it fits); ``tile_overlap`` is the context each tile sees beyond its core on every interior side.
-    ``work_cap`` lowers the activation budget (bytes) used for automatic tiles and tail strips.
+    ``work_cap`` lowers the activation budget (bytes) used for automatic tiles and tail strips. ``layout`` "nhwc"
+    runs the convolutions channels-last; ``cudnn_benchmark`` autotunes cuDNN for this call only (both are
+    measured in bench/suite_upscale.py before they become defaults).
     """
     _validate(upscaler, images, output_scale, tile_size, tile_overlap)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
     dev = choose_device(device, upscaler, tile_overlap)
     dtype = choose_dtype(precision, dev, upscaler)
     b, h, w, _ = images.shape
@@ -281,15 +304,16 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
     n_tiles = len(plan(hp, wp, min(tile, max(hp, wp)), tile_overlap, m))
     logger.info("ESRGAN upscale: %s on %s %s, %dx%d x%d, tile %d + %d context (%d tiles/image)",
                 upscaler.arch, dev, dtype, w, h, b, tile, tile_overlap, n_tiles)
-    module = _placed_module(upscaler, dev, dtype)
+    module = _placed_module(upscaler, dev, dtype, layout)
     result = torch.empty((b, out_h, out_w, upscaler.out_channels), dtype=torch.float32)
-    with torch.inference_mode(), ProgressBar(b * n_tiles, "ESRGAN upscale", quiet) as bar:
+    with torch.inference_mode(), _cudnn_benchmark(cudnn_benchmark, dev), \
+            ProgressBar(b * n_tiles, "ESRGAN upscale", quiet) as bar:
         for i in range(b):
             chw = images[i].permute(2, 0, 1).to(torch.float32)
             if (hp, wp) != (h, w):
                 chw = F.pad(chw.unsqueeze(0), (0, wp - w, 0, hp - h), mode="reflect")[0]
             y = _upscale_with_retry(upscaler, module, chw, dev, dtype, tile, tile_overlap, work_bytes,
-                                    lambda: bar.update(1))
+                                    lambda: bar.update(1), layout)
             result[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
             del y
     return result

@@ -144,3 +144,11 @@ def test_missing_file_and_bad_extension(tmp_path):
     bad.write_bytes(b"x")
     with pytest.raises(ValueError, match="extension"):
         load_upscaler(bad)
+
+
+def test_rrdb_batch_uses_concatenation_path():
+    sd = H.random_rrdb()
+    up = build_upscaler(sd)
+    x = torch.rand(2, 3, 9, 7)
+    with torch.inference_mode():
+        torch.testing.assert_close(up.module(x), H.ref_rrdb(sd, x), atol=1e-5, rtol=1e-5)

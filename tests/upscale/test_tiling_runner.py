@@ -220,3 +220,15 @@ def test_spandrel_style_upscaler_without_helpers():
     up = Upscaler(inner, "generic", 4, context=None)
     out = upscale_images(up, _img(1, 40, 36), device="cpu", tile_size=32, tile_overlap=8, quiet=True)
     assert out.shape == (1, 160, 144, 3) and 0 <= out.min() and out.max() <= 1
+
+
+def test_nhwc_layout_matches():
+    """channels_last runs the dense blocks through concatenation; same numbers as the buffer path."""
+    for sd in (H.random_rrdb(num_block=1), H.random_compact(num_conv=2)):
+        up = build_upscaler(sd)
+        img = _img(1, 40, 33)
+        a = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True)
+        b = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True, layout="nhwc")
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="layout"):
+        upscale_images(up, img, device="cpu", layout="nwhc")
