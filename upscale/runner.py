@@ -21,6 +21,7 @@ import copy
 import inspect
 import logging
 import math
+import traceback
 from typing import Optional
 
 import torch
@@ -238,6 +239,16 @@ def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: t
         work_bytes //= 2
 
 
+def _release_frames(exc: BaseException) -> None:
+    """Drop the locals (GPU windows, the device copy of the model) that an exception's frames would keep alive
+    for as long as the caller holds the exception."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 def _resize(hwc: torch.Tensor, out_h: int, out_w: int) -> torch.Tensor:
     if hwc.shape[0] == out_h and hwc.shape[1] == out_w:
         return hwc
@@ -306,14 +317,19 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
                 upscaler.arch, dev, dtype, w, h, b, tile, tile_overlap, n_tiles)
     module = _placed_module(upscaler, dev, dtype, layout)
     result = torch.empty((b, out_h, out_w, upscaler.out_channels), dtype=torch.float32)
-    with torch.inference_mode(), _cudnn_benchmark(cudnn_benchmark, dev), \
-            ProgressBar(b * n_tiles, "ESRGAN upscale", quiet) as bar:
-        for i in range(b):
-            chw = images[i].permute(2, 0, 1).to(torch.float32)
-            if (hp, wp) != (h, w):
-                chw = F.pad(chw.unsqueeze(0), (0, wp - w, 0, hp - h), mode="reflect")[0]
-            y = _upscale_with_retry(upscaler, module, chw, dev, dtype, tile, tile_overlap, work_bytes,
-                                    lambda: bar.update(1), layout)
-            result[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
-            del y
+    try:
+        with torch.inference_mode(), _cudnn_benchmark(cudnn_benchmark, dev), \
+                ProgressBar(b * n_tiles, "ESRGAN upscale", quiet) as bar:
+            for i in range(b):
+                chw = images[i].permute(2, 0, 1).to(torch.float32)
+                if (hp, wp) != (h, w):
+                    chw = F.pad(chw.unsqueeze(0), (0, wp - w, 0, hp - h), mode="reflect")[0]
+                y = _upscale_with_retry(upscaler, module, chw, dev, dtype, tile, tile_overlap, work_bytes,
+                                        lambda: bar.update(1), layout)
+                result[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
+                del y
+    except BaseException as exc:  # re-raised: only releases GPU memory the traceback would otherwise pin
+        module = None
+        _release_frames(exc)
+        raise
     return result

@@ -5,6 +5,7 @@ tolerance table of the fp32 CPU reference; an injected OOM on the GPU halves the
 behind; a batch peaks no higher than one image; RRDB x4plus on 1024x1024 stays under 2 GB allocated.
 Real weights come from $LEANDIFFUSION_UPSCALE_WEIGHTS (prepare_bench_weights) on the device.
 """
+import gc
 from dataclasses import replace
 
 import pytest
@@ -71,6 +72,7 @@ def test_oom_recovers_and_frees_memory():
     with pytest.raises(RuntimeError, match="out of memory"):
         upscale_images(replace(base, module=_OomAbove(base.module, 1)), img, device="gpu", tile_size=256,
                        quiet=True)
+    gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
 

@@ -232,3 +232,17 @@ def test_nhwc_layout_matches():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="layout"):
         upscale_images(up, img, device="cpu", layout="nwhc")
+
+
+def test_error_releases_frame_locals():
+    """After a failed run, the exception no longer pins the runner's tensors (GPU memory on a GPU)."""
+    up, spy, _ = _spied(limit=1)
+    with pytest.raises(RuntimeError) as info:
+        upscale_images(up, _img(1, 100, 100), device="cpu", tile_size=64, tile_overlap=8, quiet=True)
+    tb = info.value.__cause__.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    inner = [f for f in frames if f.f_code.co_name == "_upscale_one"]
+    assert inner and all(not f.f_locals for f in inner)
