@@ -47,7 +47,7 @@ def test_converted_parameter_counts(converted, name):
 
 
 @pytest.mark.parametrize("name,native", [("REALESRGAN_ANIMAVIDEOV3_UP2X", 2.0), ("REALESRGAN_ANIMAVIDEOV3_UP3X", 3.0),
-                                         ("REALESRGAN_ANIMAVIDEOV3_UP4X", 4.0), ("REALESRGAN_X4PLUS_UP4X", 4.0)])
+                                         ("REALESRGAN_ANIMAVIDEOV3_UP4X", 4.0)])
 def test_native_output_scale(converted, name, native):
     assert load_upscaler(converted[name]).native_output_scale == native
 
