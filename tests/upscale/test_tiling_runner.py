@@ -205,7 +205,7 @@ def test_interruption_stops_between_tiles():
 
 
 def test_inputs_are_not_modified():
-    up = build_upscaler(H.random_rrdb(unshuffle=2))
+    up = build_upscaler(H.random_rrdb(num_feat=4, num_block=1, grow=4, unshuffle=2))
     before = {k: v.clone() for k, v in up.module.state_dict().items()}
     img = _img(2, 34, 21)
     copy = img.clone()
