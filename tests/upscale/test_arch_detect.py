@@ -1,0 +1,154 @@
+"""Architectures and the declarative detector, on tiny random models in every key naming.
+
+Guards: each naming (Real-ESRGAN, BSRGAN, original ESRGAN; pixel-unshuffle x2/x1; x8) is detected with the right
+hyperparameters and computes what the published equations say (plain cat-based reference in helpers.py); the
+RRDB tail strips and the dense-block buffer change nothing; .safetensors and .pth round trips; clear errors for
+files that are not upscalers, are cut short, or carry code.
+"""
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from leandiffusion.tests.upscale import helpers as H
+from leandiffusion.upscale.detect import detect
+from leandiffusion.upscale.loader import build_upscaler, load_upscaler
+
+SPANDREL, WHY = H.import_spandrel()
+
+RRDB_CASES = [  # (n_up, unshuffle, net scale)
+    (2, 1, 4), (2, 2, 2), (2, 4, 1), (1, 1, 2), (3, 1, 8),
+]
+
+
+@pytest.mark.parametrize("n_up,unshuffle,scale", RRDB_CASES)
+@pytest.mark.parametrize("naming", ["realesrgan", "bsrgan", "original"])
+def test_rrdb_detect_and_forward(n_up, unshuffle, scale, naming):
+    sd = H.random_rrdb(n_up=n_up, unshuffle=unshuffle)
+    named = {"realesrgan": sd, "bsrgan": H.to_bsrgan_keys(sd), "original": H.to_original_keys(sd, n_up)}[naming]
+    up = build_upscaler(named)
+    assert up.arch == "ESRGAN" and up.scale == scale and up.multiple_of == unshuffle
+    assert up.in_channels == 3 and up.out_channels == 3
+    x = torch.rand(1, 3, 13, 10)  # odd sizes: the unshuffle variants pad by reflection like Real-ESRGAN
+    with torch.inference_mode():
+        ours = up.module(x)
+    ref = H.ref_rrdb(sd, x, unshuffle)
+    assert ours.shape == (1, 3, 13 * scale, 10 * scale)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rrdb_tail_strips_are_exact():
+    up = build_upscaler(H.random_rrdb(n_up=2))
+    x = torch.rand(1, 3, 17, 9)
+    with torch.inference_mode():
+        whole = up.module(x)
+        for rows in (1, 2, 5, 16):
+            torch.testing.assert_close(up.module(x, tail_rows=rows), whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("scale,num_conv", [(4, 3), (2, 1), (3, 2), (1, 2)])
+def test_compact_detect_and_forward(scale, num_conv):
+    sd = H.random_compact(num_conv=num_conv, scale=scale)
+    up = build_upscaler(sd)
+    assert up.arch == "SRVGGNetCompact" and up.scale == scale and up.context == num_conv + 2
+    x = torch.rand(1, 3, 11, 7)
+    with torch.inference_mode():
+        torch.testing.assert_close(up.module(x), H.ref_compact(sd, x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(SPANDREL is None, reason=WHY or "spandrel")
+@pytest.mark.parametrize("kind", ["rrdb_x4", "rrdb_x2", "compact"])
+def test_matches_spandrel(kind):
+    # spandrel hard-codes the growth channels to 32
+    sd = {"rrdb_x4": lambda: H.random_rrdb(grow=32), "rrdb_x2": lambda: H.random_rrdb(grow=32, unshuffle=2),
+          "compact": lambda: H.random_compact()}[kind]()
+    ours = build_upscaler(sd)
+    theirs = SPANDREL.ModelLoader().load_from_state_dict(sd).eval()
+    assert theirs.scale == ours.scale
+    x = torch.rand(1, 3, 12, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(ours.module(x).clamp(0, 1), theirs(x), atol=1e-5, rtol=1e-5)
+
+
+def test_detection_is_by_keys_and_ordered():
+    assert detect(H.random_compact()).name == "SRVGGNetCompact"
+    assert detect(H.random_rrdb()).name.startswith("ESRGAN (Real-ESRGAN")
+    assert detect(H.to_bsrgan_keys(H.random_rrdb())).name.startswith("ESRGAN (BSRGAN")
+    plus = H.to_original_keys(H.random_rrdb(), 2)
+    plus["model.1.sub.0.RDB1.conv1x1.weight"] = torch.zeros(4, 8, 1, 1)  # ESRGAN+ is not ours
+    assert detect(plus) is None
+    assert detect({"foo.weight": torch.zeros(1)}) is None
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_file_round_trip_and_wrappers(tmp_path, suffix):
+    sd = H.random_rrdb()
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".safetensors":
+        save_file(sd, str(path))
+    else:
+        torch.save({"params_ema": {f"module.{k}": v for k, v in sd.items()}}, path)
+    up = load_upscaler(path)
+    x = torch.rand(1, 3, 8, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(up.module(x), H.ref_rrdb(sd, x), atol=1e-5, rtol=1e-5)
+
+
+def test_not_an_upscaler(tmp_path):
+    path = tmp_path / "unet.safetensors"
+    save_file({"down_blocks.0.resnets.0.conv1.weight": torch.zeros(4, 4, 3, 3)}, str(path))
+    with pytest.raises(ValueError, match="not a known upscaler"):
+        load_upscaler(path)
+
+
+def test_wrong_shapes_are_refused():
+    sd = H.random_rrdb()
+    sd["body.1.rdb2.conv3.weight"] = torch.zeros(4, 7, 3, 3)
+    with pytest.raises((ValueError, RuntimeError), match="size mismatch|does not"):
+        build_upscaler(sd)
+    sd = H.random_rrdb()
+    del sd["body.0.rdb3.conv5.bias"]
+    with pytest.raises(ValueError, match="missing keys"):
+        build_upscaler(sd)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_truncated_file(tmp_path, suffix):
+    path = tmp_path / f"m{suffix}"
+    sd = H.random_compact()
+    save_file(sd, str(path)) if suffix == ".safetensors" else torch.save(sd, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated"):
+        load_upscaler(path)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_pickle_with_code_is_refused(tmp_path):
+    path = tmp_path / "evil.pth"
+    with open(path, "wb") as f:
+        pickle.dump({"x": _Evil()}, f)
+    with pytest.raises(ValueError, match="weights_only"):
+        load_upscaler(path)
+
+
+def test_missing_file_and_bad_extension(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_upscaler(tmp_path / "nope.pth")
+    bad = tmp_path / "m.onnx"
+    bad.write_bytes(b"x")
+    with pytest.raises(ValueError, match="extension"):
+        load_upscaler(bad)
+
+
+def test_rrdb_batch_uses_concatenation_path():
+    sd = H.random_rrdb()
+    up = build_upscaler(sd)
+    x = torch.rand(2, 3, 9, 7)
+    with torch.inference_mode():
+        torch.testing.assert_close(up.module(x), H.ref_rrdb(sd, x), atol=1e-5, rtol=1e-5)

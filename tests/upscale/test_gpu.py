@@ -1,0 +1,115 @@
+"""GPU path: pinned double-buffered staging, fp16 accuracy, OOM recovery without leaks, bounded peak memory.
+
+Guards: the CUDA stager (pinned slots, events, host accumulation) gives the CPU result; fp16 stays within the
+tolerance table of the fp32 CPU reference; an injected OOM on the GPU halves the tile and leaves no memory
+behind; a batch peaks no higher than one image; RRDB x4plus on 1024x1024 stays under 2 GB allocated.
+Real weights come from $LEANDIFFUSION_UPSCALE_WEIGHTS (prepare_bench_weights) on the device.
+"""
+import gc
+from dataclasses import replace
+
+import pytest
+import torch
+
+from leandiffusion.tests.upscale import helpers as H
+from leandiffusion.upscale.loader import build_upscaler, load_upscaler
+from leandiffusion.upscale.runner import upscale_images
+
+pytestmark = pytest.mark.gpu
+
+# dtype -> (max, mean) tolerance in 0..1 units vs the fp32 CPU result (TF32 may be on for fp32 convolutions)
+TOLERANCE = {"fp32": (2e-3, 2e-4), "fp16": (6 / 255, 0.5 / 255), "bf16": (16 / 255, 2 / 255)}
+
+
+def _img(b, h, w, seed=0):
+    return torch.rand(b, h, w, 3, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_pinned_tiled_matches_cpu(precision):
+    sd = H.random_compact(num_feat=16, num_conv=3)
+    up = build_upscaler(sd)
+    img = _img(2, 150, 97)
+    ref = upscale_images(up, img, device="cpu", quiet=True)
+    out = upscale_images(up, img, device="gpu", precision=precision, tile_size=32, tile_overlap=8, quiet=True)
+    diff = (out - ref).abs()
+    tmax, tmean = TOLERANCE[precision]
+    assert out.device.type == "cpu" and out.dtype == torch.float32
+    assert diff.max().item() <= tmax and diff.mean().item() <= tmean
+
+
+def test_rrdb_unshuffle_gpu_matches_cpu():
+    up = build_upscaler(H.random_rrdb(num_feat=16, num_block=1, grow=8, unshuffle=2))
+    img = _img(1, 91, 130)
+    ref = upscale_images(up, img, device="cpu", quiet=True)
+    out = upscale_images(up, img, device="gpu", precision="fp32", tile_size=32, tile_overlap=56, quiet=True)
+    assert (out - ref).abs().max().item() <= TOLERANCE["fp32"][0]
+
+
+class _OomAbove(torch.nn.Module):
+    def __init__(self, inner, limit):
+        super().__init__()
+        self.inner, self.limit = inner, limit
+
+    def forward(self, x):
+        y = self.inner(x)  # allocate first, so the failed attempt really holds GPU memory
+        if x.shape[-1] * x.shape[-2] > self.limit:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return y
+
+
+def test_oom_recovers_and_frees_memory():
+    base = build_upscaler(H.random_compact(num_feat=16, num_conv=3))
+    up = replace(base, module=_OomAbove(base.module, 80 * 80))
+    img = _img(1, 128, 128)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = upscale_images(up, img, device="gpu", precision="fp32", tile_size=256, tile_overlap=8, quiet=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    ref = upscale_images(base, img, device="cpu", quiet=True)
+    assert (out - ref).abs().max().item() <= TOLERANCE["fp32"][0]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        upscale_images(replace(base, module=_OomAbove(base.module, 1)), img, device="gpu", tile_size=256,
+                       quiet=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+def _peak(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def test_batch_peak_equals_single_image():
+    up = build_upscaler(H.random_rrdb(num_feat=32, num_block=2, grow=16))
+    one, three = _img(1, 300, 260), _img(3, 300, 260, seed=1)
+    p1 = _peak(lambda: upscale_images(up, one, device="gpu", precision="fp16", tile_size=128, quiet=True))
+    p3 = _peak(lambda: upscale_images(up, three, device="gpu", precision="fp16", tile_size=128, quiet=True))
+    assert p3 <= 1.05 * p1
+
+
+def test_real_rrdb_1024_peak_under_2gb(bench_weights):
+    if "REALESRGAN_X4PLUS_UP4X" not in bench_weights:
+        pytest.skip("RRDB x4plus weights not in LEANDIFFUSION_UPSCALE_WEIGHTS")
+    up = load_upscaler(bench_weights["REALESRGAN_X4PLUS_UP4X"])
+    img = _img(1, 1024, 1024)
+    peak = _peak(lambda: upscale_images(up, img, device="gpu", precision="fp16", quiet=True))
+    assert peak <= 2 * 2 ** 30, f"{peak / 2 ** 30:.2f} GiB"
+
+
+def test_real_compact_fp16_close_to_cpu_fp32(bench_weights):
+    if "REALESRGAN_ANIMAVIDEOV3_UP4X" not in bench_weights:
+        pytest.skip("compact weights not in LEANDIFFUSION_UPSCALE_WEIGHTS")
+    up = load_upscaler(bench_weights["REALESRGAN_ANIMAVIDEOV3_UP4X"])
+    img = _img(1, 160, 200)
+    ref = upscale_images(up, img, device="cpu", quiet=True)
+    out = upscale_images(up, img, device="gpu", precision="fp16", tile_size=64, quiet=True)
+    diff = (out - ref).abs()
+    assert diff.max().item() <= TOLERANCE["fp16"][0] and diff.mean().item() <= TOLERANCE["fp16"][1]

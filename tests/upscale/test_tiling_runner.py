@@ -1,0 +1,248 @@
+"""Tile plan and runner on tiny random models (CPU, fp32).
+
+Guards: cores partition the image, windows stay inside it and aligned, feather weights sum to one; with at least
+the receptive field as context a tiled run equals the untiled one (compact and pixel-unshuffle RRDB); OOM halves
+the tile then fails clearly; batches run image by image within one image's window size; output_scale resizes
+with antialiased bicubic; bad inputs raise ValueError/TypeError naming the argument; device='cpu' never calls
+CUDA; interruption stops the run; the input batch is never modified.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leandiffusion import bridge
+from leandiffusion.tests.upscale import helpers as H
+from leandiffusion.upscale import runner
+from leandiffusion.upscale.descriptor import Upscaler
+from leandiffusion.upscale.loader import build_upscaler
+from leandiffusion.upscale.tiling import axis_weights, plan_axis
+from leandiffusion.upscale.runner import upscale_images
+
+
+@pytest.mark.parametrize("length,tile,overlap,m", [(100, 32, 8, 1), (97, 40, 32, 1), (128, 32, 0, 4),
+                                                   (64, 64, 32, 1), (250, 33, 30, 2), (1000, 512, 32, 1)])
+def test_plan_axis_invariants(length, tile, overlap, m):
+    spans = plan_axis(length, tile, overlap, m)
+    cover = torch.zeros(length * 3)
+    o = -(-overlap // m) * m
+    for i, s in enumerate(spans):
+        assert 0 <= s.win0 <= s.keep0 < s.keep1 <= s.win1 <= length
+        assert s.win0 % m == 0 and s.win1 % m == 0
+        cover[s.keep0 * 3:s.keep1 * 3] += axis_weights(s, 3)
+        if len(spans) > 1:
+            assert s.keep1 - s.keep0 <= tile + m + o  # core (<= tile, rounded to m) plus the bands
+            # context beyond the kept part on interior sides: at least 3/4 of the overlap
+            if s.keep0 > 0:
+                assert s.keep0 - s.win0 >= o - o // 4
+            if s.keep1 < length:
+                assert s.win1 - s.keep1 >= o - o // 4
+    torch.testing.assert_close(cover, torch.ones_like(cover), atol=1e-6, rtol=0)
+    if length <= tile:
+        assert len(spans) == 1
+
+
+def _img(b, h, w, seed=0):
+    return torch.rand(b, h, w, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def test_compact_tiled_equals_untiled():
+    up = build_upscaler(H.random_compact(num_conv=3))  # receptive field 5 px; overlap 8 leaves >= 6 of context
+    img = _img(1, 70, 45)
+    whole = upscale_images(up, img, device="cpu", quiet=True)
+    ref = H.ref_compact(H.random_compact(num_conv=3), img.permute(0, 3, 1, 2)).clamp(0, 1).permute(0, 2, 3, 1)
+    torch.testing.assert_close(whole, ref, atol=1e-5, rtol=0)
+    tiled = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True)
+    torch.testing.assert_close(tiled, whole, atol=1e-5, rtol=0)
+
+
+def test_unshuffle_rrdb_tiled_equals_untiled():
+    up = build_upscaler(H.random_rrdb(num_block=1, unshuffle=2))  # x2 net: windows must align to 2 px
+    img = _img(1, 45, 66)  # odd height: padded by reflection, cropped after
+    whole = upscale_images(up, img, device="cpu", quiet=True)
+    assert whole.shape == (1, 90, 132, 3)
+    ref = H.ref_rrdb(H.random_rrdb(num_block=1, unshuffle=2), img.permute(0, 3, 1, 2), 2).clamp(0, 1)
+    torch.testing.assert_close(whole, ref.permute(0, 2, 3, 1), atol=1e-5, rtol=0)
+    tiled = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=56, quiet=True)
+    torch.testing.assert_close(tiled, whole, atol=1e-5, rtol=0)
+
+
+class _Spy(torch.nn.Module):
+    """Wraps a module; records window sizes and raises OOM above ``limit`` pixels."""
+
+    def __init__(self, inner, limit=None):
+        super().__init__()
+        self.inner, self.limit, self.sizes = inner, limit, []
+
+    def forward(self, x):
+        self.sizes.append(tuple(x.shape[-2:]))
+        if self.limit is not None and x.shape[-1] * x.shape[-2] > self.limit:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return self.inner(x)
+
+
+def _spied(limit=None):
+    base = build_upscaler(H.random_compact(num_conv=3))
+    spy = _Spy(base.module, limit)
+    from dataclasses import replace
+
+    return replace(base, module=spy), spy, base
+
+
+def test_oom_halves_the_tile_and_recovers(caplog):
+    up, spy, base = _spied(limit=70 * 70)
+    img = _img(1, 100, 100)
+    with caplog.at_level("WARNING"):
+        out = upscale_images(up, img, device="cpu", tile_size=256, tile_overlap=8, quiet=True)
+    assert spy.sizes[0] == (100, 100) and max(h * w for h, w in spy.sizes[1:]) <= 70 * 70
+    assert "retrying with tile 50" in caplog.text
+    torch.testing.assert_close(out, upscale_images(base, img, device="cpu", quiet=True), atol=1e-5, rtol=0)
+
+
+def test_oom_everywhere_is_a_clear_error():
+    up, spy, _ = _spied(limit=1)
+    with pytest.raises(RuntimeError, match=r"out of memory .* tile sizes \[100, 50\]"):
+        upscale_images(up, _img(1, 100, 100), device="cpu", tile_size=256, tile_overlap=8, quiet=True)
+
+
+def test_batch_is_image_by_image():
+    up, spy, base = _spied()
+    imgs = _img(3, 48, 40, seed=3)
+    out = upscale_images(up, imgs, device="cpu", tile_size=32, tile_overlap=8, quiet=True)
+    batch_sizes = list(spy.sizes)
+    spy.sizes.clear()
+    singles = torch.cat([upscale_images(up, imgs[i:i + 1], device="cpu", tile_size=32, tile_overlap=8, quiet=True)
+                         for i in range(3)])
+    torch.testing.assert_close(out, singles, atol=0, rtol=0)
+    assert max(h * w for h, w in batch_sizes) == max(h * w for h, w in spy.sizes)  # same bound as one image
+    assert len(batch_sizes) == len(spy.sizes)
+
+
+@pytest.mark.parametrize("output_scale", [2.5, 0.5])
+def test_output_scale(output_scale):
+    up = build_upscaler(H.random_compact(num_conv=1))
+    img = _img(1, 21, 30)
+    native = upscale_images(up, img, device="cpu", quiet=True)
+    out = upscale_images(up, img, output_scale=output_scale, device="cpu", quiet=True)
+    size = (round(21 * output_scale), round(30 * output_scale))
+    ref = F.interpolate(native.permute(0, 3, 1, 2), size=size, mode="bicubic", antialias=True).clamp(0, 1)
+    assert out.shape == (1, *size, 3)
+    torch.testing.assert_close(out, ref.permute(0, 2, 3, 1), atol=1e-6, rtol=0)
+
+
+def test_auto_tile_tiles_only_when_over_budget():
+    up = build_upscaler(H.random_rrdb())
+    assert runner.auto_tile(up, 100, 80, 32, torch.float32, budget=10 ** 12) == 100
+    budget = up.work_bytes(200, 200, torch.float32)
+    tile = runner.auto_tile(up, 1000, 1000, 32, torch.float32, budget)
+    assert 32 <= tile <= 200 - 64 and up.work_bytes(tile + 64, tile + 64, torch.float32) <= budget
+
+
+def test_work_cap_tiles_and_still_matches():
+    up = build_upscaler(H.random_compact(num_conv=3))
+    img = _img(1, 90, 90)
+    capped = upscale_images(up, img, device="cpu", tile_overlap=8, work_cap=up.work_bytes(50, 50, torch.float32),
+                            quiet=True)
+    torch.testing.assert_close(capped, upscale_images(up, img, device="cpu", quiet=True), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(output_scale=0.1), "output_scale"), (dict(tile_size=16), "tile_size"),
+    (dict(tile_overlap=300), "tile_overlap"), (dict(device="tpu"), "device"), (dict(precision="fp8"), "precision"),
+])
+def test_bad_arguments(kwargs, match):
+    up = build_upscaler(H.random_compact(num_conv=1))
+    with pytest.raises(ValueError, match=match):
+        upscale_images(up, _img(1, 8, 8), **{"device": "cpu", **kwargs})
+
+
+def test_bad_images():
+    up = build_upscaler(H.random_rrdb(unshuffle=4))  # x1 model: needs at least 4x4 px
+    with pytest.raises(ValueError, match="smaller than the 4x4"):
+        upscale_images(up, _img(1, 3, 9), device="cpu")
+    with pytest.raises(ValueError, match="channels"):
+        upscale_images(up, torch.rand(1, 8, 8, 4), device="cpu")
+    with pytest.raises(TypeError, match="image"):
+        upscale_images(up, torch.rand(8, 8, 3), device="cpu")
+    with pytest.raises(TypeError, match="upscaler"):
+        upscale_images(up.module, _img(1, 8, 8), device="cpu")
+
+
+def test_cpu_never_touches_cuda(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("CUDA was called for device='cpu'")
+
+    for name in ("is_available", "mem_get_info", "current_device", "synchronize", "Event", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, boom)
+    up = build_upscaler(H.random_compact(num_conv=1))
+    out = upscale_images(up, _img(1, 40, 40), device="cpu", tile_size=32, quiet=True)
+    assert out.shape == (1, 160, 160, 3)
+
+
+def test_gpu_requested_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    up = build_upscaler(H.random_compact(num_conv=1))
+    with pytest.raises(ValueError, match="no CUDA device"):
+        upscale_images(up, _img(1, 8, 8), device="gpu")
+    assert runner.choose_device("auto", up).type == "cpu"
+
+
+def test_interruption_stops_between_tiles():
+    up = build_upscaler(H.random_compact(num_conv=1))
+    calls = []
+
+    def hook():
+        calls.append(1)
+        if len(calls) == 3:
+            raise bridge.Interrupted("stop")
+
+    bridge.set_interrupt_hook(hook)
+    try:
+        with pytest.raises(bridge.Interrupted):
+            upscale_images(up, _img(1, 100, 100), device="cpu", tile_size=32, quiet=True)
+    finally:
+        bridge.set_interrupt_hook(None)
+    assert len(calls) == 3
+
+
+def test_inputs_are_not_modified():
+    up = build_upscaler(H.random_rrdb(num_feat=4, num_block=1, grow=4, unshuffle=2))
+    before = {k: v.clone() for k, v in up.module.state_dict().items()}
+    img = _img(2, 34, 21)
+    copy = img.clone()
+    upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, precision="bf16", quiet=True)
+    assert torch.equal(img, copy)
+    assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in up.module.state_dict().items())
+
+
+def test_spandrel_style_upscaler_without_helpers():
+    """A generic module (the spandrel path) runs through the plain call."""
+    inner = build_upscaler(H.random_compact(num_conv=1)).module
+    up = Upscaler(inner, "generic", 4, context=None)
+    out = upscale_images(up, _img(1, 40, 36), device="cpu", tile_size=32, tile_overlap=8, quiet=True)
+    assert out.shape == (1, 160, 144, 3) and 0 <= out.min() and out.max() <= 1
+
+
+def test_nhwc_layout_matches():
+    """channels_last runs the dense blocks through concatenation; same numbers as the buffer path."""
+    for sd in (H.random_rrdb(num_block=1), H.random_compact(num_conv=2)):
+        up = build_upscaler(sd)
+        img = _img(1, 40, 33)
+        a = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True)
+        b = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True, layout="nhwc")
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="layout"):
+        upscale_images(up, img, device="cpu", layout="nwhc")
+
+
+def test_error_releases_frame_locals():
+    """After a failed run, the exception no longer pins the runner's tensors (GPU memory on a GPU)."""
+    up, spy, _ = _spied(limit=1)
+    with pytest.raises(RuntimeError) as info:
+        upscale_images(up, _img(1, 100, 100), device="cpu", tile_size=64, tile_overlap=8, quiet=True)
+    tb = info.value.__cause__.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    inner = [f for f in frames if f.f_code.co_name == "_upscale_one"]
+    assert inner and all(not f.f_locals for f in inner)

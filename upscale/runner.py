@@ -1,0 +1,335 @@
+"""Tiled ESRGAN inference on the GPU or the CPU, image by image, within a fixed working-memory bound.
+
+Invariants:
+- ``images`` ([B, H, W, C] float in 0..1, ComfyUI's IMAGE) and the ``Upscaler`` are never modified; the model
+  runs from a private copy when it must change device or dtype.
+- Only windows (a tile plus its context, see ``tiling``) ever sit on the GPU; each window is copied into a pinned
+  host buffer and sent asynchronously, and each kept, feathered result comes back through a second pinned
+  buffer. Two slots alternate, so the CPU accumulates tile k-1 while the GPU runs tile k. The full image and
+  the output live in host memory.
+- ``device="cpu"`` never calls into CUDA. ``"auto"`` uses the GPU when torch sees one and (after asking ComfyUI
+  to unload its own models) it has room for the weights and a minimal window; otherwise the CPU.
+- Out of memory: the tile is halved and the image restarted; below ``MIN_TILE`` a ``RuntimeError`` lists every
+  tile size that was tried. A batch is processed one image at a time, so its peak equals one image's peak.
+- ``output_scale`` (0 = the model's native scale) resizes the model's output with antialiased bicubic
+  interpolation, then clamps to 0..1.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+import math
+import traceback
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..bridge import ProgressBar, check_interrupted, free_comfy_memory, soft_empty_cache
+from .descriptor import Upscaler
+from .tiling import Span, axis_weights, largest_keep, largest_window, plan
+
+logger = logging.getLogger(__name__)
+
+DEVICES = ("auto", "gpu", "cpu")
+PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+MIN_TILE = 32
+MAX_TILE = 2048
+MAX_OVERLAP = 256
+WORK_CAP_GPU = int(1.25 * 2 ** 30)  # activation budget per window on the GPU (weights and staging come on top)
+WORK_CAP_CPU = 2 * 2 ** 30
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# --------------------------------------------------------------------------------------------- choices
+def choose_device(device: str, upscaler: Upscaler, overlap: int = 32) -> torch.device:
+    """The device for ``device`` in ("auto", "gpu", "cpu"); "cpu" never touches CUDA."""
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: expected one of {DEVICES}")
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        if device == "gpu":
+            raise ValueError("device='gpu' but torch sees no CUDA device; choose 'cpu' or 'auto'")
+        return torch.device("cpu")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    side = MIN_TILE + 2 * overlap
+    need = upscaler.weight_bytes(torch.float16) + upscaler.work_bytes(side, side, torch.float16)
+    free_comfy_memory(max(need, WORK_CAP_GPU), dev)
+    if device == "gpu":
+        return dev
+    free, _ = torch.cuda.mem_get_info(dev)
+    if free >= need:
+        return dev
+    logger.info("ESRGAN upscale: %.0f MiB free on %s, %.0f MiB needed; running on the CPU",
+                free / 2 ** 20, dev, need / 2 ** 20)
+    return torch.device("cpu")
+
+
+def choose_dtype(precision: str, device: torch.device, upscaler: Upscaler) -> torch.dtype:
+    """fp16 on the GPU where the architecture allows it (else bf16, else fp32), fp32 on the CPU."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+    if precision == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        if upscaler.supports_half:
+            return torch.float16
+        if upscaler.supports_bf16 and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if precision == "fp16" and not upscaler.supports_half:
+        raise ValueError(f"precision='fp16': {upscaler.arch} does not run correctly in fp16; use 'bf16' or 'fp32'")
+    if precision == "bf16" and not upscaler.supports_bf16:
+        raise ValueError(f"precision='bf16': {upscaler.arch} does not run correctly in bf16; use 'fp32'")
+    return _DTYPES[precision]
+
+
+def work_budget(device: torch.device, upscaler: Upscaler, dtype: torch.dtype) -> int:
+    """Activation bytes one window may use: a fixed cap, lowered to 70% of what is free on the GPU."""
+    if device.type != "cuda":
+        return WORK_CAP_CPU
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(max(0, min(WORK_CAP_GPU, 0.7 * (free - upscaler.weight_bytes(dtype)))))
+
+
+def auto_tile(upscaler: Upscaler, height: int, width: int, overlap: int, dtype: torch.dtype, budget: int) -> int:
+    """Largest core size whose window (core + 2*overlap) fits ``budget``; the whole image when it fits."""
+    if upscaler.work_bytes(height, width, dtype) <= budget:
+        return max(height, width)
+    per_px = max(upscaler.work_bytes(1, 1, dtype), 1)
+    side = int(math.sqrt(budget / per_px)) - 2 * overlap
+    return max(MIN_TILE, min(MAX_TILE, side // 8 * 8))
+
+
+LAYOUTS = ("nchw", "nhwc")
+
+
+def _placed_module(upscaler: Upscaler, device: torch.device, dtype: torch.dtype, layout: str) -> torch.nn.Module:
+    params = list(upscaler.module.parameters())
+    if layout == "nchw" and params and all(p.device == device and p.dtype == dtype for p in params):
+        return upscaler.module
+    module = copy.deepcopy(upscaler.module).to(device=device, dtype=dtype).eval()
+    return module.to(memory_format=torch.channels_last) if layout == "nhwc" else module
+
+
+def _cudnn_benchmark(enabled: bool, device: torch.device):
+    """cuDNN autotuning for the duration of one call, every other cuDNN setting kept as it is, restored after."""
+    if not enabled or device.type != "cuda":
+        return contextlib.nullcontext()
+    cudnn = torch.backends.cudnn
+    names = inspect.signature(cudnn.flags).parameters
+    current = {name: getattr(cudnn, name) for name in names if hasattr(cudnn, name)}
+    current["benchmark"] = True
+    return cudnn.flags(**current)
+
+
+# --------------------------------------------------------------------------------------------- staging
+class _CpuStager:
+    """Plain path: windows are views of the host image, results are added straight into the output."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def upload(self, window_chw: torch.Tensor) -> torch.Tensor:
+        return window_chw.unsqueeze(0).to(self.device)
+
+    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.add_(tile_hwc.to(dst.device))
+
+    def finish(self) -> None:
+        pass
+
+
+class _CudaStager:
+    """Two pinned slots per direction; the host accumulates tile k-1 while the GPU runs tile k."""
+
+    def __init__(self, device: torch.device, in_numel: int, out_numel: int, out_dtype: torch.dtype):
+        self.device = device
+        self.inbufs = [torch.empty(in_numel, dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        self.outbufs = [torch.empty(out_numel, dtype=out_dtype, pin_memory=True) for _ in range(2)]
+        self.pending: list = [None, None]
+        self.slot = 0
+
+    def _drain(self, slot: int) -> None:
+        item = self.pending[slot]
+        if item is not None:
+            event, buf, dst = item
+            event.synchronize()
+            dst.add_(buf)
+            self.pending[slot] = None
+
+    def upload(self, window_chw: torch.Tensor) -> torch.Tensor:
+        self._drain(self.slot)
+        buf = self.inbufs[self.slot][: window_chw.numel()].view(window_chw.shape)
+        buf.copy_(window_chw)
+        return buf.unsqueeze(0).to(self.device, non_blocking=True)
+
+    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor) -> None:
+        buf = self.outbufs[self.slot][: tile_hwc.numel()].view(tile_hwc.shape)
+        buf.copy_(tile_hwc, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending[self.slot] = (event, buf, dst)
+        self.slot ^= 1
+        self._drain(self.slot)  # the previous tile, finished before this one started on the GPU
+
+    def finish(self) -> None:
+        self._drain(self.slot)
+        self._drain(self.slot ^ 1)
+
+
+# --------------------------------------------------------------------------------------------- one image
+def _crop(t: torch.Tensor, r: Span, c: Span, s: int) -> torch.Tensor:
+    return t[:, :, (r.keep0 - r.win0) * s:(r.keep1 - r.win0) * s, (c.keep0 - c.win0) * s:(c.keep1 - c.win0) * s]
+
+
+def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                 tile: int, overlap: int, work_bytes: int, on_tile, layout: str = "nchw") -> torch.Tensor:
+    """[C, H, W] host image (aligned to ``multiple_of``) -> [H*s, W*s, C_out] float32 host image."""
+    _, h, w = chw.shape
+    s = upscaler.scale
+    tiles = plan(h, w, tile, overlap, upscaler.multiple_of)
+    out = torch.zeros((h * s, w * s, upscaler.out_channels), dtype=torch.float32)
+    if device.type == "cuda":
+        wh, ww = largest_window(tiles)
+        kh, kw = largest_keep(tiles)
+        stager = _CudaStager(device, chw.shape[0] * wh * ww, kh * kw * s * s * upscaler.out_channels, dtype)
+    else:
+        stager = _CpuStager(device)
+    for r, c in tiles:
+        check_interrupted()
+        x = stager.upload(chw[:, r.win0:r.win1, c.win0:c.win1]).to(dtype)
+        if layout == "nhwc":
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = _crop(upscaler.call(module, x, work_bytes), r, c, s)[0]
+        del x
+        y = y.clamp_(0, 1)
+        if r.band_lo or r.band_hi or c.band_lo or c.band_hi:
+            weight = axis_weights(r, s, y.device)[:, None] * axis_weights(c, s, y.device)[None, :]
+            y = y.mul_(weight.to(y.dtype))
+        stager.download(y.permute(1, 2, 0), out[r.keep0 * s:r.keep1 * s, c.keep0 * s:c.keep1 * s])
+        del y
+        on_tile()
+    stager.finish()
+    return out
+
+
+def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                        tile: int, overlap: int, work_bytes: int, on_tile, layout: str) -> torch.Tensor:
+    tried = []
+    tile = min(tile, max(chw.shape[1:]))
+    while True:
+        try:
+            return _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, on_tile, layout)
+        except torch.OutOfMemoryError as exc:
+            tried.append(tile)
+            if tile // 2 < MIN_TILE:
+                raise RuntimeError(
+                    f"ESRGAN upscale ran out of memory on {device} with tile sizes {tried} (overlap {overlap}, "
+                    f"{dtype}, {upscaler.arch}); use device='cpu', a smaller tile_overlap, or free memory held "
+                    f"by other models") from exc
+        # outside the except block, so the failed attempt's tensors (held by the traceback) are gone
+        soft_empty_cache()
+        logger.warning("ESRGAN upscale: out of memory with tile %d on %s, retrying with tile %d",
+                       tile, device, tile // 2)
+        tile //= 2
+        work_bytes //= 2
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the locals (GPU windows, the device copy of the model) that an exception's frames would keep alive
+    for as long as the caller holds the exception."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def _resize(hwc: torch.Tensor, out_h: int, out_w: int) -> torch.Tensor:
+    if hwc.shape[0] == out_h and hwc.shape[1] == out_w:
+        return hwc
+    chw = hwc.permute(2, 0, 1).unsqueeze(0)
+    res = F.interpolate(chw, size=(out_h, out_w), mode="bicubic", align_corners=False, antialias=True)
+    return res[0].permute(1, 2, 0).clamp_(0, 1)
+
+
+# --------------------------------------------------------------------------------------------- entry point
+def _validate(upscaler, images, output_scale, tile_size, tile_overlap) -> None:
+    if not isinstance(upscaler, Upscaler):
+        raise TypeError(f"upscaler: expected an Upscaler (from load_upscaler), got {type(upscaler).__name__}")
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or not images.is_floating_point():
+        raise TypeError(f"image: expected a float tensor [B, H, W, C] (ComfyUI IMAGE), got "
+                        f"{type(images).__name__} {tuple(getattr(images, 'shape', ()))}")
+    b, h, w, c = images.shape
+    if b == 0:
+        raise ValueError("image: the batch is empty")
+    if c != upscaler.in_channels:
+        raise ValueError(f"image has {c} channels, {upscaler.arch} takes {upscaler.in_channels}; convert it first "
+                         f"(e.g. drop the alpha channel)")
+    if min(h, w) < upscaler.min_size:
+        raise ValueError(f"image is {w}x{h} px, smaller than the {upscaler.min_size}x{upscaler.min_size} px "
+                         f"{upscaler.arch} accepts; enlarge it first")
+    if not (output_scale == 0 or 0.25 <= output_scale <= 16):
+        raise ValueError(f"output_scale={output_scale}: use 0 (the model's native scale) or 0.25..16")
+    if not (tile_size == 0 or MIN_TILE <= tile_size <= MAX_TILE):
+        raise ValueError(f"tile_size={tile_size}: use 0 (automatic) or {MIN_TILE}..{MAX_TILE}")
+    if not 0 <= tile_overlap <= MAX_OVERLAP:
+        raise ValueError(f"tile_overlap={tile_overlap}: use 0..{MAX_OVERLAP} pixels of context")
+
+
+def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float = 0.0, device: str = "auto",
+                   tile_size: int = 0, tile_overlap: int = 32, precision: str = "auto", quiet: bool = False,
+                   work_cap: Optional[int] = None, layout: str = "nchw", cudnn_benchmark: bool = False) -> torch.Tensor:
+    """Upscale a [B, H, W, C] image batch; returns a new [B, H', W', C_out] float32 host tensor in 0..1.
+
+    ``tile_size`` is the kept core of a tile (0: the largest that fits the working-memory budget, the whole image
+    when it fits); ``tile_overlap`` is the context each tile sees beyond its core on every interior side.
+    ``work_cap`` lowers the activation budget (bytes) used for automatic tiles and tail strips. ``layout`` "nhwc"
+    runs the convolutions channels-last; ``cudnn_benchmark`` autotunes cuDNN for this call only (both are
+    measured in bench/suite_upscale.py before they become defaults).
+    """
+    _validate(upscaler, images, output_scale, tile_size, tile_overlap)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    dev = choose_device(device, upscaler, tile_overlap)
+    dtype = choose_dtype(precision, dev, upscaler)
+    b, h, w, _ = images.shape
+    m = upscaler.multiple_of
+    hp, wp = -(-h // m) * m, -(-w // m) * m
+    budget = work_budget(dev, upscaler, dtype)
+    if work_cap is not None:
+        budget = min(budget, int(work_cap))
+    if tile_size:
+        tile = tile_size
+        win = min(hp, tile + 2 * tile_overlap), min(wp, tile + 2 * tile_overlap)
+        work_bytes = max(upscaler.work_bytes(*win, dtype), 1)
+    else:
+        tile = auto_tile(upscaler, hp, wp, tile_overlap, dtype, budget)
+        work_bytes = budget
+    scale = output_scale or upscaler.native_output_scale
+    out_h, out_w = max(1, round(h * scale)), max(1, round(w * scale))
+    n_tiles = len(plan(hp, wp, min(tile, max(hp, wp)), tile_overlap, m))
+    logger.info("ESRGAN upscale: %s on %s %s, %dx%d x%d, tile %d + %d context (%d tiles/image)",
+                upscaler.arch, dev, dtype, w, h, b, tile, tile_overlap, n_tiles)
+    module = _placed_module(upscaler, dev, dtype, layout)
+    result = torch.empty((b, out_h, out_w, upscaler.out_channels), dtype=torch.float32)
+    try:
+        with torch.inference_mode(), _cudnn_benchmark(cudnn_benchmark, dev), \
+                ProgressBar(b * n_tiles, "ESRGAN upscale", quiet) as bar:
+            for i in range(b):
+                chw = images[i].permute(2, 0, 1).to(torch.float32)
+                if (hp, wp) != (h, w):
+                    chw = F.pad(chw.unsqueeze(0), (0, wp - w, 0, hp - h), mode="reflect")[0]
+                y = _upscale_with_retry(upscaler, module, chw, dev, dtype, tile, tile_overlap, work_bytes,
+                                        lambda: bar.update(1), layout)
+                result[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
+                del y
+    except BaseException as exc:  # re-raised: only releases GPU memory the traceback would otherwise pin
+        module = None
+        _release_frames(exc)
+        raise
+    return result
