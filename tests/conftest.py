@@ -19,3 +19,15 @@ def pytest_collection_modifyitems(config, items):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_isolation(request):
+    """GPU tests start from a collected heap and an empty cache, so memory deltas measure only the test itself."""
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    yield
