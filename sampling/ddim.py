@@ -2,25 +2,23 @@
 
 Invariant: for a diffusers scheduler config, every number here equals what diffusers' ``DDIMScheduler`` computes
 (betas, ``alphas_cumprod`` in float32, ``set_timesteps`` spacing, ``prev_timestep = t - T // steps`` for every
-spacing, ``set_alpha_to_one``, eta variance), so a loop built on it reproduces ``DDIMScheduler.step``.
+spacing, ``set_alpha_to_one``, eta variance) - the per-step scalars are computed with the same float32 torch
+operations in the same order, so a loop built on them reproduces ``DDIMScheduler.step`` to the last bit on the CPU.
 
-The math. With alpha_t = alphas_cumprod[t] (the paper's alpha_t), a = alpha_t, a' = alpha_{t_prev} and
-sigma_t = eta * sqrt((1 - a') / (1 - a) * (1 - a / a')) (eq. 16), one step (eq. 12) is
+The math. With a = alpha_bar_t, a' = alpha_bar_{t_prev}, b = 1 - a, b' = 1 - a' and the model output m:
 
-    x0   = prediction of x_0 from the model output m
-    eps  = prediction of the noise from m
-    x'   = sqrt(a') * x0 + sqrt(1 - a' - sigma_t^2) * eps + sigma_t * z,       z ~ N(0, I)
+    sigma_t = eta * sqrt(b' / b * (1 - a / a'))                                   (eq. 16)
+    epsilon:      x0 = (x - sqrt(b) m) / sqrt(a),   eps = m
+    v_prediction: x0 = sqrt(a) x - sqrt(b) m,       eps = sqrt(a) m + sqrt(b) x   (Salimans & Ho 2022)
+    sample:       x0 = m,                           eps = (x - sqrt(a) x0) / sqrt(b)
+    x'  = sqrt(a') x0 + sqrt(1 - a' - sigma_t^2) eps + sigma_t z,   z ~ N(0, I)   (eq. 12)
 
-For each prediction type x0 and eps are *linear* in (x, m):
-    epsilon:      x0 = (x - sqrt(1-a) m) / sqrt(a),   eps = m
-    v_prediction: x0 = sqrt(a) x - sqrt(1-a) m,       eps = sqrt(a) m + sqrt(1-a) x      (Salimans & Ho 2022)
-    sample:       x0 = m,                             eps = (x - sqrt(a) m) / sqrt(1-a)
-so the whole step is x' = c_sample * x + c_model * m + c_noise * z with three per-step scalars. Those scalars are
-computed here in float64 from diffusers' float32 ``alphas_cumprod``; the fused kernel (``kernels/cfg_ddim.py``)
-applies them together with classifier-free guidance in one pass over the latent.
+A step is therefore five scalars per timestep - (sqrt a, sqrt b, sqrt a', sqrt(1 - a' - sigma^2), sigma) - that
+``DDIMSchedule.coefficients`` tabulates; the fused kernel (``kernels/cfg_ddim.py``) applies them together with
+classifier-free guidance in one pass over the latent, in diffusers' operation order.
 
 Hand-written rather than calling ``DDIMScheduler.step`` because the fused kernel and the CUDA-graph loop need the
-step as three device scalars; diffusers stays the reference in the tests.
+step as device scalars; diffusers stays the reference in the tests.
 """
 from __future__ import annotations
 
@@ -166,43 +164,33 @@ def img2img_start(steps: int, denoise: float) -> int:
     return steps - kept
 
 
-def step_coefficients(prediction_type: str, alpha_t: float, alpha_prev: float, eta: float) -> tuple[float, float, float]:
-    """(c_sample, c_model, c_noise) of one DDIM step x' = c_sample x + c_model m + c_noise z (Song et al. eq. 12, 16).
+def step_scalars(abar: torch.Tensor, final: torch.Tensor, t: int, prev: int, eta: float) -> list[float]:
+    """(sqrt a, sqrt b, sqrt a', sqrt(1 - a' - sigma^2), sigma) of one step, float32 as ``DDIMScheduler.step``.
 
-    ``alpha_t``/``alpha_prev`` are alpha_bar at the current and previous timestep; float64 arithmetic.
+    ``abar`` is the float32 ``alphas_cumprod``, ``final`` the float32 0-d alpha_bar past the last step.
     """
     if not (eta >= 0.0 and math.isfinite(eta)):
         raise ValueError(f"eta={eta!r}: expected a finite number >= 0")
-    a, ap = float(alpha_t), float(alpha_prev)
-    b, bp = 1.0 - a, 1.0 - ap
-    variance = (bp / b) * (1.0 - a / ap)
-    sigma = eta * math.sqrt(variance)
-    d2 = 1.0 - ap - sigma * sigma
-    if d2 < 0.0:
-        raise ValueError(f"eta={eta} makes the DDIM direction term imaginary (1 - a_prev - sigma^2 = {d2:.3g}); "
-                         f"use eta <= 1")
-    d = math.sqrt(d2)
-    sa, sb, sap = math.sqrt(a), math.sqrt(b), math.sqrt(ap)
-    if prediction_type == "epsilon":
-        cx, cm = sap / sa, d - sap * sb / sa
-    elif prediction_type == "v_prediction":
-        cx, cm = sap * sa + d * sb, d * sa - sap * sb
-    elif prediction_type == "sample":
-        cx, cm = d / sb, sap - d * sa / sb
-    else:
-        raise ValueError(f"prediction_type={prediction_type!r}: expected one of {PREDICTION_TYPES}")
-    if not all(math.isfinite(c) for c in (cx, cm, sigma)):
-        raise ValueError(f"DDIM step coefficients are not finite for alpha_t={a}, alpha_prev={ap} "
-                         f"({prediction_type}); zero-terminal-SNR schedules need v_prediction")
-    return cx, cm, sigma
+    a = abar[t]
+    ap = abar[prev] if prev >= 0 else final
+    b = 1 - a
+    bp = 1 - ap
+    variance = (bp / b) * (1 - a / ap)
+    sigma = eta * variance ** 0.5
+    d = (1 - ap - sigma ** 2) ** 0.5
+    out = [float(v) for v in (a ** 0.5, b ** 0.5, ap ** 0.5, d, sigma)]
+    if not all(math.isfinite(v) for v in out):
+        raise ValueError(f"DDIM step scalars are not finite at t={t} (alpha_bar_t={float(a):.3g}, eta={eta}); "
+                         f"eta must be <= 1 and zero-terminal-SNR schedules need eta=0")
+    return out
 
 
 @dataclass(frozen=True)
 class DDIMSchedule:
-    """The steps one run executes: timesteps and the per-step (c_sample, c_model, c_noise) table (float64)."""
+    """The steps one run executes: timesteps and the per-step scalar table (see the module docstring)."""
 
     timesteps: tuple[int, ...]
-    coefficients: torch.Tensor  # [n, 3] float64: c_sample, c_model, c_noise
+    coefficients: torch.Tensor  # [n, 5] float32: sqrt a, sqrt b, sqrt a', sqrt(1 - a' - sigma^2), sigma
     total_steps: int  # the ``steps`` the schedule was built for (img2img runs a suffix of it)
     prediction_type: str
     eta: float
@@ -222,15 +210,12 @@ def make_schedule(config: Mapping[str, Any], steps: int, eta: float = 0.0, spaci
     ts = timesteps(config, steps, spacing)
     start = img2img_start(steps, denoise) if denoise != 1.0 else 0
     abar = alphas_cumprod(config)
-    final = final_alpha_cumprod(config, abar)
+    final = torch.tensor(1.0) if _cfg(config, "set_alpha_to_one") else abar[0]
     n = _cfg(config, "num_train_timesteps")
     pred = _cfg(config, "prediction_type")
-    rows = []
-    for t in ts[start:]:
-        prev = t - n // steps  # diffusers uses this for every spacing
-        a_prev = float(abar[prev]) if prev >= 0 else final
-        rows.append(step_coefficients(pred, float(abar[t]), a_prev, float(eta)))
-    return DDIMSchedule(tuple(ts[start:]), torch.tensor(rows, dtype=torch.float64), steps, pred, float(eta))
+    rows = [step_scalars(abar, final, t, t - n // steps, float(eta))  # diffusers: prev = t - T // steps, always
+            for t in ts[start:]]
+    return DDIMSchedule(tuple(ts[start:]), torch.tensor(rows, dtype=torch.float32), steps, pred, float(eta))
 
 
 def add_noise(config: Mapping[str, Any], original: torch.Tensor, noise: torch.Tensor, timestep: int) -> torch.Tensor:
@@ -278,5 +263,5 @@ def config_with(config: Mapping[str, Any], **overrides) -> dict:
 
 
 __all__: Sequence[str] = ("SPACINGS", "PREDICTION_TYPES", "DDIMSchedule", "make_schedule", "timesteps", "betas",
-                          "alphas_cumprod", "final_alpha_cumprod", "img2img_start", "step_coefficients", "add_noise",
+                          "alphas_cumprod", "final_alpha_cumprod", "img2img_start", "step_scalars", "add_noise",
                           "ddim_step", "check_config", "config_with")

@@ -28,37 +28,53 @@ def _inputs(shape, dtype, device="cpu", seed=0):
     return mk(), mk(), mk(), mk()
 
 
-def _ref64(x, c, u, n, coeffs):
-    s, cx, cm, cn = coeffs.double().tolist()
+PREDS = ("epsilon", "v_prediction", "sample")
+
+
+def _ref64(x, c, u, n, coeffs, pred):
+    """The DDIM step in float64, written independently in its linear form x' = A x + B m + sigma z."""
+    s, sa, sb, sap, d, sigma = coeffs.double().tolist()
     m = c.double() if u is None else u.double() + s * (c.double() - u.double())
-    y = cx * x.double() + cm * m
-    return y if n is None else y + cn * n.double()
+    A, B = {"epsilon": (sap / sa, d - sap * sb / sa), "v_prediction": (sap * sa + d * sb, d * sa - sap * sb),
+            "sample": (d / sb, sap - d * sa / sb)}[pred]
+    y = A * x.double() + B * m
+    return y if n is None else y + sigma * n.double()
 
 
+def _coeffs(device="cpu"):
+    a, ap, sigma = 0.3, 0.6, 0.2
+    return pack_coefficients(7.5, a ** 0.5, (1 - a) ** 0.5, ap ** 0.5, (1 - ap - sigma ** 2) ** 0.5, sigma,
+                             device=device)
+
+
+@pytest.mark.parametrize("pred", PREDS)
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_reference_matches_float64_formula(shape, dtype):
+def test_reference_matches_float64_formula(shape, dtype, pred):
     x, c, u, n = _inputs(shape, dtype)
-    coeffs = pack_coefficients(7.5, 0.93, -0.41, 0.12)
-    out = cfg_ddim_reference(x, c, u, coeffs, n)
+    coeffs = _coeffs()
+    out = cfg_ddim_reference(x, c, u, coeffs, n, prediction=pred)
     atol, rtol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double(), _ref64(x, c, u, n, coeffs), atol=atol * 30, rtol=rtol * 4)
+    want = _ref64(x, c, u, n, coeffs, pred)
+    torch.testing.assert_close(out.double(), want, atol=atol * 50 if dtype == torch.float32 else atol * 30,
+                               rtol=rtol * 4)
     assert out.dtype == dtype
 
 
 @interpret
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("uncond,noise,copies", [(True, False, 2), (True, True, 1), (False, True, 0), (False, False, 1)])
-def test_triton_matches_reference(shape, dtype, uncond, noise, copies):
+@pytest.mark.parametrize("uncond,noise,copies,pred", [(True, False, 2, "epsilon"), (True, True, 1, "v_prediction"),
+                                                     (False, True, 0, "sample"), (False, False, 1, "epsilon")])
+def test_triton_matches_reference(shape, dtype, uncond, noise, copies, pred):
     x, c, u, n = _inputs(shape, dtype)
     u = u if uncond else None
     n = n if noise else None
-    coeffs = pack_coefficients(5.0, 1.02, -0.3, 0.25)
+    coeffs = _coeffs()
     mi_ref = torch.full((max(copies, 1) * shape[0],) + shape[1:], float("nan"), dtype=torch.float16)
     mi_tri = mi_ref.clone()
-    ref = cfg_ddim_reference(x, c, u, coeffs, n, model_input=mi_ref if copies else None)
-    tri = cfg_ddim_triton(x, c, u, coeffs, n, model_input=mi_tri if copies else None)
+    ref = cfg_ddim_reference(x, c, u, coeffs, n, model_input=mi_ref if copies else None, prediction=pred)
+    tri = cfg_ddim_triton(x, c, u, coeffs, n, model_input=mi_tri if copies else None, prediction=pred)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(tri, ref, atol=atol, rtol=rtol)
     if copies:
@@ -72,7 +88,7 @@ def test_triton_matches_reference(shape, dtype, uncond, noise, copies):
 def test_triton_in_place_update():
     """The sampler updates its state in place (out is sample): each element is read before it is written."""
     x, c, u, n = _inputs((2, 4, 11, 13), torch.float32)
-    coeffs = pack_coefficients(3.0, 0.5, 0.25, 0.1)
+    coeffs = _coeffs()
     expected = cfg_ddim_reference(x.clone(), c, u, coeffs, n)
     state = x.clone()
     got = cfg_ddim_triton(state, c, u, coeffs, n, out=state)
@@ -82,23 +98,27 @@ def test_triton_in_place_update():
 
 @interpret
 def test_guidance_scale_read_from_device_tensor():
-    """Changing the coefficient tensor's contents (what a graph replay sees) changes the result; no recompile."""
+    """Changing the coefficient tensor's contents (what a graph replay sees) changes the result; no recompile.
+
+    With prediction="sample", sqrt a' = 1 and d = 0 the step returns the guided model output m itself."""
     x, c, u, _ = _inputs((1, 4, 5, 5), torch.float32)
-    coeffs = pack_coefficients(1.0, 0.0, 1.0, 0.0)
-    torch.testing.assert_close(cfg_ddim_triton(x, c, u, coeffs), c)  # s=1: pure cond
-    coeffs.copy_(pack_coefficients(0.0, 0.0, 1.0, 0.0))
-    torch.testing.assert_close(cfg_ddim_triton(x, c, u, coeffs), u)  # s=0: pure uncond
+    coeffs = pack_coefficients(1.0, 0.5, 0.5, 1.0, 0.0)
+    torch.testing.assert_close(cfg_ddim_triton(x, c, u, coeffs, prediction="sample"), c)  # s=1: pure cond
+    coeffs.copy_(pack_coefficients(0.0, 0.5, 0.5, 1.0, 0.0))
+    torch.testing.assert_close(cfg_ddim_triton(x, c, u, coeffs, prediction="sample"), u)  # s=0: pure uncond
 
 
 def test_validation_errors():
     x, c, u, n = _inputs((1, 4, 4, 4), torch.float32)
-    coeffs = pack_coefficients(1, 1, 1, 0)
+    coeffs = _coeffs()
     with pytest.raises(ValueError, match="pred_cond"):
         cfg_ddim_reference(x, c[:, :2], u, coeffs)
     with pytest.raises(ValueError, match="coeffs"):
         cfg_ddim_reference(x, c, u, coeffs.double())
     with pytest.raises(ValueError, match="model_input"):
         cfg_ddim_reference(x, c, u, coeffs, model_input=torch.zeros(3, 4, 4, 4))
+    with pytest.raises(ValueError, match="prediction"):
+        cfg_ddim_reference(x, c, u, coeffs, prediction="flow")
     with pytest.raises(ValueError, match="impl"):
         cfg_ddim_step(x, c, u, coeffs, impl="cuda")
 
@@ -110,7 +130,7 @@ def test_dispatcher_uses_reference_on_cpu_and_env_override(monkeypatch):
     calls = []
     monkeypatch.setattr(cfg_ddim, "cfg_ddim_triton", lambda *a, **k: calls.append("triton"))
     x, c, u, n = _inputs((1, 4, 4, 4), torch.float32)
-    out = cfg_ddim_step(x, c, u, pack_coefficients(2, 1, 1, 0))
+    out = cfg_ddim_step(x, c, u, _coeffs())
     assert calls == [] and out.shape == x.shape  # CPU tensors -> reference
     monkeypatch.setenv("LEANDIFFUSION_CFG_DDIM", "bogus")
     with pytest.raises(ValueError, match="LEANDIFFUSION_CFG_DDIM"):
@@ -122,7 +142,7 @@ def test_dispatcher_uses_reference_on_cpu_and_env_override(monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES + [(2, 4, 128, 128)])
 def test_gpu_kernel_matches_reference(shape, dtype):
     x, c, u, n = _inputs(shape, dtype, device="cuda")
-    coeffs = pack_coefficients(7.5, 0.97, -0.2, 0.05, device="cuda")
+    coeffs = _coeffs("cuda")
     mi = torch.empty((2 * shape[0],) + shape[1:], device="cuda", dtype=torch.float16)
     ref = cfg_ddim_reference(x, c, u, coeffs, n)
     got = cfg_ddim_step(x, c, u, coeffs, n, model_input=mi)
