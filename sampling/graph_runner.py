@@ -149,7 +149,8 @@ class GraphRunner:
         else:
             logger.info("CUDA-graph capture of the UNet step took %.2f s", elapsed)
         prepare(program)
-        captured = CapturedStep(program, replay, tuple(engine.adapters))
+        id_keyed = tuple(a for a in engine.adapters if getattr(a, "graph_key", None) is None)
+        captured = CapturedStep(program, replay, id_keyed)
         entry.graphs[full_key] = captured
         entry.captures += 1
         return captured

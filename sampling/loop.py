@@ -177,26 +177,41 @@ def denoise(engine: LeanEngine, conditioning: Conditioning, x_init: torch.Tensor
     mode = resolve_acceleration(engine, acceleration, runner)
     program = None
     advance = None
+    unet_fn = eager_unet_fn(engine)
     if mode != Acceleration.NONE.value:
         runner = runner if runner is not None else default_runner()
         compiled = mode == Acceleration.COMPILE.value
-        unet_fn = compiled_unet_fn(engine) if compiled else eager_unet_fn(engine)
+        graph_fn = compiled_unet_fn(engine) if compiled else unet_fn
         key = (shape, model_dtype, copies, conditioning.guided, has_noise, schedule.prediction_type,
                tuple((tuple(c.context.shape), c.context.dtype,
                       None if c.added is None else tuple((k, tuple(v.shape), v.dtype) for k, v in c.added.items()))
                      for c in calls))
         try:
-            captured = runner.step_for(engine, key, lambda: build(unet_fn), prepare, compiled=compiled)
-            program, advance = captured.program, captured.replay
+            captured = runner.step_for(engine, key, lambda: build(graph_fn), prepare, compiled=compiled)
+            program, advance, unet_fn = captured.program, captured.replay, graph_fn
         except torch.cuda.OutOfMemoryError as exc:
             runner.clear(engine)
             logger.warning("capturing the %s step ran out of GPU memory (%s); dropped this model's cached graphs "
                            "and running eagerly", mode, exc)
     if program is None:
-        program = build(eager_unet_fn(engine))
+        program = build(unet_fn)
         prepare(program)
         advance = program.step
 
+    # A cached program must not keep this engine alive (the cache is weak in the model): the UNet call is bound
+    # for this run only. A real CUDA graph replays without calling it; stand-in backends call it per replay.
+    program.unet_fn = unet_fn
+    try:
+        _run_steps(program, advance, t_table, table, shape, has_noise, generator, device, quiet)
+    finally:
+        program.unet_fn = None
+    return program.sample.clone()
+
+
+def _run_steps(program: StepProgram, advance, t_table: torch.Tensor, table: torch.Tensor, shape: tuple,
+               has_noise: bool, generator: Optional[torch.Generator], device: torch.device, quiet: bool) -> None:
+    """Per step: interruption check, next step's values into the buffers, run/replay, bounded run-ahead, progress."""
+    n = t_table.shape[0]
     cuda = device.type == "cuda"
     in_flight: collections.deque = collections.deque()
     with bridge.ProgressBar(n, desc="Fused DDIM", quiet=quiet) as bar:
@@ -212,4 +227,3 @@ def denoise(engine: LeanEngine, conditioning: Conditioning, x_init: torch.Tensor
                 if len(in_flight) > _RUN_AHEAD:
                     in_flight.popleft().synchronize()
             bar.update(1)
-    return program.sample.clone()

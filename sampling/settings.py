@@ -79,7 +79,7 @@ class SamplerSettings:
                 raise ValueError(f"{name}={value} is not a multiple of 8 (the VAE downsamples by 8); use "
                                  f"{value // 8 * 8} or {value // 8 * 8 + 8}")
         _int("batch_size", self.batch_size, 1, 64)
-        cfg = _float("cfg", self.cfg, 0.0, 100.0)
+        cfg = _float("cfg", self.cfg, 0.0, 30.0)
         eta = _float("eta", self.eta, 0.0, 1.0)
         denoise = _float("denoise", self.denoise, 0.0, 1.0)
         if int(self.steps * denoise) < 1:
