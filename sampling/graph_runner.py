@@ -54,7 +54,8 @@ class CudaGraphBackend:
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: CUDA work of other threads (ComfyUI's previews, say) must not invalidate the capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             fn()
         return graph.replay
 
