@@ -6,10 +6,10 @@ Invariants
   changing ``cfg``, ``eta``'s value, the step count or the seed never recaptures.
 - The key holds everything the captured kernels depend on: latent shape, dtypes, device, the CFG layout (calls x
   copies, context and pooled shapes), whether eta noise is read, whether the UNet is compiled, the placement's
-  name (and its ``graph_key`` if it has one), every adapter's ``graph_key`` (LoRA strengths are *not* part of it:
-  they live in persistent device tensors the adapter writes at attach time) and a fingerprint of the UNet's
-  parameter/buffer addresses (a placement that moved the weights invalidates the graph instead of replaying
-  reads of freed memory). A different key captures again; the same key replays.
+  name (plus its ``epoch`` - bumped when it re-placed the weights - and ``graph_key`` when it has them), every
+  adapter's ``graph_key`` (LoRA strengths are *not* part of it: they live in persistent device tensors the adapter
+  writes at attach time) and a fingerprint of the UNet's parameter/buffer addresses (moved weights invalidate the
+  graph instead of replaying reads of freed memory). A different key captures again; the same key replays.
 - Capture happens inside ``engine.session("unet")`` after a warm-up on a side stream (cuBLAS/cuDNN/Triton/
   inductor initialisation must not happen during capture). Graphs are cached per ``ModelParts`` (weakly: a
   collected model drops its graphs), at most ``LEANDIFFUSION_MAX_GRAPHS`` (default 2) per model, least recently
@@ -75,8 +75,8 @@ def weights_fingerprint(module: torch.nn.Module) -> int:
 def graph_key(engine: LeanEngine, program_key: Hashable, compiled: bool) -> Hashable:
     placement = engine.placement
     return (program_key, compiled, str(engine.device), getattr(placement, "name", type(placement).__name__),
-            getattr(placement, "graph_key", None), tuple(adapter_key(a) for a in engine.adapters),
-            weights_fingerprint(engine.parts.unet))
+            getattr(placement, "epoch", None), getattr(placement, "graph_key", None),
+            tuple(adapter_key(a) for a in engine.adapters), weights_fingerprint(engine.parts.unet))
 
 
 @dataclass(eq=False)

@@ -128,7 +128,10 @@ def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional
         logger.info("the %r VRAM policy cannot be captured in a CUDA graph; running eagerly",
                     getattr(placement, "name", placement))
         return Acceleration.NONE.value
-    if acceleration == Acceleration.COMPILE.value and not getattr(placement, "supports_compile", True):
+    # the stream policy's hooks fork side-stream copies per block: capturable, but not something to trace through
+    # dynamo unless the placement says so
+    compile_ok = getattr(placement, "supports_compile", getattr(placement, "name", "") != "stream")
+    if acceleration == Acceleration.COMPILE.value and not compile_ok:
         logger.info("the %r VRAM policy does not support torch.compile; using cuda_graph without compile",
                     getattr(placement, "name", placement))
         return Acceleration.CUDA_GRAPH.value
