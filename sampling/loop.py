@@ -221,6 +221,8 @@ def _run_steps(program: StepProgram, advance, t_table: torch.Tensor, table: torc
         for i in range(n):
             bridge.check_interrupted()
             noise = torch.randn(shape, generator=generator, dtype=STATE_DTYPE) if has_noise else None
+            if noise is not None and cuda:
+                noise = noise.pin_memory()  # async upload; the host allocator keeps it until the copy is done
             program.set_step(t_table[i], table[i], noise)
             advance()
             if cuda:
