@@ -7,8 +7,11 @@ Invariants
   recompiles when a new shape or an attached adapter changes its guards.
 - The compiled call mirrors ``LeanEngine.unet`` exactly (same arguments, first output) and, like it, must run
   inside ``engine.session("unet")`` so placement and adapters are in effect.
-- The inductor mode comes from ``LEANDIFFUSION_COMPILE_MODE`` (default ``default``; ``max-autotune-no-cudagraphs``
-  tunes kernels for longer). CUDA graphs are the graph runner's job, so inductor's own cudagraphs stay off.
+- The inductor settings come from ``LEANDIFFUSION_COMPILE_MODE``, passed per call (never through inductor's global
+  config): ``default`` (inductor's default mode plus ``conv_1x1_as_mm``, which turns the UNet's many 1x1
+  convolutions into matmuls), ``plain`` (inductor's default mode alone), ``tuned`` (adds coordinate-descent tuning
+  of the generated kernels; longer compile) and ``max-autotune-no-cudagraphs`` (benchmarks GEMM/conv templates;
+  much longer compile). CUDA graphs are the graph runner's job, so inductor's own cudagraphs stay off.
 """
 from __future__ import annotations
 
@@ -25,7 +28,12 @@ from .program import UNetFn
 logger = logging.getLogger(__name__)
 
 ENV_COMPILE_MODE = "LEANDIFFUSION_COMPILE_MODE"
-_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_PRESETS: dict[str, dict] = {
+    "default": {"options": {"conv_1x1_as_mm": True}},
+    "plain": {"mode": "default"},
+    "tuned": {"options": {"conv_1x1_as_mm": True, "coordinate_descent_tuning": True, "epilogue_fusion": False}},
+    "max-autotune-no-cudagraphs": {"mode": "max-autotune-no-cudagraphs"},
+}
 _COMPILED: "weakref.WeakKeyDictionary[Any, torch.nn.Module]" = weakref.WeakKeyDictionary()
 
 
@@ -37,12 +45,11 @@ def eager_unet_fn(engine: LeanEngine) -> UNetFn:
 
 
 def compile_mode() -> str:
+    """The ``LEANDIFFUSION_COMPILE_MODE`` preset (default ``default``)."""
     mode = os.environ.get(ENV_COMPILE_MODE, "default").strip() or "default"
-    if mode not in _MODES:
-        raise ValueError(f"{ENV_COMPILE_MODE}={mode!r}: expected one of {_MODES}")
-    if mode in ("reduce-overhead", "max-autotune"):
-        raise ValueError(f"{ENV_COMPILE_MODE}={mode!r} turns on inductor's own CUDA graphs, which would nest inside "
-                         f"the sampler's; use 'default' or 'max-autotune-no-cudagraphs'")
+    if mode not in _PRESETS:
+        raise ValueError(f"{ENV_COMPILE_MODE}={mode!r}: expected one of {tuple(_PRESETS)} (inductor's own "
+                         f"CUDA-graph modes would nest inside the sampler's graphs)")
     return mode
 
 
@@ -51,10 +58,10 @@ def compiled_unet(engine: LeanEngine) -> torch.nn.Module:
     compiled = _COMPILED.get(engine.parts)
     if compiled is None:
         mode = compile_mode()
-        compiled = torch.compile(engine.parts.unet, mode=mode, dynamic=False, fullgraph=False)
+        compiled = torch.compile(engine.parts.unet, dynamic=False, fullgraph=False, **_PRESETS[mode])
         _COMPILED[engine.parts] = compiled
-        logger.info("torch.compile(mode=%r) wraps the UNet of %s; the first call of each shape compiles it",
-                    mode, engine.parts.name or "the model")
+        logger.info("torch.compile (%s: %s) wraps the UNet of %s; the first call of each shape compiles it",
+                    mode, _PRESETS[mode], engine.parts.name or "the model")
     return compiled
 
 

@@ -191,3 +191,21 @@ def test_gpu_interrupt_leaves_graph_usable(gpu_engines):
     out = sample(eng, _settings(steps=6), runner=runner, quiet=True)["samples"]
     assert runner.captures(eng) == 1
     assert _rel(out, _eager(eng, steps=6)) <= 5e-3
+
+
+def test_compile_presets_name_real_inductor_options(monkeypatch):
+    """A misspelt inductor option would only fail on the GPU at the first compile: check the names here."""
+    import torch._inductor.config as inductor_config
+
+    from leandiffusion.sampling import compile as comp
+
+    for preset in comp._PRESETS.values():
+        for name in preset.get("options", {}):
+            obj = inductor_config
+            for part in name.split("."):
+                obj = getattr(obj, part)  # AttributeError names the unknown option
+    monkeypatch.setenv("LEANDIFFUSION_COMPILE_MODE", "reduce-overhead")
+    with pytest.raises(ValueError, match="LEANDIFFUSION_COMPILE_MODE"):
+        comp.compile_mode()
+    monkeypatch.setenv("LEANDIFFUSION_COMPILE_MODE", "tuned")
+    assert comp.compile_mode() == "tuned"
