@@ -152,3 +152,23 @@ def test_progress_bar_advances_once_per_step(engine, monkeypatch):
     monkeypatch.setattr(bridge, "ProgressBar", Bar)
     sample(engine, _settings(steps=10, denoise=0.5), quiet=True)
     assert updates == [("total", 5)] + [("update", 1)] * 5
+
+
+def test_denoise_without_latent_starts_from_an_empty_latent(engine):
+    """ComfyUI's EmptyLatentImage is zeros: denoise < 1 with no latent_image equals img2img from zeros."""
+    s = _settings(steps=4, denoise=0.5, seed=9)
+    empty = sample(engine, s, quiet=True)["samples"]
+    zeros = sample(engine, s, latent_image={"samples": torch.zeros(1, 4, 8, 8)}, quiet=True)["samples"]
+    assert torch.equal(empty, zeros)
+
+
+def test_precomputed_conditioning_path(engine):
+    """Callers with their own text encoding (stream sampler, CONDITIONING inputs) get the same latent."""
+    from leandiffusion.sampling.cfg import encode_conditioning
+
+    s = _settings(steps=2, batch_size=2)
+    cond = encode_conditioning(engine, s.positive, s.negative, 2, True, 64, 64)
+    assert torch.equal(sample(engine, s, conditioning=cond, quiet=True)["samples"],
+                       sample(engine, s, quiet=True)["samples"])
+    with pytest.raises(ValueError, match="needs batch 1"):
+        sample(engine, _settings(steps=2), conditioning=cond, quiet=True)
