@@ -1,0 +1,222 @@
+"""Fused DDIM Sampler benchmark: the denoising loop under each acceleration vs the diffusers eager loop.
+
+Cases (full-size random-weight UNets, fp16, one process, one GPU; text encoding excluded on both sides - the
+conditioning is precomputed random embeddings of the real shapes):
+- ``sd15-512``: SD1.5 UNet, 512x512 (64x64 latent), 20 steps, batch 1, CFG 7.5 (batched: UNet batch 2);
+- ``sdxl-1024``: SDXL UNet, 1024x1024 (128x128 latent), 30 steps, batch 1, CFG 7.5, pooled + time ids.
+Peer: the diffusers eager loop - ``torch.cat([x] * 2)``, UNet (fp16, SDPA), guidance, ``DDIMScheduler.step`` -
+timed over the same steps from the same initial noise. Ours: ``sampling.loop.denoise`` with ``none``,
+``cuda_graph`` and ``compile+cuda_graph``.
+
+Records per case: ``loop_ms`` per acceleration with the speed-up over the peer (targets from the issue: SD1.5
+cuda_graph >= 2.0x, compile+cuda_graph >= 3.0x; SDXL 1.4x / 1.8x), ``rel_diff_vs_diffusers`` and
+``rel_diff_vs_eager`` (||ours - ref|| / ||ref|| over the final latents, target <= 5e-3), ``first_run_s`` (capture,
+and compile, time) and ``peak_reserved_gb``. Timing: one warm-up run, then the median of ``repeat`` runs timed with
+CUDA events (``harness.time_ms``).
+
+Modes: smoke = CPU tiny SD1/SDXL, 1 step (plumbing only; accelerations fall back to eager on the CPU);
+quick = SD1.5 every acceleration + SDXL none/cuda_graph; full = both cases, every acceleration.
+``LEANDIFFUSION_BENCH_SAMPLER_CASES`` (comma list of ``sd15``, ``sdxl``) restricts the cases, e.g. to give SDXL's
+compile its own device call.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+
+import torch
+
+from .harness import BenchContext, peak_memory, time_ms
+
+logger = logging.getLogger(__name__)
+
+SUITE = "sampler"
+SMOKE_BUDGET_S = 60
+QUICK_BUDGET_S = 300
+FULL_BUDGET_S = 540
+
+CFG = 7.5
+TARGETS = {"sd15": {"cuda_graph": 2.0, "compile+cuda_graph": 3.0},
+           "sdxl": {"cuda_graph": 1.4, "compile+cuda_graph": 1.8}}
+# rough seconds a case needs (first run included), to skip instead of overrunning the suite's budget
+COST_S = {("sd15", "none"): 15, ("sd15", "cuda_graph"): 15, ("sd15", "compile+cuda_graph"): 150,
+          ("sdxl", "none"): 40, ("sdxl", "cuda_graph"): 40, ("sdxl", "compile+cuda_graph"): 300}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _has_time(ctx: BenchContext, seconds: float) -> bool:
+    has_time = getattr(ctx, "has_time", None)
+    return True if has_time is None else bool(has_time(seconds))
+
+
+def _skip(ctx: BenchContext, case: str, reason: str) -> None:
+    skip = getattr(ctx, "skip", None)
+    if skip is not None:
+        skip(case, reason)
+    else:
+        logger.info("%s skipped: %s", case, reason)
+
+
+class _NoText(torch.nn.Module):
+    """Stands in for a text encoder: the benchmark feeds precomputed embeddings, so none is ever called."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+
+
+def _full_engine(kind: str, device: torch.device):
+    from ..memory.engine import ModelParts, engine_from_parts
+    from .models import SCHEDULER, full_unet, full_vae
+
+    parts = ModelParts(family="sdxl" if kind == "sdxl" else "sd1", unet=full_unet(kind, device=device),
+                       vae=full_vae(device=device), text_encoder=_NoText(), tokenizer=None,
+                       scheduler_config=dict(SCHEDULER), text_encoder_2=_NoText() if kind == "sdxl" else None,
+                       name=f"random-{kind}")
+    return engine_from_parts(parts, device=device, dtype=torch.float16, vae_dtype=torch.float16)
+
+
+def _conditioning(engine, kind: str, batch: int, size: int, seed: int = 0):
+    from ..memory.engine import PromptEmbeds
+    from ..sampling.cfg import conditioning_from_embeds
+
+    g = torch.Generator().manual_seed(seed)
+    config = engine.parts.unet.config
+    dim = config.cross_attention_dim
+    pooled = None  # SDXL: the add-embedding input minus the 6 time-id embeddings
+    if engine.parts.is_sdxl:
+        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+
+    def embeds():
+        ctx = torch.randn(1, 77, dim, generator=g).to(engine.device, engine.dtype)
+        pool = None if pooled is None else torch.randn(1, pooled, generator=g).to(engine.device, engine.dtype)
+        return PromptEmbeds(ctx, pool)
+
+    cond, uncond = embeds(), embeds()
+    return conditioning_from_embeds(engine, cond, uncond, batch, size, size)
+
+
+def _diffusers_loop(engine, conditioning, x_init: torch.Tensor, steps: int):
+    """The peer: diffusers' pipeline loop (batched CFG + DDIMScheduler.step), fp16 state as the pipeline keeps it."""
+    from diffusers import DDIMScheduler
+
+    unet = engine.parts.unet
+    sched = DDIMScheduler(**engine.parts.scheduler_config)
+    c, u = conditioning.cond, conditioning.uncond
+    context = torch.cat([u.context, c.context])
+    added = None
+    if conditioning.time_ids is not None:
+        added = {"text_embeds": torch.cat([u.pooled, c.pooled]),
+                 "time_ids": torch.cat([conditioning.time_ids, conditioning.time_ids])}
+
+    @torch.no_grad()
+    def run() -> torch.Tensor:
+        sched.set_timesteps(steps, device=engine.device)
+        latents = x_init.to(engine.device, engine.dtype)
+        for t in sched.timesteps:
+            model_in = torch.cat([latents] * 2)
+            kwargs = {"added_cond_kwargs": added} if added else {}
+            pred = unet(model_in, t, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
+            pu, pc = pred.chunk(2)
+            pred = pu + CFG * (pc - pu)
+            latents = sched.step(pred, t, latents, return_dict=False)[0]
+        return latents
+
+    return run
+
+
+def _ours(engine, conditioning, x_init, schedule, acceleration, runner):
+    from ..sampling.loop import denoise
+
+    def run() -> torch.Tensor:
+        with engine.session("unet"):
+            return denoise(engine, conditioning, x_init, schedule, CFG, "batched", acceleration, runner=runner,
+                           quiet=True)
+
+    return run
+
+
+def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerations, repeat: int) -> None:
+    from ..sampling import ddim
+    from ..sampling.graph_runner import GraphRunner
+
+    case = f"{kind}-{size}"
+    factor = 8
+    batch = 1
+    schedule = ddim.make_schedule(engine.parts.scheduler_config, steps)
+    cond = _conditioning(engine, kind, batch, size)
+    g = torch.Generator().manual_seed(1234)
+    x_init = torch.randn(batch, 4, size // factor, size // factor, generator=g)
+    dev = engine.device
+    notes = f"{steps} steps, batch {batch}, CFG {CFG} batched, fp16, random weights, text encoding excluded"
+
+    peer_fn = _diffusers_loop(engine, cond, x_init, steps)
+    peer_out = peer_fn().float()
+    peer_ms = time_ms(peer_fn, warmup=1, repeat=repeat, device=dev)
+
+    runner = GraphRunner()
+    eager_out = None
+    for acc in accelerations:
+        if not _has_time(ctx, COST_S.get((kind, acc), 60) if not ctx.smoke else 1):
+            _skip(ctx, f"{case}/{acc}", "not enough of the suite's time budget left")
+            continue
+        fn = _ours(engine, cond, x_init, schedule, acc, runner)
+        with peak_memory(dev) as peak:
+            t0 = time.perf_counter()
+            out = fn().float()  # first run: capture (and compile)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            first_s = time.perf_counter() - t0
+        ms = time_ms(fn, warmup=0, repeat=repeat, device=dev)
+        target = TARGETS.get(kind, {}).get(acc)
+        ctx.record(case, "loop_ms", ms, peer_ms, "diffusers eager loop", target, "ratio>=" if target else "",
+                   lower_is_better=True, unit="ms", notes=f"acceleration={acc}; " + notes)
+        scaled_out = out  # scaled latents, like the peer's
+        ctx.record(case, "rel_diff_vs_diffusers", _rel(scaled_out, peer_out), target=5e-3, target_kind="ours<=",
+                   notes=f"acceleration={acc}: ||ours - diffusers|| / ||diffusers|| over the final latents "
+                         f"(ours keeps a float32 latent state, diffusers fp16)")
+        if acc == "none":
+            eager_out = scaled_out
+        elif eager_out is not None:
+            ctx.record(case, "rel_diff_vs_eager", _rel(scaled_out, eager_out), target=5e-3, target_kind="ours<=",
+                       notes=f"acceleration={acc} vs acceleration=none, same run")
+        ctx.record(case, "first_run_s", first_s, unit="s",
+                   notes=f"acceleration={acc}: first loop incl. capture/compile (once per process)")
+        if dev.type == "cuda":
+            ctx.record(case, "peak_reserved_gb", peak["reserved_gb"], unit="GB",
+                       notes=f"acceleration={acc}: max_memory_reserved during the first run (CUDA context excluded)")
+    runner.clear()
+
+
+def run(ctx: BenchContext) -> None:
+    if ctx.smoke:
+        from ..tests.kit import tiny_engine
+
+        for family in ("sd1", "sdxl"):
+            engine = tiny_engine(family)
+            _case(ctx, "tiny-" + family, engine, 64, 1, ("none", "cuda_graph", "compile+cuda_graph"), repeat=1)
+        return
+    if ctx.device.type != "cuda":
+        raise RuntimeError("the sampler suite needs a CUDA device outside smoke mode")
+    wanted = os.environ.get("LEANDIFFUSION_BENCH_SAMPLER_CASES", "sd15,sdxl").replace(" ", "").split(",")
+    plan = [("sd15", 512, 20, ("none", "cuda_graph", "compile+cuda_graph")),
+            ("sdxl", 1024, 30, ("none", "cuda_graph") if ctx.quick else ("none", "cuda_graph", "compile+cuda_graph"))]
+    for kind, size, steps, accelerations in plan:
+        if kind not in wanted:
+            _skip(ctx, f"{kind}-{size}", "not in LEANDIFFUSION_BENCH_SAMPLER_CASES")
+            continue
+        if not _has_time(ctx, COST_S[(kind, "none")] * 2):
+            _skip(ctx, f"{kind}-{size}", "not enough of the suite's time budget left")
+            continue
+        engine = _full_engine(kind, ctx.device)
+        try:
+            _case(ctx, kind, engine, size, steps, accelerations, repeat=3 if ctx.quick else 5)
+        finally:
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
