@@ -27,13 +27,26 @@ UI_TWINS = [p for p in sorted((PACK_ROOT / "workflows").glob("*.json"))
             if not p.name.endswith(".api.json") and p.with_name(p.name[:-5] + ".api.json").exists()]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # How the shipped workflows are shrunk to the tiny model on the CPU: (class type, input) -> value. Applied where
-# the node declares that input. Extend it as nodes land (e.g. a tiny LoRA / ESRGAN file written into the models dir).
+# the node declares that input. The tiny LoRA and upscaler files are written into the session's models folder by
+# ``tiny_model_files``; the LoRA's target blocks are ones the tiny SD1 UNet has (it has no up_blocks.2).
+TINY_LORA = "tiny_sd1_lora.safetensors"
+TINY_UPSCALER = "tiny_compact_x4.safetensors"
 TINY_OVERRIDES = {
     ("LeanModelLoader", "model"): "tiny-random (test)",
     ("LeanFusedDDIMSampler", "width"): 64,
     ("LeanFusedDDIMSampler", "height"): 64,
     ("LeanFusedDDIMSampler", "steps"): 2,
+    ("LeanFusedDDIMSampler", "batch_size"): 1,
     ("LeanFusedDDIMSampler", "acceleration"): "none",
+    ("LeanStreamSampler", "width"): 64,
+    ("LeanStreamSampler", "height"): 64,
+    ("LeanStreamSampler", "steps"): 2,
+    ("LeanStreamSampler", "images_per_prompt"): 1,
+    ("LeanStreamSampler", "acceleration"): "none",
+    ("LeanLoraInjector", "lora_name"): TINY_LORA,
+    ("LeanLoraInjector", "target_blocks"): "mid_block, up_blocks.1, text_encoder",
+    ("LeanESRGANUpscale", "model_name"): TINY_UPSCALER,
+    ("LeanESRGANUpscale", "device"): "cpu",
 }
 
 
@@ -130,8 +143,25 @@ def _provide_input_images(prompt, input_dir):
             Image.new("RGB", (64, 64), (200, 120, 40)).save(target)
 
 
+@pytest.fixture(scope="module")
+def tiny_model_files(comfyui):
+    """A kohya LoRA for the tiny SD1 model (UNet attention + text encoder) and a tiny compact x4 upscaler."""
+    from safetensors.torch import save_file
+
+    from leandiffusion.tests.kit import tiny_components
+    from leandiffusion.tests.lora import lorafiles
+    from leandiffusion.tests.upscale.helpers import random_compact
+
+    c = tiny_components("sd1")
+    lora = lorafiles.kohya_state_dict({"unet": c["unet"], "text_encoder": c["text_encoder"]},
+                                      {"unet": lorafiles.ATTN_FF, "text_encoder": lorafiles.TE_LINEARS})
+    lorafiles.write(lora, comfyui.models_dir / "loras" / TINY_LORA)
+    save_file(random_compact(), str(comfyui.models_dir / "upscale_models" / TINY_UPSCALER))
+    return comfyui.models_dir
+
+
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.name)
-def test_shipped_workflow_runs_with_the_tiny_model(comfyui, object_info, workflow, tmp_path):
+def test_shipped_workflow_runs_with_the_tiny_model(comfyui, object_info, tiny_model_files, workflow, tmp_path):
     _, prompt = load_workflow(workflow.read_text())
     _provide_input_images(prompt, comfyui.input_dir)
     out = tmp_path / "out"
