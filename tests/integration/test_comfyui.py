@@ -48,6 +48,16 @@ TINY_OVERRIDES = {
     ("LeanESRGANUpscale", "model_name"): TINY_UPSCALER,
     ("LeanESRGANUpscale", "device"): "cpu",
 }
+# Workflows that need more than the tiny model: ComfyUI's CLIP loader builds a full-size CLIP-L whatever the file,
+# so comfy_conditioning runs on a random full-size CLIP-L (text_encoders/) and a checkpoint holding the same CLIP-L
+# with a tiny UNet of 768-wide cross-attention (``clip_l_model_files``). Applied after TINY_OVERRIDES.
+CLIP_L_FILE = "clip_l_random.safetensors"
+CTX768_CHECKPOINT = "tiny_sd1_ctx768.safetensors"
+WORKFLOW_OVERRIDES = {
+    "comfy_conditioning.api.json": {("LeanModelLoader", "model"): CTX768_CHECKPOINT,
+                                    ("CLIPLoader", "clip_name"): CLIP_L_FILE},
+}
+WORKFLOW_FIXTURES = {"comfy_conditioning.api.json": "clip_l_model_files"}
 
 
 def _strip_meta(prompt):
@@ -122,12 +132,13 @@ def test_shipped_ui_workflow_converts_to_its_api_twin(object_info, ui_path):
     assert _strip_meta(ui_to_api(workflow, object_info)) == _strip_meta(api)
 
 
-def _tiny_overrides(prompt, object_info):
+def _tiny_overrides(prompt, object_info, workflow_name=""):
+    overrides = {**TINY_OVERRIDES, **WORKFLOW_OVERRIDES.get(workflow_name, {})}
     sets = []
     for node_id, node in sorted(prompt.items()):
         spec = object_info.get(node["class_type"])
         names = input_names(spec) if spec else []
-        for (class_type, name), value in TINY_OVERRIDES.items():
+        for (class_type, name), value in overrides.items():
             if node["class_type"] == class_type and name in names:
                 sets += ["--set", f"{node_id}.{name}={json.dumps(value)}"]
     return sets
@@ -160,13 +171,46 @@ def tiny_model_files(comfyui):
     return comfyui.models_dir
 
 
+@pytest.fixture(scope="module")
+def clip_l_model_files(comfyui):
+    """A random full-size CLIP-L in ``text_encoders/`` and an SD1 checkpoint with the same CLIP-L, the tiny VAE and a
+    tiny UNet whose cross-attention takes CLIP-L's 768-wide states (fp16 files, ~250 MB each). No tokenizer folder:
+    inside ComfyUI the loader uses ComfyUI's bundled CLIP tokenizer, as for any real single-file checkpoint."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import load_file, save_file
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from leandiffusion.memory.tiny import unet_config
+    from leandiffusion.tests.kit import tiny_components
+    from leandiffusion.tests.kit.ldm import save_ldm_checkpoint
+
+    torch.manual_seed(0)  # the random CLIP-L's initialisation
+    config = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                            num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+                            projection_dim=768, bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
+    components = tiny_components("sd1")
+    components["unet"] = UNet2DConditionModel(**{**unet_config("sd1"), "cross_attention_dim": 768})
+    components["text_encoder"] = CLIPTextModel(config).eval()
+    checkpoint = save_ldm_checkpoint(components, comfyui.models_dir / "checkpoints" / CTX768_CHECKPOINT,
+                                     tokenizer=False, dtype=torch.float16)
+    prefix = "cond_stage_model.transformer."
+    clip_l = {k[len(prefix):]: v for k, v in load_file(str(checkpoint)).items() if k.startswith(prefix)}
+    (comfyui.models_dir / "text_encoders").mkdir(exist_ok=True)
+    save_file(clip_l, str(comfyui.models_dir / "text_encoders" / CLIP_L_FILE))
+    return comfyui.models_dir
+
+
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.name)
-def test_shipped_workflow_runs_with_the_tiny_model(comfyui, object_info, tiny_model_files, workflow, tmp_path):
+def test_shipped_workflow_runs_with_the_tiny_model(comfyui, object_info, tiny_model_files, workflow, tmp_path,
+                                                   request):
+    if workflow.name in WORKFLOW_FIXTURES:
+        request.getfixturevalue(WORKFLOW_FIXTURES[workflow.name])
     _, prompt = load_workflow(workflow.read_text())
     _provide_input_images(prompt, comfyui.input_dir)
     out = tmp_path / "out"
     code = main([str(workflow), "--server", comfyui.url, "--out", str(out), "-q", "--timeout", "900",
-                 *_tiny_overrides(prompt, object_info)])
+                 *_tiny_overrides(prompt, object_info, workflow.name)])
     assert code == EXIT_OK, comfyui.log_text()[-4000:]
     savers = [nid for nid, node in prompt.items() if node["class_type"] in ("SaveImage", "PreviewImage")]
     images = list(out.rglob("*.png"))
