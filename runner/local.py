@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 PACK_LINK_NAME = "leandiffusion"
-MODEL_FOLDERS = ("checkpoints", "diffusers", "loras", "upscale_models", "vae", "embeddings")
+MODEL_FOLDERS = ("checkpoints", "diffusers", "loras", "upscale_models", "vae", "embeddings", "text_encoders")
 
 
 def comfyui_python(comfyui_path: Path, python: Optional[str] = None) -> str:

@@ -27,14 +27,37 @@ UI_TWINS = [p for p in sorted((PACK_ROOT / "workflows").glob("*.json"))
             if not p.name.endswith(".api.json") and p.with_name(p.name[:-5] + ".api.json").exists()]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # How the shipped workflows are shrunk to the tiny model on the CPU: (class type, input) -> value. Applied where
-# the node declares that input. Extend it as nodes land (e.g. a tiny LoRA / ESRGAN file written into the models dir).
+# the node declares that input. The tiny LoRA and upscaler files are written into the session's models folder by
+# ``tiny_model_files``; the LoRA's target blocks are ones the tiny SD1 UNet has (it has no up_blocks.2).
+TINY_LORA = "tiny_sd1_lora.safetensors"
+TINY_UPSCALER = "tiny_compact_x4.safetensors"
 TINY_OVERRIDES = {
     ("LeanModelLoader", "model"): "tiny-random (test)",
     ("LeanFusedDDIMSampler", "width"): 64,
     ("LeanFusedDDIMSampler", "height"): 64,
     ("LeanFusedDDIMSampler", "steps"): 2,
+    ("LeanFusedDDIMSampler", "batch_size"): 1,
     ("LeanFusedDDIMSampler", "acceleration"): "none",
+    ("LeanStreamSampler", "width"): 64,
+    ("LeanStreamSampler", "height"): 64,
+    ("LeanStreamSampler", "steps"): 2,
+    ("LeanStreamSampler", "images_per_prompt"): 1,
+    ("LeanStreamSampler", "acceleration"): "none",
+    ("LeanLoraInjector", "lora_name"): TINY_LORA,
+    ("LeanLoraInjector", "target_blocks"): "mid_block, up_blocks.1, text_encoder",
+    ("LeanESRGANUpscale", "model_name"): TINY_UPSCALER,
+    ("LeanESRGANUpscale", "device"): "cpu",
 }
+# Workflows that need more than the tiny model: ComfyUI's CLIP loader builds a full-size CLIP-L whatever the file,
+# so comfy_conditioning runs on a random full-size CLIP-L (text_encoders/) and a checkpoint holding the same CLIP-L
+# with a tiny UNet of 768-wide cross-attention (``clip_l_model_files``). Applied after TINY_OVERRIDES.
+CLIP_L_FILE = "clip_l_random.safetensors"
+CTX768_CHECKPOINT = "tiny_sd1_ctx768.safetensors"
+WORKFLOW_OVERRIDES = {
+    "comfy_conditioning.api.json": {("LeanModelLoader", "model"): CTX768_CHECKPOINT,
+                                    ("CLIPLoader", "clip_name"): CLIP_L_FILE},
+}
+WORKFLOW_FIXTURES = {"comfy_conditioning.api.json": "clip_l_model_files"}
 
 
 def _strip_meta(prompt):
@@ -109,12 +132,13 @@ def test_shipped_ui_workflow_converts_to_its_api_twin(object_info, ui_path):
     assert _strip_meta(ui_to_api(workflow, object_info)) == _strip_meta(api)
 
 
-def _tiny_overrides(prompt, object_info):
+def _tiny_overrides(prompt, object_info, workflow_name=""):
+    overrides = {**TINY_OVERRIDES, **WORKFLOW_OVERRIDES.get(workflow_name, {})}
     sets = []
     for node_id, node in sorted(prompt.items()):
         spec = object_info.get(node["class_type"])
         names = input_names(spec) if spec else []
-        for (class_type, name), value in TINY_OVERRIDES.items():
+        for (class_type, name), value in overrides.items():
             if node["class_type"] == class_type and name in names:
                 sets += ["--set", f"{node_id}.{name}={json.dumps(value)}"]
     return sets
@@ -130,13 +154,63 @@ def _provide_input_images(prompt, input_dir):
             Image.new("RGB", (64, 64), (200, 120, 40)).save(target)
 
 
+@pytest.fixture(scope="module")
+def tiny_model_files(comfyui):
+    """A kohya LoRA for the tiny SD1 model (UNet attention + text encoder) and a tiny compact x4 upscaler."""
+    from safetensors.torch import save_file
+
+    from leandiffusion.tests.kit import tiny_components
+    from leandiffusion.tests.lora import lorafiles
+    from leandiffusion.tests.upscale.helpers import random_compact
+
+    c = tiny_components("sd1")
+    lora = lorafiles.kohya_state_dict({"unet": c["unet"], "text_encoder": c["text_encoder"]},
+                                      {"unet": lorafiles.ATTN_FF, "text_encoder": lorafiles.TE_LINEARS})
+    lorafiles.write(lora, comfyui.models_dir / "loras" / TINY_LORA)
+    save_file(random_compact(), str(comfyui.models_dir / "upscale_models" / TINY_UPSCALER))
+    return comfyui.models_dir
+
+
+@pytest.fixture(scope="module")
+def clip_l_model_files(comfyui):
+    """A random full-size CLIP-L in ``text_encoders/`` and an SD1 checkpoint with the same CLIP-L, the tiny VAE and a
+    tiny UNet whose cross-attention takes CLIP-L's 768-wide states (fp16 files, ~250 MB each). No tokenizer folder:
+    inside ComfyUI the loader uses ComfyUI's bundled CLIP tokenizer, as for any real single-file checkpoint."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import load_file, save_file
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from leandiffusion.memory.tiny import unet_config
+    from leandiffusion.tests.kit import tiny_components
+    from leandiffusion.tests.kit.ldm import save_ldm_checkpoint
+
+    torch.manual_seed(0)  # the random CLIP-L's initialisation
+    config = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                            num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+                            projection_dim=768, bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
+    components = tiny_components("sd1")
+    components["unet"] = UNet2DConditionModel(**{**unet_config("sd1"), "cross_attention_dim": 768})
+    components["text_encoder"] = CLIPTextModel(config).eval()
+    checkpoint = save_ldm_checkpoint(components, comfyui.models_dir / "checkpoints" / CTX768_CHECKPOINT,
+                                     tokenizer=False, dtype=torch.float16)
+    prefix = "cond_stage_model.transformer."
+    clip_l = {k[len(prefix):]: v for k, v in load_file(str(checkpoint)).items() if k.startswith(prefix)}
+    (comfyui.models_dir / "text_encoders").mkdir(exist_ok=True)
+    save_file(clip_l, str(comfyui.models_dir / "text_encoders" / CLIP_L_FILE))
+    return comfyui.models_dir
+
+
 @pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.name)
-def test_shipped_workflow_runs_with_the_tiny_model(comfyui, object_info, workflow, tmp_path):
+def test_shipped_workflow_runs_with_the_tiny_model(comfyui, object_info, tiny_model_files, workflow, tmp_path,
+                                                   request):
+    if workflow.name in WORKFLOW_FIXTURES:
+        request.getfixturevalue(WORKFLOW_FIXTURES[workflow.name])
     _, prompt = load_workflow(workflow.read_text())
     _provide_input_images(prompt, comfyui.input_dir)
     out = tmp_path / "out"
     code = main([str(workflow), "--server", comfyui.url, "--out", str(out), "-q", "--timeout", "900",
-                 *_tiny_overrides(prompt, object_info)])
+                 *_tiny_overrides(prompt, object_info, workflow.name)])
     assert code == EXIT_OK, comfyui.log_text()[-4000:]
     savers = [nid for nid, node in prompt.items() if node["class_type"] in ("SaveImage", "PreviewImage")]
     images = list(out.rglob("*.png"))
