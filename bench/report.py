@@ -163,17 +163,16 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 1, 1)] + "~"
 
 
-ROW_HEADER = f"{'name':<44} {'ours':>10} {'peer':>10} {'peer name':<16} {'ratio':>7} {'target':<18} result"
+ROW_HEADER = (f"{'name':<44} {'ours':>10} {'peer':>10} {'unit':<8} {'peer name':<16} {'ratio':>7} "
+              f"{'target':<18} result")
 
 
 def format_row(rec: dict) -> str:
-    """One fixed-width table row: name, ours, peer, ratio, target, pass/fail (about 120 characters)."""
+    """One fixed-width table row: name, ours, peer, unit, peer name, ratio, target, pass/fail (~125 chars)."""
     name = _cut(f"{rec['suite']}/{rec['case']} {rec['metric']}", 44)
-    unit = f" {rec['unit']}" if rec.get("unit") else ""
-    ours = _cut(fmt(rec.get("ours")) + unit, 10)
-    peer = _cut(fmt(rec.get("peer")) + (unit if rec.get("peer") is not None else ""), 10)
     ratio = "-" if rec.get("ratio") is None else f"{rec['ratio']:.2f}x"
-    return (f"{name:<44} {ours:>10} {peer:>10} {_cut(rec.get('peer_name') or '-', 16):<16} {ratio:>7} "
+    return (f"{name:<44} {_cut(fmt(rec.get('ours')), 10):>10} {_cut(fmt(rec.get('peer')), 10):>10} "
+            f"{_cut(rec.get('unit') or '', 8):<8} {_cut(rec.get('peer_name') or '-', 16):<16} {ratio:>7} "
             f"{_cut(rec.get('target') or '-', 18):<18} {verdict(rec)}")
 
 

@@ -90,7 +90,7 @@ def test_summary_is_bounded_and_ends_with_totals():
 
 def test_format_row_columns():
     row = report.format_row(rec())
-    for part in ("s/c step_ms", "10 ms", "20 ms", "eager", "2.00x", ">= 1.5x eager", "PASS"):
+    for part in ("s/c step_ms", " 10 ", " 20 ", " ms ", "eager", "2.00x", ">= 1.5x eager", "PASS"):
         assert part in row
     assert report.format_row(rec(ours=None, passed=False, **{"pass": False})).split()[-1] == "FAIL"
 
