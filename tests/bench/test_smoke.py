@@ -36,7 +36,7 @@ def test_smoke_run_is_well_formed_and_fast(smoke):
     assert proc.stdout.strip().splitlines()[-1].startswith("TOTAL:")
 
 
-@pytest.mark.parametrize("name", sorted(SUITES))
+@pytest.mark.parametrize("name", sorted(SUITES), ids=lambda n: f"suite_{n}")  # "comfyui" alone is a marker name
 def test_each_suite_smokes(smoke, name):
     proc, doc, _ = smoke
     status = next(s for s in doc["suites"] if s["suite"] == name)
