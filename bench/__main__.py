@@ -10,8 +10,9 @@ Time budget (the device tool allows 10 minutes a command): the whole invocation 
 (default: smoke 100, quick 500, full 540). Suites run one after another; before each, the time still left is
 shared among the suites not yet run in proportion to their weights (a suite may declare ``QUICK_BUDGET_S`` /
 ``FULL_BUDGET_S`` / ``SMOKE_BUDGET_S`` at module level; defaults 60 / 240 / 10), so time a fast suite leaves
-unused passes to the next ones. A suite's process is killed at its share; the suite sees 85% of it as
-``ctx.time_budget_s`` / ``ctx.deadline()`` and should skip cases (``ctx.skip``) rather than overrun. The full
+unused passes to the next ones. The suite sees 85% of its share as ``ctx.time_budget_s`` / ``ctx.deadline()``
+and should skip cases (``ctx.skip``) rather than overrun; its process is killed once it has used its share plus
+half of what the later suites would get (all that is left, for the last one), so the invocation never overruns. The full
 suite fits four device calls with ``--part 1/4`` ... ``--part 4/4`` (suites dealt to parts by weight, longest
 first, deterministic). A suite with ``REQUIRES_COMFYUI = True`` is skipped unless ``--comfyui PATH`` is given.
 Module-level constants are read from the source with ``ast`` (the parent never imports a suite, nor CUDA).
@@ -49,8 +50,9 @@ BENCH_DIR = Path(__file__).parent
 DEFAULT_BUDGET_S = {"smoke": 100.0, "quick": 500.0, "full": 540.0}
 DEFAULT_WEIGHT_S = {"smoke": 10.0, "quick": 60.0, "full": 240.0}
 WEIGHT_CONST = {"smoke": "SMOKE_BUDGET_S", "quick": "QUICK_BUDGET_S", "full": "FULL_BUDGET_S"}
-SOFT_FRACTION = 0.85  # the suite's own budget, as a fraction of the share at which its process is killed
-MIN_SHARE_S = {"smoke": 5.0, "quick": 20.0, "full": 20.0}  # below this a suite is skipped, not started
+SOFT_FRACTION = 0.85  # the suite's own budget (ctx.time_budget_s), as a fraction of its share
+OVERRUN_FRACTION = 0.5  # a suite is killed once it has also used this fraction of the time left to the others
+MIN_SHARE_S = {"smoke": 5.0, "quick": 20.0, "full": 20.0}  # below this (or half its weight) a suite is skipped
 KILL_GRACE_S = 5.0
 
 logger = logging.getLogger(__name__)
@@ -123,9 +125,15 @@ def split_parts(suites: list[SuiteInfo], n: int, mode: str) -> list[list[SuiteIn
 
 
 def share_s(remaining_s: float, weights: list[float]) -> float:
-    """The kill-time share of the first suite in ``weights`` (the suites still to run) of ``remaining_s``."""
+    """The share of ``remaining_s`` of the first suite in ``weights`` (the suites still to run)."""
     total = sum(weights)
     return remaining_s * weights[0] / total if total > 0 else 0.0
+
+
+def kill_after_s(remaining_s: float, share: float) -> float:
+    """When a suite's process is killed: its share plus ``OVERRUN_FRACTION`` of what the later suites would get
+    (so a slow suite eats into the others' time, but never all of it; the last suite may use all that is left)."""
+    return share + OVERRUN_FRACTION * max(remaining_s - share, 0.0)
 
 
 # --------------------------------------------------------------------------------------------- worker
@@ -258,8 +266,9 @@ class _ForkedWorker:
 
 
 def run_suite(info: SuiteInfo, mode: str, out_dir: Path, tmp_dir: Path, share: float, comfyui: Optional[str],
-              tee: Tee, isolation: str = "spawn") -> dict:
-    """Run one suite in a child process with ``share`` seconds until it is killed; return its result document.
+              tee: Tee, isolation: str = "spawn", kill_after: Optional[float] = None) -> dict:
+    """Run one suite in a child process: ``SOFT_FRACTION * share`` seconds of budget, killed after
+    ``kill_after`` seconds (default ``share``); return its result document.
 
     ``isolation``: "spawn" starts a fresh interpreter (always on a GPU: no CUDA state crosses a fork); "fork"
     forks this process, which has already imported torch and diffusers (smoke mode: saves the several seconds
@@ -275,7 +284,8 @@ def run_suite(info: SuiteInfo, mode: str, out_dir: Path, tmp_dir: Path, share: f
         cmd += ["--module", info.module]
     if comfyui:
         cmd += ["--comfyui", comfyui]
-    tee.line(f"--- suite {info.name}: budget {budget:.0f}s (killed at {share:.0f}s), mode {mode}, {isolation}")
+    kill_after = share if kill_after is None else max(kill_after, share)
+    tee.line(f"--- suite {info.name}: budget {budget:.0f}s (killed at {kill_after:.0f}s), mode {mode}, {isolation}")
     start = time.time()
     tail: list[str] = []
 
@@ -297,7 +307,7 @@ def run_suite(info: SuiteInfo, mode: str, out_dir: Path, tmp_dir: Path, share: f
     reader.start()
     timed_out = False
     try:
-        proc.wait(timeout=max(share, 1.0))
+        proc.wait(timeout=max(kill_after, 1.0))
     except subprocess.TimeoutExpired:
         timed_out = True
         _kill_group(proc)
@@ -315,7 +325,7 @@ def run_suite(info: SuiteInfo, mode: str, out_dir: Path, tmp_dir: Path, share: f
     last = "\n".join(tail[-15:])
     if timed_out:
         result["status"] = "timeout"
-        result["error"] = (f"killed after {seconds:.0f}s (share {share:.0f}s, suite budget {budget:.0f}s); "
+        result["error"] = (f"killed after {seconds:.0f}s (suite budget {budget:.0f}s, share {share:.0f}s); "
                            f"last output:\n{last}")
     elif result.get("status") == "running" or proc.returncode not in (0, 1):
         result["status"] = "crashed"
@@ -412,11 +422,13 @@ def main_parent(args) -> int:
                 results.append(_skipped(info, "needs --comfyui PATH (a ComfyUI checkout)"))
                 continue
             todo = runnable[runnable.index(info):]
-            share = share_s(end - time.time(), [s.weight(mode) for s in todo])
-            if share < MIN_SHARE_S[mode]:
+            remaining = end - time.time()
+            share = share_s(remaining, [s.weight(mode) for s in todo])
+            if share < min(MIN_SHARE_S[mode], 0.5 * info.weight(mode)):
                 results.append(_skipped(info, f"no time left in the {budget:.0f}s budget (share {share:.0f}s)"))
                 continue
-            results.append(run_suite(info, mode, out_dir, Path(tmp), share, comfyui, tee, isolation))
+            results.append(run_suite(info, mode, out_dir, Path(tmp), share, comfyui, tee, isolation,
+                                     kill_after=kill_after_s(remaining, share)))
             write_all(build_doc(meta, results), out_dir, charts=False)
     doc = build_doc(meta, results)
     try:

@@ -26,7 +26,7 @@ def run_cli(*args, timeout=170):
 def stub_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("stubs")
     t0 = time.time()
-    proc = run_cli("--smoke", "--suite-dir", str(STUBS), "--budget", "40", "--out", str(out))
+    proc = run_cli("--smoke", "--suite-dir", str(STUBS), "--budget", "30", "--out", str(out))
     return proc, out, time.time() - t0
 
 
@@ -59,7 +59,7 @@ def test_stub_run_writes_the_report_files_and_ends_with_the_summary(stub_run):
     tail = "\n".join(lines[-12:])
     assert "ok/matmul64 time_ms" in tail and "PASS" in tail and "suite hang: TIMEOUT" in tail
     assert "ROW ok/matmul64 max_abs_diff" in (out / "bench.log").read_text()
-    assert seconds < 90  # the budget (40 s) bounds the run, hang included
+    assert seconds < 90  # the budget (30 s) bounds the run, hang included
 
 
 @pytest.mark.slow
@@ -121,3 +121,5 @@ def test_share_of_the_remaining_budget():
     assert cli.share_s(100, [60, 20, 20]) == pytest.approx(60)
     assert cli.share_s(100, [10]) == pytest.approx(100)  # the last suite gets all that is left
     assert cli.share_s(100, [0, 0]) == 0.0
+    assert cli.kill_after_s(100, 60) == pytest.approx(80)  # its share + half of what the others would get
+    assert cli.kill_after_s(100, 100) == pytest.approx(100)  # the last suite: everything left, no more
