@@ -121,6 +121,22 @@ def validate(doc) -> list[str]:
     return errors
 
 
+def duplicate_keys(doc: dict) -> dict[tuple, int]:
+    """``{(suite, case, metric): n}`` for keys recorded more than once."""
+    seen: dict[tuple, int] = {}
+    for r in doc.get("records", []):
+        if isinstance(r, dict):
+            key = (r.get("suite"), r.get("case"), r.get("metric"))
+            seen[key] = seen.get(key, 0) + 1
+    return {k: n for k, n in seen.items() if n > 1}
+
+
+def lint(doc: dict) -> list[str]:
+    """Non-fatal problems: (suite, case, metric) keys recorded more than once, which tables and charts cannot
+    tell apart (put the variant, e.g. the acceleration, into ``case``)."""
+    return [f"{s}/{c} {m} recorded {n} times" for (s, c, m), n in duplicate_keys(doc).items()]
+
+
 def normalise_record(rec: dict) -> dict:
     """A record with ``pass`` mirroring ``passed`` and non-finite numbers as None."""
     out = dict(rec)
@@ -214,6 +230,9 @@ def summary_lines(doc: dict, max_rows: int = 70) -> list[str]:
         secs = "" if s.get("seconds") is None else f" {s['seconds']:.0f}s"
         lines.append(f"suite {s['suite']}: {s['status'].upper()}{secs}, {s.get('records', '?')} records"
                      f"{f', {skipped} skipped' if skipped else ''}{extra}")
+    dups = lint(doc)
+    if dups:
+        lines.append(_cut(f"WARN {len(dups)} ambiguous key(s): " + "; ".join(dups), 240))
     c = counts(doc)
     bad = [s["suite"] for s in doc.get("suites", []) if s.get("status") in ("failed", "crashed", "timeout")]
     lines.append(f"TOTAL: {c['pass']} pass, {c['fail']} fail, {c['records']} records; suites failed: "
@@ -257,7 +276,11 @@ def benchmarks_markdown(doc: dict, charts: Iterable[str] = ()) -> str:
     """The full BENCHMARKS.md: header, suite statuses, one table per suite, skipped cases, charts."""
     c = counts(doc)
     lines = ["# LeanDiffusion benchmarks", ""] + header_lines(doc) + [
-        "", f"**{c['pass']} targets pass, {c['fail']} fail**, {c['records']} records.", "", "## Suites", "",
+        "", f"**{c['pass']} targets pass, {c['fail']} fail**, {c['records']} records.", ""]
+    dups = lint(doc)
+    if dups:
+        lines += ["Ambiguous records (same suite, case and metric; see notes): " + "; ".join(dups) + ".", ""]
+    lines += ["## Suites", "",
         "| suite | status | seconds | budget (s) | records | skipped | error |", "|---|---|---|---|---|---|---|"]
     for s in doc.get("suites", []):
         err = _md_escape(_cut(error_headline(s), 160))
@@ -319,10 +342,13 @@ def chart_kinds(doc: dict) -> list[str]:
 def chart_groups(doc: dict, kind: str) -> list[tuple[str, list[tuple[str, float, Optional[float], str, str]]]]:
     """Panels for one chart: [("suite [unit]", [(label, ours, peer, peer_name, unit), ...]), ...], record order."""
     panels: dict[str, list] = {}
+    ambiguous = duplicate_keys(doc)
     for r in doc.get("records", []):
         if chart_kind(r) != kind or r.get("ours") is None:
             continue
         label = f"{r['case']} · {r['metric']}"
+        if (r["suite"], r["case"], r["metric"]) in ambiguous and r.get("notes"):
+            label += f" ({r['notes'].split(';')[0].strip()[:30]})"  # tell same-key records apart
         key = f"{r['suite']} [{r.get('unit') or r['metric']}]"  # one scale per suite and unit
         panels.setdefault(key, []).append((label, r["ours"], r.get("peer"), r.get("peer_name") or "", r.get("unit") or ""))
     return list(panels.items())

@@ -299,15 +299,16 @@ def case_ksampler(ctx, comfy: Comfy, kind: str) -> None:
 def case_vae(ctx, comfy: Comfy) -> None:
     dev, smoke = ctx.device, ctx.smoke
     dtype = torch.float32 if smoke else torch.float16
-    hw = 64 if smoke else 2048
-    tile, overlap = (32, 8) if smoke else (512, 64)
+    hw = 256 if smoke else 2048
+    tile, overlap = (128, 32) if smoke else (512, 64)  # 128 px: the smallest tile LeanTiledVAEDecode accepts
     case = f"vae_decode_{hw}px"
     vae = full_vae(device=dev, dtype=dtype)
     cvae = comfy.vae(vae, dtype)
     latent = torch.randn(1, 4, hw // 8, hw // 8, generator=torch.Generator("cpu").manual_seed(0))
     repeat = 1 if smoke else 3
 
-    comfy_ms = time_ms(lambda: comfy.vae_decode_tiled(cvae, latent, tile, overlap), warmup=1, repeat=repeat,
+    warm = 0 if smoke else 1
+    comfy_ms = time_ms(lambda: comfy.vae_decode_tiled(cvae, latent, tile, overlap), warmup=warm, repeat=repeat,
                        device=dev)
     with peak_memory(dev) as comfy_mem:
         comfy.vae_decode_tiled(cvae, latent, tile, overlap)
@@ -330,7 +331,7 @@ def case_vae(ctx, comfy: Comfy) -> None:
             kw = dict(samples={"samples": latent}, tile_size=tile, overlap=overlap, seam_mode=mode)
             kw.update(lean_model=engine) if source == "ours_vae" else kw.update(vae=cvae)
             comfy.unload_all()
-            ours_ms = time_ms(lambda: decode(**kw), warmup=1, repeat=repeat, device=dev)
+            ours_ms = time_ms(lambda: decode(**kw), warmup=warm, repeat=repeat, device=dev)
             with peak_memory(dev) as mem:
                 decode(**kw)
             record_pair(ctx, sub, "decode_ms", ours_ms, comfy_ms, "ms", notes, comfy)
@@ -376,22 +377,25 @@ def case_upscale(ctx, comfy: Comfy) -> None:
         ctx.skip("upscale", f"spandrel does not import ({exc}); carry its wheel")
         return
     dev, smoke = ctx.device, ctx.smoke
-    size = 16 if smoke else (512 if ctx.quick else 1024)
+    size = 32 if smoke else (512 if ctx.quick else 1024)
     case = f"upscale_rrdb_x4_{size}px"
     sd = rrdb_x4_state_dict()
     model = ModelLoader().load_from_state_dict(dict(sd)).eval()
     if not isinstance(model, ImageModelDescriptor):
         raise TypeError(f"spandrel loaded {type(model).__name__}, expected an ImageModelDescriptor")
     image = torch.rand(1, size, size, 3, generator=torch.Generator("cpu").manual_seed(0))
-    tile = 512 if not smoke else 16
-    comfy_ms = time_ms(lambda: comfy.upscale_with_model(model, image, dev, tile=tile, overlap=32 if not smoke else 4),
+    tile = 512 if not smoke else 32  # 32: the smallest tile LeanESRGANUpscale accepts
+    overlap = 32 if not smoke else 4
+    comfy_ms = time_ms(lambda: comfy.upscale_with_model(model, image, dev, tile=tile, overlap=overlap),
                        warmup=1, repeat=1 if smoke or ctx.quick else 2, device=dev)
     with peak_memory(dev) as comfy_mem:
-        comfy.upscale_with_model(model, image, dev, tile=tile, overlap=32 if not smoke else 4)
+        comfy.upscale_with_model(model, image, dev, tile=tile, overlap=overlap)
     model.to("cpu")
     del model
     free_cuda()
-    notes = "ComfyUI: spandrel model as loaded (fp32), tile 512 overlap 32; ours: fp16 on GPU, tile 512 overlap 32"
+    ours_precision = "fp16" if dev.type == "cuda" else "fp32"
+    notes = (f"ComfyUI: spandrel model as loaded (fp32), tile {tile} overlap {overlap}; ours: {ours_precision} on "
+             f"{dev.type}, tile {tile} overlap {overlap}")
     upscale = node_fn("LeanESRGANUpscale")
     if upscale is None:
         ctx.skip(case, "LeanESRGANUpscale not in this build")
@@ -406,8 +410,8 @@ def case_upscale(ctx, comfy: Comfy) -> None:
         os.environ["LEANDIFFUSION_MODELS"] = models  # this suite's own process; restored below
         try:
             kw = dict(image=image, model_name="rrdb_x4_random.safetensors", output_scale=0.0,
-                      device="gpu" if dev.type == "cuda" else "cpu", tile_size=tile,
-                      tile_overlap=32 if not smoke else 4, precision="fp16" if dev.type == "cuda" else "fp32")
+                      device="gpu" if dev.type == "cuda" else "cpu", tile_size=tile, tile_overlap=overlap,
+                      precision=ours_precision)
             ours_ms = time_ms(lambda: upscale(**kw), warmup=1, repeat=1 if smoke or ctx.quick else 2, device=dev)
             with peak_memory(dev) as mem:
                 upscale(**kw)

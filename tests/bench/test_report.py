@@ -148,3 +148,17 @@ def test_report_cli(tmp_path, capsys):
     broken["records"][0]["ours"] = "x"
     path.write_text(json.dumps(broken))
     assert report.main([str(path), "--check"]) == 1
+
+
+def test_lint_flags_ambiguous_records():
+    d = doc([rec(), rec(), rec(case="other")])
+    assert report.lint(d) == ["s/c step_ms recorded 2 times"]
+    assert report.validate(d) == []  # ambiguity is a warning, not a schema error
+    assert any(x.startswith("WARN 1 ambiguous key(s): s/c step_ms") for x in report.summary_lines(d))
+    assert "Ambiguous records" in report.benchmarks_markdown(d)
+
+
+def test_chart_labels_tell_ambiguous_records_apart():
+    d = doc([rec(notes="acceleration=none; x"), rec(notes="acceleration=cuda_graph; x")])
+    labels = [item[0] for _, items in report.chart_groups(d, "time") for item in items]
+    assert labels == ["c · step_ms (acceleration=none)", "c · step_ms (acceleration=cuda_graph)"]
