@@ -384,6 +384,10 @@ def main_parent(args) -> int:
         for name, info in available.items():
             print(f"{name:<12} weight {info.weight(mode):>5.0f}s  {info.path}"
                   f"{'  (needs --comfyui)' if info.requires_comfyui else ''}")
+        total = sum(i.weight(mode) for i in available.values() if not i.requires_comfyui)
+        budget = args.budget if args.budget is not None else DEFAULT_BUDGET_S[mode]
+        print(f"{mode}: weights total {total:.0f}s without --comfyui, budget {budget:.0f}s "
+              f"(each suite gets about {min(budget / total, 1.0) if total else 1.0:.0%} of its weight)")
         return 0
     if args.out is None:
         raise SystemExit("--out DIR is required (where bench.json, BENCHMARKS.md and the charts go)")
@@ -393,8 +397,10 @@ def main_parent(args) -> int:
     chosen = [available[n] for n in (args.suite or available) if n not in (args.skip or [])]
     chosen = sorted({s.name: s for s in chosen}.values(), key=lambda s: s.name)
     part = parse_part(args.part)
-    if part:
-        chosen = split_parts(chosen, part[1], mode)[part[0] - 1]
+    if part:  # suites that cannot run here (no --comfyui) take no part's time; each part lists them as skipped
+        idle = [s for s in chosen if s.requires_comfyui and args.comfyui is None]
+        busy = [s for s in chosen if s not in idle]
+        chosen = sorted(split_parts(busy, part[1], mode)[part[0] - 1] + idle, key=lambda s: s.name)
     budget = args.budget if args.budget is not None else DEFAULT_BUDGET_S[mode]
     if budget <= 0:
         raise SystemExit(f"--budget={budget}: expected a positive number of seconds")

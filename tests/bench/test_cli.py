@@ -123,3 +123,24 @@ def test_share_of_the_remaining_budget():
     assert cli.share_s(100, [0, 0]) == 0.0
     assert cli.kill_after_s(100, 60) == pytest.approx(80)  # its share + half of what the others would get
     assert cli.kill_after_s(100, 100) == pytest.approx(100)  # the last suite: everything left, no more
+
+
+def test_parts_leave_comfyui_suites_out_without_comfyui(tmp_path, monkeypatch):
+    # with --part and no --comfyui, a ComfyUI-only suite must not take a part of its own
+    seen = {}
+
+    def fake_run_suite(info, mode, out_dir, tmp_dir, share, comfyui, tee, isolation="spawn", kill_after=None):
+        seen[info.name] = share
+        return {"suite": info.name, "status": "ok", "error": "", "skipped": [], "records": []}
+
+    monkeypatch.setattr(cli, "run_suite", fake_run_suite)
+    monkeypatch.setattr(cli, "_preimport", lambda: None)
+    ran = set()
+    for k in (1, 2):
+        seen.clear()
+        assert cli.main(["--smoke", "--suite-dir", str(STUBS), "--part", f"{k}/2", "--no-charts", "--budget", "50",
+                         "--out", str(tmp_path / str(k))]) == 0
+        doc = report.load(tmp_path / str(k) / "bench.json")
+        assert {s["suite"]: s["status"] for s in doc["suites"]}["comfy"] == "skipped"
+        ran |= set(seen)
+    assert ran == {"boom", "exit", "hang", "ok"}
