@@ -1,0 +1,516 @@
+"""ComfyUI's own implementations as peers (``--comfyui PATH``), on the same random weights, in one process:
+
+- ``KSampler`` (sampler ``ddim``, scheduler ``ddim_uniform``): SD1.5 512x512 20 steps and SDXL 1024x1024 30 steps,
+  batch 1, CFG 7.5, model fully loaded; against ``LeanFusedDDIMSampler`` (``none`` and ``cuda_graph``).
+- ``VAEDecodeTiled`` (its defaults: tile 512, overlap 64, i.e. three offset tilings averaged) at 2048x2048, fp16;
+  against ``LeanTiledVAEDecode`` (``exact`` and ``blend``) on our VAE and on ComfyUI's own VAE object.
+- ``ImageUpscaleWithModel`` (spandrel model, ``comfy.utils.tiled_scale`` with tile 512 / overlap 32, the model's
+  own dtype as loaded, fp32): RRDB x4 (ESRGAN x4plus architecture, random weights); against ``LeanESRGANUpscale``.
+- low-VRAM partial loading: SDXL step (1024x1024, CFG batch 2) with ComfyUI behaving as on a card of 4 GiB and of
+  1.5 GiB; against the pack's ``stream`` policy at the same budgets.
+
+How ComfyUI is driven. Only ComfyUI's library modules are imported (``comfy.sd``, ``comfy.sample``,
+``comfy.model_management``, ``comfy.utils``), from ``ctx.comfyui`` prepended to ``sys.path`` in this suite's own
+process. Its ``nodes`` / ``comfy_extras`` modules import PyAV (video types) through ``comfy_api``, which the GPU
+machine lacks, so each node's body is called directly: ``KSampler`` -> ``comfy.sample.sample`` with
+``prepare_noise`` (``nodes.common_ksampler``), ``VAEDecodeTiled`` -> ``VAE.decode_tiled(tile_x=tile//8,
+tile_y=tile//8, overlap=overlap//8)``, ``ImageUpscaleWithModel`` -> ``comfy.utils.tiled_scale(tile 512, overlap 32)``.
+A smaller card is emulated by replacing ``comfy.model_management.get_free_memory`` (in this process only) with
+"budget minus what torch has reserved, plus torch's own free cache", which is the formula ComfyUI applies to the
+driver's free memory; ComfyUI then decides its partial load exactly as on that card.
+
+Our side goes through the pack's node classes (the public contract: node IDs and input names); a node or the
+loader's ``build_engine`` that this build lacks turns its cases into ``ctx.skip`` records, and ComfyUI's number
+is still recorded (metric ``comfyui_*``, ours = ComfyUI's number, no peer). Random weights are valid for time
+and memory only. Memory: ``max_memory_allocated`` / ``max_memory_reserved`` peaks of one run after warm-up
+(weights resident by then count; the CUDA context does not).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .harness import peak_memory, time_ms
+from .models import full_text_encoder, full_unet, full_vae, randomize_
+
+SUITE = "comfyui"
+REQUIRES_COMFYUI = True
+SMOKE_BUDGET_S = 60
+QUICK_BUDGET_S = 150
+FULL_BUDGET_S = 420
+
+logger = logging.getLogger(__name__)
+GiB = 2**30
+
+
+# --------------------------------------------------------------------------------------------- ComfyUI side
+class Comfy:
+    """ComfyUI's library modules, imported from a checkout (see the module docstring)."""
+
+    def __init__(self, path: Path, cpu: bool):
+        path = Path(path)
+        if not (path / "comfy" / "sd.py").is_file():
+            raise ValueError(f"--comfyui={str(path)!r} is not a ComfyUI checkout (no comfy/sd.py there)")
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+        from comfy.cli_args import args
+
+        if cpu:
+            args.cpu = True  # smoke mode: GPUs are hidden, ComfyUI must not ask CUDA for a device
+        import comfy.model_management as mm
+        import comfy.sample
+        import comfy.samplers
+        import comfy.sd
+        import comfy.utils
+
+        self.path, self.mm, self.sd, self.sample, self.utils = path, mm, comfy.sd, comfy.sample, comfy.utils
+        try:
+            from comfyui_version import __version__ as version
+        except ImportError:
+            version = "unknown"
+        self.version = version
+
+    def unet_patcher(self, unet: torch.nn.Module, dtype: torch.dtype):
+        """A ComfyUI ModelPatcher over a copy of ``unet``'s weights (diffusers keys; ComfyUI converts them)."""
+        sd = {k: v.detach().to("cpu", copy=True) for k, v in unet.state_dict().items()}
+        with quiet_root_logger():  # ComfyUI warns once per optional diffusers key the UNet does not have
+            patcher = self.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": dtype})
+        if patcher is None:
+            raise RuntimeError("ComfyUI did not recognise the UNet state dict (load_diffusion_model_state_dict)")
+        return patcher
+
+    def vae(self, vae: torch.nn.Module, dtype: torch.dtype):
+        sd = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in vae.state_dict().items()}
+        return self.sd.VAE(sd=sd, dtype=dtype)
+
+    def ksampler(self, patcher, positive, negative, latent: torch.Tensor, steps: int, cfg: float, seed: int):
+        """``nodes.common_ksampler`` for sampler ``ddim`` / scheduler ``ddim_uniform``, progress bar off."""
+        latent = self.sample.fix_empty_latent_channels(patcher, latent)
+        noise = self.sample.prepare_noise(latent, seed, None)
+        return self.sample.sample(patcher, noise, steps, cfg, "ddim", "ddim_uniform", positive, negative, latent,
+                                  denoise=1.0, disable_pbar=True, seed=seed)
+
+    def vae_decode_tiled(self, vae, latent: torch.Tensor, tile_size: int = 512, overlap: int = 64):
+        """``VAEDecodeTiled.decode`` for an image VAE (the node's own overlap clamp included)."""
+        if tile_size < overlap * 4:
+            overlap = tile_size // 4
+        c = vae.spacial_compression_decode()
+        return vae.decode_tiled(latent, tile_x=tile_size // c, tile_y=tile_size // c, overlap=overlap // c)
+
+    def upscale_with_model(self, model, image: torch.Tensor, device: torch.device, tile: int = 512, overlap: int = 32):
+        """``ImageUpscaleWithModel.execute``: tiled_scale with the node's tile/overlap, OOM halving included."""
+        model.to(device)
+        in_img = image.movedim(-1, -3).to(device)
+        while True:
+            try:
+                out = self.utils.tiled_scale(in_img, lambda a: model(a), tile_x=tile, tile_y=tile, overlap=overlap,
+                                             upscale_amount=model.scale)
+                break
+            except self.mm.OOM_EXCEPTION:
+                tile //= 2
+                if tile < 128:
+                    raise
+        return torch.clamp(out.movedim(-3, -1), min=0, max=1.0)
+
+    def unload_all(self) -> None:
+        self.mm.unload_all_models()
+        self.mm.soft_empty_cache()
+
+    @contextlib.contextmanager
+    def card_of(self, budget_bytes: int, device: torch.device):
+        """Make ComfyUI plan its loads as on a card of ``budget_bytes`` (see the module docstring)."""
+        real = self.mm.get_free_memory
+
+        def free_on_budget(dev=None, torch_free_too=False):
+            if dev is None or getattr(dev, "type", "cuda") != "cuda":
+                return real(dev, torch_free_too)
+            stats = torch.cuda.memory_stats(dev)
+            reserved = stats["reserved_bytes.all.current"]
+            torch_free = reserved - stats["active_bytes.all.current"]
+            total = max(budget_bytes - reserved, 0) + torch_free
+            return (total, torch_free) if torch_free_too else total
+
+        self.mm.get_free_memory = free_on_budget
+        try:
+            yield
+        finally:
+            self.mm.get_free_memory = real
+
+
+@contextlib.contextmanager
+def quiet_root_logger(level: int = logging.ERROR):
+    """Raise the root logger's level for a block (ComfyUI logs through the root logger); restored on exit."""
+    root = logging.getLogger()
+    old = root.level
+    root.setLevel(level)
+    try:
+        yield
+    finally:
+        root.setLevel(old)
+
+
+def sd_cond(kind: str, context: torch.Tensor, pooled: Optional[torch.Tensor], hw: int) -> list:
+    """ComfyUI CONDITIONING for a prompt embedding (SDXL: pooled output and size conditioning)."""
+    if kind == "sdxl":
+        return [[context, {"pooled_output": pooled, "width": hw, "height": hw, "crop_w": 0, "crop_h": 0,
+                           "target_width": hw, "target_height": hw}]]
+    return [[context, {}]]
+
+
+# --------------------------------------------------------------------------------------------- our side
+def node_fn(node_id: str) -> Optional[Callable]:
+    """Our node's FUNCTION as a callable taking the node's inputs, or None when this build lacks the node."""
+    from ..nodes import NODE_CLASS_MAPPINGS
+
+    cls = NODE_CLASS_MAPPINGS.get(node_id)
+    if cls is None:
+        return None
+    return lambda **kw: getattr(cls(), cls.FUNCTION)(**kw)
+
+
+def make_parts(kind: str, comfy: Comfy, device, dtype, unet: Optional[torch.nn.Module] = None):
+    """Full-size random ModelParts (UNet, SD VAE, CLIP-L [+ CLIP-G]) with ComfyUI's bundled CLIP tokenizer."""
+    from transformers import CLIPTokenizer
+
+    from ..memory.engine import ModelParts
+    from .models import SCHEDULER
+
+    tok_dir = comfy.path / "comfy" / "sd1_tokenizer"
+    tokenizer = CLIPTokenizer(vocab_file=str(tok_dir / "vocab.json"), merges_file=str(tok_dir / "merges.txt"))
+    unet = full_unet(kind, device=device, dtype=dtype) if unet is None else unet
+    vae = full_vae(device=device, dtype=dtype)
+    te = full_text_encoder("clip_l", device=device, dtype=dtype)
+    te2 = full_text_encoder("clip_g", device=device, dtype=dtype) if kind == "sdxl" else None
+    family = "sdxl" if kind == "sdxl" else "sd1"
+    return ModelParts(family=family, unet=unet, vae=vae, text_encoder=te, tokenizer=tokenizer,
+                      scheduler_config=dict(SCHEDULER), text_encoder_2=te2, tokenizer_2=tokenizer if te2 else None,
+                      name=f"random-{kind}")
+
+
+def make_engine(parts, policy: str, budget_gb: float, device, dtype):
+    """Our engine over ``parts``: the loader's ``build_engine`` when this build has it, else a resident engine
+    (``full`` only; other policies return None)."""
+    try:
+        from ..memory.load import build_engine
+    except ImportError:
+        build_engine = None
+    if build_engine is not None:
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+        return build_engine(parts, policy, budget_gb, name, name, device=device)
+    if policy != "full":
+        return None
+    from ..memory.engine import LeanEngine
+
+    for m in (parts.unet, parts.vae, parts.text_encoder, parts.text_encoder_2):
+        if m is not None:
+            m.to(device=device, dtype=dtype)
+    return LeanEngine(parts=parts, device=torch.device(device), dtype=dtype, vae_dtype=dtype)
+
+
+def drop_engine(engine) -> None:
+    """Undo an engine's placement for good (the loader's ``remove``: hooks off, modules back on the CPU)."""
+    remove = getattr(getattr(engine, "placement", None), "remove", None)
+    if callable(remove):
+        remove()
+
+
+def free_cuda() -> None:
+    """Collect dropped objects and return the CUDA cache (call after ``del`` of the last references)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------- cases
+def record_pair(ctx, case: str, metric: str, ours: Optional[float], peer: float, unit: str, notes: str,
+                comfy: Comfy, why_no_ours: str = "") -> None:
+    if ours is None:
+        ctx.record(case, f"comfyui_{metric}", peer, unit=unit,
+                   notes=f"ComfyUI {comfy.version} alone ({why_no_ours}); {notes}")
+    else:
+        ctx.record(case, metric, ours, peer, f"ComfyUI {comfy.version}", unit=unit, notes=notes)
+
+
+def case_ksampler(ctx, comfy: Comfy, kind: str) -> None:
+    dev, smoke = ctx.device, ctx.smoke
+    dtype = torch.float32 if smoke else torch.float16
+    hw = {"sd15": 512, "sdxl": 1024}[kind] if not smoke else 64
+    steps = {"sd15": 20, "sdxl": 30}[kind] if not smoke else 2
+    repeat = 1 if smoke or ctx.quick else 3
+    case = f"ksampler_{kind}_{hw}px_{steps}steps"
+    parts = make_parts(kind, comfy, dev, dtype)
+    g = torch.Generator("cpu").manual_seed(0)
+    ctx_dim = 768 if kind == "sd15" else 2048
+    context = torch.randn(1, 77, ctx_dim, generator=g).to(dtype)
+    pooled = torch.randn(1, 1280, generator=g).to(dtype) if kind == "sdxl" else None
+    pos, neg = sd_cond(kind, context, pooled, hw), sd_cond(kind, context * 0.5, pooled, hw)
+    latent = torch.zeros(1, 4, hw // 8, hw // 8)
+
+    patcher = comfy.unet_patcher(parts.unet, dtype)
+    comfy_ms = time_ms(lambda: comfy.ksampler(patcher, pos, neg, latent, steps, 7.5, 0), warmup=1, repeat=repeat,
+                       device=dev)
+    with peak_memory(dev) as comfy_mem:
+        comfy.ksampler(patcher, pos, neg, latent, steps, 7.5, 0)
+    comfy.unload_all()
+    del patcher
+    free_cuda()
+
+    sampler = node_fn("LeanFusedDDIMSampler")
+    engine = make_engine(parts, "full", 1e6, dev, dtype) if sampler is not None else None
+    if sampler is not None and engine is None:
+        raise RuntimeError("make_engine returned no engine for the full policy")
+    notes = f"batch 1, CFG 7.5, {dtype}; ours includes encoding the two prompts, ComfyUI gets embeddings"
+    if sampler is None:
+        why = "LeanFusedDDIMSampler not in this build"
+        ctx.skip(case, why)
+        record_pair(ctx, case, "sampler_ms", None, comfy_ms, "ms", notes, comfy, why)
+        if dev.type == "cuda":
+            record_pair(ctx, case, "peak_reserved_gb", None, comfy_mem["reserved_gb"], "GB", notes, comfy, why)
+    for accel in ("none", "cuda_graph") if sampler is not None else ():
+        sub = f"{case}/{accel}"
+        if accel == "cuda_graph" and dev.type != "cuda":
+            ctx.skip(sub, "CUDA graphs need a GPU")
+            continue
+        kw = dict(lean_model=engine, positive="a photo of a cat", negative="blurry", seed=0, steps=steps, cfg=7.5,
+                  eta=0.0, width=hw, height=hw, batch_size=1, timestep_spacing="leading", cfg_mode="batched",
+                  acceleration=accel)
+        ours_ms = time_ms(lambda: sampler(**kw), warmup=1, repeat=repeat, device=dev)
+        with peak_memory(dev) as ours_mem:
+            sampler(**kw)
+        record_pair(ctx, sub, "sampler_ms", ours_ms, comfy_ms, "ms", notes, comfy)
+        if dev.type == "cuda":
+            record_pair(ctx, sub, "peak_reserved_gb", ours_mem["reserved_gb"], comfy_mem["reserved_gb"], "GB",
+                        "one run after warm-up, weights resident", comfy)
+    drop_engine(engine)
+    del engine, parts
+    free_cuda()
+
+
+def case_vae(ctx, comfy: Comfy) -> None:
+    dev, smoke = ctx.device, ctx.smoke
+    dtype = torch.float32 if smoke else torch.float16
+    hw = 256 if smoke else 2048
+    tile, overlap = (128, 32) if smoke else (512, 64)  # 128 px: the smallest tile LeanTiledVAEDecode accepts
+    case = f"vae_decode_{hw}px"
+    vae = full_vae(device=dev, dtype=dtype)
+    cvae = comfy.vae(vae, dtype)
+    latent = torch.randn(1, 4, hw // 8, hw // 8, generator=torch.Generator("cpu").manual_seed(0))
+    repeat = 1 if smoke else 3
+
+    warm = 0 if smoke else 1
+    comfy_ms = time_ms(lambda: comfy.vae_decode_tiled(cvae, latent, tile, overlap), warmup=warm, repeat=repeat,
+                       device=dev)
+    with peak_memory(dev) as comfy_mem:
+        comfy.vae_decode_tiled(cvae, latent, tile, overlap)
+    comfy_mem_alloc = comfy_mem["allocated_gb"]
+
+    decode = node_fn("LeanTiledVAEDecode")
+    engine = None
+    if decode is not None:
+        from ..memory.engine import LeanEngine
+
+        parts = _vae_only_parts(vae)
+        engine = LeanEngine(parts=parts, device=dev, dtype=dtype, vae_dtype=dtype)
+    notes = f"{dtype}; ComfyUI VAEDecodeTiled tile {tile} overlap {overlap} (3 tilings averaged)"
+    for source in ("ours_vae", "comfy_vae"):
+        for mode in ("exact", "blend"):
+            sub = f"{case}/{mode}/{source}"
+            if decode is None:
+                ctx.skip(sub, "LeanTiledVAEDecode not in this build")
+                continue
+            kw = dict(samples={"samples": latent}, tile_size=tile, overlap=overlap, seam_mode=mode)
+            kw.update(lean_model=engine) if source == "ours_vae" else kw.update(vae=cvae)
+            comfy.unload_all()
+            ours_ms = time_ms(lambda: decode(**kw), warmup=warm, repeat=repeat, device=dev)
+            with peak_memory(dev) as mem:
+                decode(**kw)
+            record_pair(ctx, sub, "decode_ms", ours_ms, comfy_ms, "ms", notes, comfy)
+            if dev.type == "cuda":
+                record_pair(ctx, sub, "peak_allocated_gb", mem["allocated_gb"], comfy_mem_alloc, "GB",
+                            "max_memory_allocated of one decode", comfy)
+    if decode is None:
+        record_pair(ctx, case, "decode_ms", None, comfy_ms, "ms", notes, comfy, "LeanTiledVAEDecode not in this build")
+        if dev.type == "cuda":
+            record_pair(ctx, case, "peak_allocated_gb", None, comfy_mem_alloc, "GB", notes, comfy,
+                        "LeanTiledVAEDecode not in this build")
+    comfy.unload_all()
+    del engine, cvae, vae
+    free_cuda()
+
+
+def _vae_only_parts(vae):
+    """ModelParts whose VAE is ``vae`` (the decode node only touches the VAE; the rest are tiny stand-ins)."""
+    from ..memory.engine import ModelParts
+    from .models import SCHEDULER
+
+    return ModelParts(family="sd1", unet=torch.nn.Identity(), vae=vae, text_encoder=torch.nn.Identity(),
+                      tokenizer=None, scheduler_config=dict(SCHEDULER), name="random-sd-vae")
+
+
+def rrdb_x4_state_dict(seed: int = 0) -> dict:
+    """A random-weight ESRGAN x4plus (RRDBNet: 23 blocks, 64 features, 32 growth) state dict in spandrel's keys."""
+    from spandrel.architectures.ESRGAN import ESRGAN
+
+    net = ESRGAN(in_nc=3, out_nc=3, num_filters=64, num_blocks=23, scale=4)
+    randomize_(net, seed)
+    with torch.no_grad():  # keep activations O(1) through the residual-in-residual chain
+        for name, p in net.named_parameters():
+            if p.ndim >= 2:
+                p.mul_(0.2)
+    return {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+
+
+def case_upscale(ctx, comfy: Comfy) -> None:
+    try:
+        from spandrel import ImageModelDescriptor, ModelLoader
+    except ImportError as exc:
+        ctx.skip("upscale", f"spandrel does not import ({exc}); carry its wheel")
+        return
+    dev, smoke = ctx.device, ctx.smoke
+    size = 32 if smoke else (512 if ctx.quick else 1024)
+    case = f"upscale_rrdb_x4_{size}px"
+    sd = rrdb_x4_state_dict()
+    model = ModelLoader().load_from_state_dict(dict(sd)).eval()
+    if not isinstance(model, ImageModelDescriptor):
+        raise TypeError(f"spandrel loaded {type(model).__name__}, expected an ImageModelDescriptor")
+    image = torch.rand(1, size, size, 3, generator=torch.Generator("cpu").manual_seed(0))
+    tile = 512 if not smoke else 32  # 32: the smallest tile LeanESRGANUpscale accepts
+    overlap = 32 if not smoke else 4
+    comfy_ms = time_ms(lambda: comfy.upscale_with_model(model, image, dev, tile=tile, overlap=overlap),
+                       warmup=1, repeat=1 if smoke or ctx.quick else 2, device=dev)
+    with peak_memory(dev) as comfy_mem:
+        comfy.upscale_with_model(model, image, dev, tile=tile, overlap=overlap)
+    model.to("cpu")
+    del model
+    free_cuda()
+    ours_precision = "fp16" if dev.type == "cuda" else "fp32"
+    notes = (f"ComfyUI: spandrel model as loaded (fp32), tile {tile} overlap {overlap}; ours: {ours_precision} on "
+             f"{dev.type}, tile {tile} overlap {overlap}")
+    upscale = node_fn("LeanESRGANUpscale")
+    if upscale is None:
+        ctx.skip(case, "LeanESRGANUpscale not in this build")
+        record_pair(ctx, case, "upscale_ms", None, comfy_ms, "ms", notes, comfy, "LeanESRGANUpscale not in this build")
+        return
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="leanbench_models_") as models:
+        (Path(models) / "upscale_models").mkdir()
+        save_file(sd, str(Path(models) / "upscale_models" / "rrdb_x4_random.safetensors"))
+        old = os.environ.get("LEANDIFFUSION_MODELS")
+        os.environ["LEANDIFFUSION_MODELS"] = models  # this suite's own process; restored below
+        try:
+            kw = dict(image=image, model_name="rrdb_x4_random.safetensors", output_scale=0.0,
+                      device="gpu" if dev.type == "cuda" else "cpu", tile_size=tile, tile_overlap=overlap,
+                      precision=ours_precision)
+            ours_ms = time_ms(lambda: upscale(**kw), warmup=1, repeat=1 if smoke or ctx.quick else 2, device=dev)
+            with peak_memory(dev) as mem:
+                upscale(**kw)
+        finally:
+            if old is None:
+                os.environ.pop("LEANDIFFUSION_MODELS", None)
+            else:
+                os.environ["LEANDIFFUSION_MODELS"] = old
+    record_pair(ctx, case, "upscale_ms", ours_ms, comfy_ms, "ms", notes, comfy)
+    if dev.type == "cuda":
+        record_pair(ctx, case, "peak_allocated_gb", mem["allocated_gb"], comfy_mem["allocated_gb"], "GB",
+                    "max_memory_allocated of one upscale", comfy)
+
+
+def case_lowvram(ctx, comfy: Comfy) -> None:
+    dev = ctx.device
+    if dev.type != "cuda":
+        ctx.skip("lowvram_sdxl", "partial loading needs a GPU")
+        return
+    dtype, hw, steps = torch.float16, 1024, 3
+    budgets = (4.0, 1.5)
+    # Built on the GPU (fast random init), then parked on the CPU: ComfyUI's emulated card counts what torch
+    # holds, so nothing of ours may stay resident while ComfyUI runs.
+    parts = make_parts("sdxl", comfy, dev, dtype)
+    for m in (parts.unet, parts.vae, parts.text_encoder, parts.text_encoder_2):
+        m.to("cpu")
+    free_cuda()
+    patcher = comfy.unet_patcher(parts.unet, dtype)
+    g = torch.Generator("cpu").manual_seed(0)
+    context = torch.randn(1, 77, 2048, generator=g).to(dtype)
+    pooled = torch.randn(1, 1280, generator=g).to(dtype)
+    pos, neg = sd_cond("sdxl", context, pooled, hw), sd_cond("sdxl", context * 0.5, pooled, hw)
+    latent = torch.zeros(1, 4, hw // 8, hw // 8)
+    comfy_step = {}
+    for budget in budgets:
+        comfy.unload_all()
+        with comfy.card_of(int(budget * GiB), dev):
+            ms = time_ms(lambda: comfy.ksampler(patcher, pos, neg, latent, steps, 7.5, 0), warmup=1, repeat=1,
+                         device=dev)
+            with peak_memory(dev) as mem:
+                comfy.ksampler(patcher, pos, neg, latent, steps, 7.5, 0)
+        comfy_step[budget] = (ms / steps, mem["reserved_gb"])
+    comfy.unload_all()
+    del patcher
+    free_cuda()
+
+    sampler = node_fn("LeanFusedDDIMSampler")
+    for budget in budgets:
+        case = f"lowvram_sdxl_{hw}px/budget_{budget:g}gb"
+        c_ms, c_gb = comfy_step[budget]
+        notes = f"SDXL {hw}px, CFG batch 2, {steps} steps, per step; ComfyUI as on a {budget:g} GiB card"
+        engine, why = None, ""
+        if sampler is None:
+            why = "LeanFusedDDIMSampler not in this build"
+        elif not ctx.has_time(45):
+            why = "no time left in the suite budget"
+        else:
+            engine = make_engine(parts, "stream", budget, dev, dtype)
+            why = "" if engine is not None else "no stream policy in this build (memory.load.build_engine)"
+        if engine is None:
+            ctx.skip(case, why)
+            record_pair(ctx, case, "step_ms", None, c_ms, "ms", notes, comfy, why)
+            record_pair(ctx, case, "peak_reserved_gb", None, c_gb, "GB", notes, comfy, why)
+            continue
+        kw = dict(lean_model=engine, positive="a photo of a cat", negative="blurry", seed=0, steps=steps, cfg=7.5,
+                  eta=0.0, width=hw, height=hw, batch_size=1, timestep_spacing="leading", cfg_mode="batched",
+                  acceleration="none")
+        ms = time_ms(lambda: sampler(**kw), warmup=1, repeat=1, device=dev)
+        with peak_memory(dev) as mem:
+            sampler(**kw)
+        record_pair(ctx, case, "step_ms", ms / steps, c_ms, "ms", notes + "; ours: stream policy", comfy)
+        record_pair(ctx, case, "peak_reserved_gb", mem["reserved_gb"], c_gb, "GB", notes, comfy)
+        drop_engine(engine)
+        del engine
+        free_cuda()
+    del parts
+    free_cuda()
+
+
+CASES = (
+    ("ksampler_sd15", 40, lambda ctx, c: case_ksampler(ctx, c, "sd15")),
+    ("vae_decode", 25, case_vae),
+    ("upscale", 30, case_upscale),
+    ("ksampler_sdxl", 60, lambda ctx, c: case_ksampler(ctx, c, "sdxl")),
+    ("lowvram_sdxl", 90, case_lowvram),
+)
+
+
+def run(ctx) -> None:
+    if ctx.comfyui is None:
+        ctx.skip("*", "needs --comfyui PATH")
+        return
+    comfy = Comfy(ctx.comfyui, cpu=ctx.device.type != "cuda")
+    logger.info("ComfyUI %s from %s", comfy.version, comfy.path)
+    for name, need_s, fn in CASES:
+        if ctx.smoke and name in ("ksampler_sd15", "ksampler_sdxl", "lowvram_sdxl"):
+            ctx.skip(name, "a full-size UNet is too heavy for the CPU smoke run")
+            continue
+        if not ctx.has_time(need_s if not ctx.smoke else 5):
+            ctx.skip(name, f"less than {need_s}s left in the suite budget")
+            continue
+        fn(ctx, comfy)

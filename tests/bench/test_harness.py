@@ -1,0 +1,103 @@
+"""Guards the harness contract every suite builds on: ratio and pass/fail arithmetic, the time budget, the sink
+that keeps records across a crash, and strict JSON for non-finite numbers."""
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from leandiffusion.bench.harness import BenchContext, peak_memory, time_ms, write_json
+from leandiffusion.bench.report import validate_record
+
+
+def make_ctx(tmp_path, **kw):
+    return BenchContext("unit", tmp_path, smoke=True, **kw)
+
+
+def test_old_constructor_still_works(tmp_path):
+    ctx = BenchContext("unit", tmp_path, True, False, None)
+    assert ctx.time_budget_s is None and ctx.deadline() == math.inf and ctx.has_time(1e9)
+    assert ctx.mode == "smoke" and ctx.device.type == "cpu"
+
+
+@pytest.mark.parametrize("ours, peer, lower, kind, target, ratio, passed", [
+    (10.0, 25.0, True, "ratio>=", 2.0, 2.5, True),     # twice as fast needed, 2.5x measured
+    (10.0, 15.0, True, "ratio>=", 2.0, 1.5, False),
+    (30.0, 10.0, False, "ratio>=", 2.0, 3.0, True),    # throughput: ours/peer
+    (3.9, None, True, "ours<=", 4.0, None, True),
+    (4.1, None, True, "ours<=", 4.0, None, False),
+    (1.0, None, False, "ours>=", 2.0, None, False),
+    (10.0, None, True, "ratio>=", 2.0, None, False),   # a ratio target without a peer cannot pass
+    (5.0, 10.0, True, "", None, 2.0, None),
+])
+def test_record_ratio_and_pass(tmp_path, ours, peer, lower, kind, target, ratio, passed):
+    ctx = make_ctx(tmp_path)
+    rec = ctx.record("c", "m_ms", ours, peer, "peer" if peer is not None else "", target=target, target_kind=kind,
+                     lower_is_better=lower, unit="ms")
+    assert rec.ratio == (None if ratio is None else pytest.approx(ratio))
+    assert rec.passed is passed
+    assert bool(rec.target) == (passed is not None)
+
+
+def test_record_accepts_tensors_and_rejects_bad_kind(tmp_path):
+    ctx = make_ctx(tmp_path)
+    rec = ctx.record("c", "m_ms", torch.tensor(2.0), torch.tensor(4.0), "p", unit="ms")
+    assert isinstance(rec.ours, float) and isinstance(rec.ratio, float) and rec.ratio == 2.0
+    with pytest.raises(ValueError, match="target_kind"):
+        ctx.record("c", "m", 1.0, target=1.0, target_kind="ratio>")
+
+
+def test_non_finite_never_passes_and_is_stored_as_null(tmp_path):
+    ctx = make_ctx(tmp_path, sink=tmp_path / "r.json")
+    rec = ctx.record("c", "max_abs_diff", float("nan"), target=1e-3, target_kind="ours<=")
+    assert rec.passed is False
+    text = (tmp_path / "r.json").read_text()
+    assert "NaN" not in text
+    stored = json.loads(text)["records"][0]
+    assert stored["ours"] is None
+    assert validate_record(stored) == []
+    write_json([{"x": float("inf")}], tmp_path / "w.json")
+    assert json.loads((tmp_path / "w.json").read_text()) == [{"x": None}]
+
+
+def test_sink_holds_every_record_as_soon_as_made(tmp_path):
+    sink = tmp_path / "sub" / "r.json"
+    seen = []
+    ctx = make_ctx(tmp_path, sink=sink, on_record=seen.append)
+    ctx.record("a", "m_ms", 1.0, unit="ms")
+    assert [r["case"] for r in json.loads(sink.read_text())["records"]] == ["a"]
+    ctx.skip("b", "no time")
+    ctx.record("c", "m_ms", 2.0, unit="ms")
+    doc = json.loads(sink.read_text())
+    assert [r["case"] for r in doc["records"]] == ["a", "c"]
+    assert doc["status"] == "running" and doc["skipped"] == [{"case": "b", "reason": "no time"}]
+    assert [r.case for r in seen] == ["a", "c"]
+    ctx.flush("ok")
+    assert json.loads(sink.read_text())["status"] == "ok"
+
+
+def test_time_budget_and_deadline(tmp_path):
+    ctx = make_ctx(tmp_path, time_budget_s=30)
+    assert 29 < ctx.time_left() <= 30 and ctx.has_time(20) and not ctx.has_time(40)
+    past = make_ctx(tmp_path, time_budget_s=30, deadline=time.time() - 1)  # the CLI's deadline wins
+    assert past.time_left() < 0 and not past.has_time(0)
+    with pytest.raises(ValueError, match="time_budget_s"):
+        make_ctx(tmp_path, time_budget_s=0)
+
+
+def test_artifact_path_is_confined_to_out_dir(tmp_path):
+    ctx = make_ctx(tmp_path / "out")
+    assert ctx.artifact_path("trace.json") == tmp_path / "out" / "unit_trace.json"
+    for bad in ("../x", "a/b", "", ".hidden"):
+        with pytest.raises(ValueError, match="name="):
+            ctx.artifact_path(bad)
+
+
+def test_time_ms_is_a_median_and_peak_memory_is_zero_on_cpu():
+    calls = []
+    assert time_ms(lambda: calls.append(1), warmup=2, repeat=3, device=torch.device("cpu")) >= 0
+    assert len(calls) == 5
+    with peak_memory(torch.device("cpu")) as mem:
+        torch.ones(10)
+    assert mem == {"reserved_gb": 0.0, "allocated_gb": 0.0}

@@ -1,0 +1,164 @@
+"""Guards the report: the schema check catches malformed records, the end-of-run summary stays compact and ends
+with the totals line, and Markdown / charts render from a bench.json without a GPU."""
+import copy
+import json
+
+import pytest
+
+from leandiffusion.bench import report
+
+
+def rec(**kw):
+    base = {"suite": "s", "case": "c", "metric": "step_ms", "ours": 10.0, "peer": 20.0, "peer_name": "eager",
+            "ratio": 2.0, "target": ">= 1.5x eager", "passed": True, "pass": True, "unit": "ms", "device": "gpu",
+            "versions": {"torch": "2.11", "python": "3.12"}, "notes": ""}
+    base.update(kw)
+    return base
+
+
+def doc(records, statuses=None):
+    names = sorted({r["suite"] for r in records} | set(statuses or {}))
+    suites = [{"suite": n, "status": (statuses or {}).get(n, "ok"), "error": "", "seconds": 1.0, "budget_s": 5.0,
+               "skipped": [], "records": sum(r["suite"] == n for r in records)} for n in names]
+    return {"schema": 1, "meta": {"mode": "quick", "device": "NVIDIA H100", "date": "2026-11-21",
+                                  "versions": {"torch": "2.11"}, "command": "python -m leandiffusion.bench --quick"},
+            "suites": suites, "records": records}
+
+
+def suite(d, name):
+    return next(s for s in d["suites"] if s["suite"] == name)
+
+
+def test_good_record_passes():
+    assert report.validate_record(rec()) == []
+    assert report.validate(doc([rec(), rec(case="d", peer=None, peer_name="", ratio=None, target="", passed=None,
+                                           **{"pass": None})])) == []
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"ours": "fast"}, "ours"),
+    ({"ours": True}, "ours"),
+    ({"ours": float("nan")}, "not finite"),
+    ({"passed": "yes", "pass": "yes"}, "passed"),
+    ({"pass": False}, "differs"),
+    ({"target": ""}, "target is empty"),
+    ({"passed": None, "pass": None}, "has no pass/fail"),
+    ({"peer": None}, "ratio without a peer"),
+    ({"peer_name": ""}, "peer without a peer_name"),
+    ({"suite": " "}, "suite is empty"),
+    ({"versions": {}}, "torch"),
+    ({"ours": None}, "ours is null"),
+])
+def test_bad_records_are_caught(change, fragment):
+    errors = report.validate_record(rec(**change))
+    assert any(fragment in e for e in errors), errors
+
+
+def test_missing_key_and_unknown_suite_and_bad_status():
+    bad = rec()
+    del bad["metric"]
+    d = doc([bad])
+    d["records"].append(rec(suite="ghost"))
+    d["suites"][0]["status"] = "crashed"  # crashed without an error message
+    errors = report.validate(d)
+    assert any("missing key 'metric'" in e for e in errors)
+    assert any("'ghost' is not in 'suites'" in e for e in errors)
+    assert any("without an error message" in e for e in errors)
+
+
+def test_load_accepts_a_bare_record_list(tmp_path):
+    r = rec()
+    del r["pass"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps([r]))
+    d = report.load(path)
+    assert report.validate(d) == []
+    assert d["records"][0]["pass"] is True
+
+
+def test_summary_is_bounded_and_ends_with_totals():
+    records = [rec(case=f"t{i}") for i in range(5)] + [rec(case=f"f{i}", passed=False, **{"pass": False}) for i in range(2)]
+    records += [rec(case=f"info{i}", target="", passed=None, **{"pass": None}) for i in range(200)]
+    d = doc(records, statuses={"broken": "failed"})
+    suite(d, "broken")["error"] = "Traceback (most recent call last):\n  File x\nRuntimeError: CUDA out of memory"
+    lines = report.summary_lines(d, max_rows=40)
+    assert lines[-1].startswith("TOTAL: 5 pass, 2 fail, 207 records; suites failed: broken")
+    assert any("RuntimeError: CUDA out of memory" in x for x in lines)
+    assert len(lines) < 60 and all(len(x) <= 200 for x in lines)
+    assert sum(x.endswith(" FAIL") for x in lines) == 2  # every targeted record is shown even when rows are cut
+
+
+def test_format_row_columns():
+    row = report.format_row(rec())
+    for part in ("s/c step_ms", " 10 ", " 20 ", " ms ", "eager", "2.00x", ">= 1.5x eager", "PASS"):
+        assert part in row
+    assert report.format_row(rec(ours=None, passed=False, **{"pass": False})).split()[-1] == "FAIL"
+
+
+def test_markdown_outputs(tmp_path):
+    d = doc([rec(), rec(case="mem", metric="peak_reserved_gb", unit="GB", ours=3.5, peer=7.0)],
+            statuses={"dead": "timeout"})
+    suite(d, "dead")["error"] = "killed after 100s\nlast output"
+    md = report.benchmarks_markdown(d, ["time.png"])
+    assert "| c | step_ms | 10 ms | 20 ms (eager) | 2.00x | >= 1.5x eager | **pass** |" in md
+    assert "## Suites" in md and "killed after 100s" in md and "![time](time.png)" in md
+    block = report.readme_markdown(d, "docs/bench")
+    assert "NVIDIA H100" in block and "2026-11-21" in block and "**2 of 2 targets pass.**" in block
+    assert "![time](docs/bench/time.png)" in block and "![vram](docs/bench/vram.png)" in block
+    assert "suite `dead` timeout: killed after 100s" in block
+
+
+@pytest.mark.parametrize("metric, unit, kind", [
+    ("step_ms", "ms", "time"), ("load_s", "s", "time"), ("peak_reserved_gb", "GB", "vram"),
+    ("peak_allocated", "GiB", "vram"), ("images_per_s", "img/s", "throughput"), ("copy_gbps", "GB/s", "throughput"),
+    ("max_abs_diff", "", None), ("speedup", "x", None),
+])
+def test_chart_kind(metric, unit, kind):
+    assert report.chart_kind({"metric": metric, "unit": unit}) == kind
+
+
+@pytest.mark.parametrize("backend", ["pillow", "matplotlib"])
+def test_charts_render(tmp_path, backend):
+    if backend == "matplotlib":
+        pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    d = doc([rec(), rec(case="stream", metric="peak_reserved_gb", unit="GB", ours=3.9, peer=0.96),
+             rec(case="b", metric="images_per_s", unit="img/s", ours=4.0, peer=2.0, ratio=2.0),
+             rec(suite="t", case="x", metric="step_ms", peer=None, peer_name="", ratio=None, target="", passed=None,
+                 **{"pass": None})])
+    paths = report.write_charts(d, tmp_path, backend=backend)
+    assert [p.name for p in paths] == ["time.png", "vram.png", "throughput.png"]
+    for p in paths:
+        with Image.open(p) as img:
+            assert img.size[0] >= 600 and img.size[1] >= 100
+    with pytest.raises(ValueError, match="backend"):
+        report.write_charts(d, tmp_path, backend="svg")
+
+
+def test_report_cli(tmp_path, capsys):
+    d = doc([rec()])
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(d))
+    assert report.main([str(path), "--check", "--markdown", "--write"]) == 0
+    out = capsys.readouterr().out
+    assert "schema: 0 problem(s)" in out and "targets pass" in out
+    assert (tmp_path / "BENCHMARKS.md").exists() and (tmp_path / "time.png").exists()
+    broken = copy.deepcopy(d)
+    broken["records"][0]["ours"] = "x"
+    path.write_text(json.dumps(broken))
+    assert report.main([str(path), "--check"]) == 1
+
+
+def test_lint_flags_ambiguous_records():
+    d = doc([rec(), rec(), rec(case="other")])
+    assert report.lint(d) == ["s/c step_ms recorded 2 times"]
+    assert report.validate(d) == []  # ambiguity is a warning, not a schema error
+    assert any(x.startswith("WARN 1 ambiguous key(s): s/c step_ms") for x in report.summary_lines(d))
+    assert "Ambiguous records" in report.benchmarks_markdown(d)
+
+
+def test_chart_labels_tell_ambiguous_records_apart():
+    d = doc([rec(notes="acceleration=none; x"), rec(notes="acceleration=cuda_graph; x")])
+    labels = [item[0] for _, items in report.chart_groups(d, "time") for item in items]
+    assert labels == ["c · step_ms (acceleration=none)", "c · step_ms (acceleration=cuda_graph)"]
