@@ -1,0 +1,87 @@
+"""Classifier-free guidance plumbing: text conditioning for a batch and the UNet calls that realise a CFG mode.
+
+Guidance itself, m = u + s (c - u) (Ho & Salimans 2022), is applied by the fused kernel; this module decides what
+the UNet sees. Invariants (diffusers' ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` conventions):
+- each prompt is encoded once and repeated ``batch`` times;
+- batched CFG stacks uncond first: context ``[u..., c...]``, SDXL pooled ``[u..., c...]``, time ids repeated;
+- sequential CFG makes two calls of ``batch`` rows (uncond, then cond); unguided runs one call on cond;
+- SDXL time ids are (height, width, 0, 0, height, width) in pixels, for every row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..memory.engine import LeanEngine, PromptEmbeds
+from .settings import CfgMode
+
+
+@dataclass(frozen=True, eq=False)
+class Conditioning:
+    """Text conditioning of one run, already repeated to the batch: cond and (when guided) uncond."""
+
+    cond: PromptEmbeds
+    uncond: Optional[PromptEmbeds]
+    time_ids: Optional[torch.Tensor]  # [batch, 6] (SDXL) or None
+
+    @property
+    def guided(self) -> bool:
+        return self.uncond is not None
+
+    @property
+    def batch(self) -> int:
+        return int(self.cond.context.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class UNetCall:
+    """One UNet call per step: its context and SDXL added conditioning (None for SD1/SD2)."""
+
+    context: torch.Tensor
+    added: Optional[dict]
+
+
+def _repeat(embeds: PromptEmbeds, batch: int) -> PromptEmbeds:
+    pooled = None if embeds.pooled is None else embeds.pooled.repeat(batch, 1)
+    return PromptEmbeds(embeds.context.repeat(batch, 1, 1), pooled)
+
+
+def conditioning_from_embeds(engine: LeanEngine, cond: PromptEmbeds, uncond: Optional[PromptEmbeds], batch: int,
+                             height: int, width: int) -> Conditioning:
+    """Conditioning from one prompt's embeddings (batch 1) each, repeated to ``batch`` rows."""
+    for name, e in (("cond", cond), ("uncond", uncond)):
+        if e is not None and e.context.shape[0] != 1:
+            raise ValueError(f"{name} embeddings have batch {e.context.shape[0]}; pass one prompt's embeddings")
+    if engine.parts.is_sdxl and (cond.pooled is None or (uncond is not None and uncond.pooled is None)):
+        raise ValueError("SDXL needs pooled text embeddings for both prompts (PromptEmbeds.pooled)")
+    time_ids = engine.time_ids(height, width, batch) if engine.parts.is_sdxl else None
+    return Conditioning(_repeat(cond, batch), None if uncond is None else _repeat(uncond, batch), time_ids)
+
+
+def encode_conditioning(engine: LeanEngine, positive: str, negative: str, batch: int, guided: bool, height: int,
+                        width: int) -> Conditioning:
+    """Encode the prompts inside ``engine.session("text")`` (negative only when guided)."""
+    with engine.session("text"):
+        cond = engine.encode_prompts([positive])
+        uncond = engine.encode_prompts([negative]) if guided else None
+    return conditioning_from_embeds(engine, cond, uncond, batch, height, width)
+
+
+def unet_calls(conditioning: Conditioning, mode: str) -> tuple[list[UNetCall], int]:
+    """The UNet calls of one step and how many copies of the latent the (shared) UNet input holds."""
+    c, u, ids = conditioning.cond, conditioning.uncond, conditioning.time_ids
+
+    def added(e: PromptEmbeds, time_ids) -> Optional[dict]:
+        return None if time_ids is None else {"text_embeds": e.pooled, "time_ids": time_ids}
+
+    if u is None:
+        return [UNetCall(c.context, added(c, ids))], 1
+    if mode == CfgMode.SEQUENTIAL.value:
+        return [UNetCall(u.context, added(u, ids)), UNetCall(c.context, added(c, ids))], 1
+    context = torch.cat([u.context, c.context])
+    both = None
+    if ids is not None:
+        both = {"text_embeds": torch.cat([u.pooled, c.pooled]), "time_ids": torch.cat([ids, ids])}
+    return [UNetCall(context, both)], 2

@@ -1,0 +1,167 @@
+"""CUDA-graph runner: capture one denoising step (UNet + CFG + DDIM update) once per key, replay it every step.
+
+Invariants
+- A captured step reads and writes only its ``StepProgram``'s static buffers; per step the loop copies the
+  timestep, the coefficients (guidance scale included) and the eta noise into device buffers, then replays. So
+  changing ``cfg``, ``eta``'s value, the step count or the seed never recaptures.
+- The key holds everything the captured kernels depend on: latent shape, dtypes, device, the CFG layout (calls x
+  copies, context and pooled shapes), whether eta noise is read, whether the UNet is compiled, the placement's
+  name (and its ``graph_key`` if it has one), every adapter's ``graph_key`` (LoRA strengths are *not* part of it:
+  they live in persistent device tensors the adapter writes at attach time) and a fingerprint of the UNet's
+  parameter/buffer addresses (a placement that moved the weights invalidates the graph instead of replaying
+  reads of freed memory). A different key captures again; the same key replays.
+- Capture happens inside ``engine.session("unet")`` after a warm-up on a side stream (cuBLAS/cuDNN/Triton/
+  inductor initialisation must not happen during capture). Graphs are cached per ``ModelParts`` (weakly: a
+  collected model drops its graphs), at most ``LEANDIFFUSION_MAX_GRAPHS`` (default 2) per model, least recently
+  used evicted. A failed capture leaves nothing cached.
+
+The capture mechanism is a small backend (``CudaGraphBackend``) so the key/cache logic is testable on the CPU with
+a stand-in backend; torch's ``torch.cuda.CUDAGraph`` does the real work.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+
+from ..memory.engine import LeanEngine
+from .program import StepProgram
+
+logger = logging.getLogger(__name__)
+
+ENV_MAX_GRAPHS = "LEANDIFFUSION_MAX_GRAPHS"
+
+
+class CudaGraphBackend:
+    """Captures a callable into a ``torch.cuda.CUDAGraph`` (after ``warmup`` eager runs on a side stream)."""
+
+    name = "cuda"
+
+    def __init__(self, warmup: int = 2):
+        self.warmup = warmup
+
+    def capture(self, fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+
+def adapter_key(adapter: Any) -> Hashable:
+    """An adapter's ``graph_key`` (structure, not strength); its identity when it declares none."""
+    key = getattr(adapter, "graph_key", None)
+    return ("id", id(adapter)) if key is None else key
+
+
+def weights_fingerprint(module: torch.nn.Module) -> int:
+    """Hash of every parameter's and buffer's (data_ptr, shape, dtype): changes when weights move or are replaced."""
+    return hash(tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in
+                      list(module.parameters()) + list(module.buffers())))
+
+
+def graph_key(engine: LeanEngine, program_key: Hashable, compiled: bool) -> Hashable:
+    placement = engine.placement
+    return (program_key, compiled, str(engine.device), getattr(placement, "name", type(placement).__name__),
+            getattr(placement, "graph_key", None), tuple(adapter_key(a) for a in engine.adapters),
+            weights_fingerprint(engine.parts.unet))
+
+
+@dataclass(eq=False)
+class CapturedStep:
+    program: StepProgram
+    replay: Callable[[], None]
+    adapters: tuple = ()  # keeps id()-keyed adapters alive while their graph is cached
+    replays: int = 0
+
+
+@dataclass(eq=False)
+class _PartsCache:
+    graphs: "OrderedDict[Hashable, CapturedStep]" = field(default_factory=OrderedDict)
+    captures: int = 0
+
+
+class GraphRunner:
+    """Cache of captured steps per model. ``step_for`` returns a ready program and its replay function."""
+
+    def __init__(self, backend: Any = None, max_graphs: Optional[int] = None):
+        self.backend = backend if backend is not None else CudaGraphBackend()
+        if max_graphs is None:
+            max_graphs = int(os.environ.get(ENV_MAX_GRAPHS, "2"))
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs={max_graphs}: expected >= 1 (set {ENV_MAX_GRAPHS} to a positive int)")
+        self.max_graphs = max_graphs
+        self._cache: "weakref.WeakKeyDictionary[Any, _PartsCache]" = weakref.WeakKeyDictionary()
+
+    def captures(self, engine: LeanEngine) -> int:
+        """How many captures this runner has made for the engine's model (tests use it)."""
+        entry = self._cache.get(engine.parts)
+        return 0 if entry is None else entry.captures
+
+    def cached_keys(self, engine: LeanEngine) -> list:
+        entry = self._cache.get(engine.parts)
+        return [] if entry is None else list(entry.graphs)
+
+    def clear(self, engine: Optional[LeanEngine] = None) -> None:
+        """Drop cached graphs (of one model, or all): frees their static buffers and graph memory pools."""
+        if engine is None:
+            self._cache = weakref.WeakKeyDictionary()
+        else:
+            self._cache.pop(engine.parts, None)
+
+    def step_for(self, engine: LeanEngine, key: Hashable, build: Callable[[], StepProgram],
+                 prepare: Callable[[StepProgram], None], compiled: bool = False) -> CapturedStep:
+        """The captured step for ``key`` (capturing it when absent). Call inside ``engine.session("unet")``.
+
+        ``prepare(program)`` loads the run's inputs and the first step's values; it runs before a capture (the
+        warm-up executes real steps) and again after it, so the buffers always hold the run's start state.
+        """
+        full_key = graph_key(engine, key, compiled)
+        entry = self._cache.setdefault(engine.parts, _PartsCache())
+        captured = entry.graphs.get(full_key)
+        if captured is not None:
+            entry.graphs.move_to_end(full_key)
+            prepare(captured.program)
+            return captured
+        while len(entry.graphs) >= self.max_graphs:  # evict before capturing: its memory is needed now
+            old_key, _ = entry.graphs.popitem(last=False)
+            logger.info("evicting a cached CUDA graph of %s (cache holds %d)", engine.parts.name or "model",
+                        self.max_graphs)
+        program = build()
+        prepare(program)
+        t0 = time.perf_counter()
+        replay = self.backend.capture(program.step, engine.device)  # raises -> nothing cached
+        elapsed = time.perf_counter() - t0
+        if compiled:
+            logger.info("torch.compile + CUDA-graph capture of the UNet step took %.1f s (first run of this shape "
+                        "in this process; later runs reuse it)", elapsed)
+        else:
+            logger.info("CUDA-graph capture of the UNet step took %.2f s", elapsed)
+        prepare(program)
+        id_keyed = tuple(a for a in engine.adapters if getattr(a, "graph_key", None) is None)
+        captured = CapturedStep(program, replay, id_keyed)
+        entry.graphs[full_key] = captured
+        entry.captures += 1
+        return captured
+
+
+_DEFAULT: Optional[GraphRunner] = None
+
+
+def default_runner() -> GraphRunner:
+    """The process-wide runner the sampler uses (created on first use)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = GraphRunner()
+    return _DEFAULT

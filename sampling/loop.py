@@ -1,0 +1,229 @@
+"""The Fused DDIM Sampler loop: prompts + seed (+ an input latent) -> LATENT, as diffusers' pipelines compute it.
+
+Invariants (what makes the output equal diffusers' ``StableDiffusion(XL)Pipeline`` / ``...Img2ImgPipeline`` with
+``DDIMScheduler``, same seed on a CPU generator, ``output_type="latent"`` divided by the VAE scaling factor):
+- Noise: one ``torch.Generator("cpu").manual_seed(seed)``; the initial noise is drawn first, in float32, for the
+  whole batch shape ``[batch, C, h, w]`` (ComfyUI's and diffusers' convention); with eta > 0 every step then draws
+  its variance noise of the same shape from the same generator, in step order (as ``DDIMScheduler.step`` does).
+- txt2img starts from that noise (DDIM's ``init_noise_sigma`` is 1). img2img (a ``latent_image``, or ``denoise``
+  < 1) runs the last ``int(steps * denoise)`` timesteps of the ``steps`` schedule and starts from
+  ``add_noise(latent * scaling_factor, noise, first timestep)``. Without a ``latent_image`` an img2img run starts
+  from an empty (zero) latent, as ComfyUI's EmptyLatentImage does.
+- The UNet works in the scaled latent space; the LATENT in and out is raw VAE space on the CPU in float32
+  (ComfyUI's convention, GUIDE section 6).
+- Every model call happens inside ``engine.session(...)``; ``bridge.check_interrupted()`` runs before every step
+  and the progress bar advances after it. An interruption propagates after the session has been closed, so the
+  engine (and any cached CUDA graph) stays valid for the next run.
+- On the GPU the host enqueues at most two steps ahead of the device, so progress and interruption track the
+  GPU within a step.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Optional
+
+import torch
+
+from .. import bridge
+from ..memory.engine import LeanEngine
+from . import ddim
+from .cfg import Conditioning, encode_conditioning, unet_calls
+from .compile import compiled_unet_fn, eager_unet_fn
+from .graph_runner import GraphRunner, default_runner
+from .program import STATE_DTYPE, StepProgram, plain_allocator
+from .settings import Acceleration, SamplerSettings
+
+logger = logging.getLogger(__name__)
+
+_RUN_AHEAD = 2
+
+
+def vae_scale_factor(engine: LeanEngine) -> int:
+    """Pixels per latent cell (8 for every SD VAE): 2 ** (number of VAE levels - 1), as diffusers computes it."""
+    return 2 ** (len(engine.parts.vae.config.block_out_channels) - 1)
+
+
+def _check_latent(engine: LeanEngine, latent_image: Any) -> torch.Tensor:
+    if not isinstance(latent_image, dict) or "samples" not in latent_image:
+        raise TypeError("latent_image: expected a LATENT dict with a 'samples' tensor (as VAEEncode or "
+                        f"EmptyLatentImage give), got {type(latent_image).__name__}")
+    if latent_image.get("noise_mask") is not None:
+        raise ValueError("latent_image has a 'noise_mask' (inpainting); the Fused DDIM Sampler does not inpaint - "
+                         "remove the SetLatentNoiseMask node or use ComfyUI's KSampler")
+    samples = latent_image["samples"]
+    if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or not samples.is_floating_point():
+        raise ValueError(f"latent_image['samples']: expected a float tensor [B, C, h, w], got "
+                         f"{getattr(samples, 'shape', type(samples).__name__)}")
+    channels = engine.parts.latent_channels
+    if samples.shape[1] != channels:
+        raise ValueError(f"latent_image has {samples.shape[1]} channels but this model's VAE uses {channels}; "
+                         f"encode the image with this model's VAE (or use a latent made for this model family)")
+    if samples.shape[0] < 1 or samples.shape[2] < 1 or samples.shape[3] < 1:
+        raise ValueError(f"latent_image['samples'] is empty: shape {tuple(samples.shape)}")
+    return samples
+
+
+def _batch_latents(samples: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Repeat an input latent batch to ``max(batch_size, B)`` rows (diffusers' img2img rule: a multiple of B)."""
+    b = samples.shape[0]
+    total = max(batch_size, b)
+    if total % b:
+        raise ValueError(f"batch_size={batch_size} is not a multiple of the latent_image batch ({b}); use a "
+                         f"multiple of {b} or batch_size=1 to sample the latent batch as it is")
+    return torch.cat([samples] * (total // b)) if total > b else samples
+
+
+def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional[dict] = None,
+           conditioning: Optional[Conditioning] = None, runner: Optional[GraphRunner] = None,
+           quiet: bool = False) -> dict:
+    """Run the sampler; returns ``{"samples": raw latents [B, C, h, w] float32 on the CPU}``."""
+    if not isinstance(engine, LeanEngine):
+        raise TypeError(f"lean_model: expected a LEAN_MODEL from the Memory Pool Loader, got {type(engine).__name__}")
+    s = settings.validated()
+    parts = engine.parts
+    config = ddim.config_with(parts.scheduler_config, timestep_spacing=s.timestep_spacing)
+    scale = parts.vae_scaling_factor
+    factor = vae_scale_factor(engine)
+    init = None
+    if latent_image is not None:
+        init = _batch_latents(_check_latent(engine, latent_image).float().cpu(), s.batch_size)
+        height, width = init.shape[2] * factor, init.shape[3] * factor
+    else:
+        height, width = s.height, s.width
+        if s.denoise < 1.0:
+            init = torch.zeros(s.batch_size, parts.latent_channels, height // factor, width // factor)
+    img2img = init is not None
+    schedule = ddim.make_schedule(config, s.steps, s.eta, s.timestep_spacing, s.denoise if img2img else 1.0)
+    shape = (s.batch_size, parts.latent_channels, height // factor, width // factor) if init is None \
+        else tuple(init.shape)
+
+    generator = torch.Generator(device="cpu").manual_seed(s.seed)
+    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    x_init = noise if not img2img else ddim.add_noise(config, init * scale, noise, schedule.start_timestep)
+
+    if conditioning is None:
+        bridge.check_interrupted()
+        conditioning = encode_conditioning(engine, s.positive, s.negative, shape[0], s.guided, height, width)
+    elif conditioning.batch != shape[0] or conditioning.guided != s.guided:
+        raise ValueError(f"conditioning has batch {conditioning.batch} (guided={conditioning.guided}); this run "
+                         f"needs batch {shape[0]} (guided={s.guided})")
+    with engine.session("unet"):
+        x = denoise(engine, conditioning, x_init, schedule, s.cfg, s.cfg_mode, s.acceleration, generator,
+                    runner=runner, quiet=quiet)
+    return {"samples": x.float().cpu() / scale}
+
+
+def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional[GraphRunner]) -> str:
+    """The acceleration that can run here: CUDA graphs need a CUDA device (or a test backend) and a capture-safe
+    placement; compile needs a placement that allows it. Fallbacks are logged."""
+    if acceleration == Acceleration.NONE.value:
+        return acceleration
+    cuda_backend = runner is None or getattr(runner.backend, "name", "") == "cuda"
+    if engine.device.type != "cuda" and cuda_backend:
+        logger.info("acceleration=%r needs a CUDA device; running eagerly on %s", acceleration, engine.device)
+        return Acceleration.NONE.value
+    placement = engine.placement
+    if not getattr(placement, "supports_cuda_graph", True):
+        logger.info("the %r VRAM policy cannot be captured in a CUDA graph; running eagerly",
+                    getattr(placement, "name", placement))
+        return Acceleration.NONE.value
+    if acceleration == Acceleration.COMPILE.value and not getattr(placement, "supports_compile", True):
+        logger.info("the %r VRAM policy does not support torch.compile; using cuda_graph without compile",
+                    getattr(placement, "name", placement))
+        return Acceleration.CUDA_GRAPH.value
+    return acceleration
+
+
+def _allocator(engine: LeanEngine):
+    pool = engine.pool
+    get = getattr(pool, "get", None) if pool is not None else None
+    if callable(get):
+        return lambda role, shape, dtype: get(role=role, shape=tuple(shape), dtype=dtype, device=engine.device)
+    return plain_allocator(engine.device)
+
+
+@torch.no_grad()
+def denoise(engine: LeanEngine, conditioning: Conditioning, x_init: torch.Tensor, schedule: ddim.DDIMSchedule,
+            cfg: float, cfg_mode: str = "batched", acceleration: str = "none",
+            generator: Optional[torch.Generator] = None, runner: Optional[GraphRunner] = None,
+            quiet: bool = False) -> torch.Tensor:
+    """The denoising loop over ``schedule`` from ``x_init`` (scaled latents); call inside ``session("unet")``.
+
+    Returns the final scaled latents (float32, on ``engine.device``). ``generator`` (CPU) supplies the eta noise.
+    """
+    device = engine.device
+    n = len(schedule)
+    if schedule.eta > 0 and generator is None:
+        raise ValueError("eta > 0 needs a CPU generator for the per-step noise")
+    calls, copies = unet_calls(conditioning, cfg_mode)
+    table = torch.empty(n, 6, dtype=torch.float32)
+    table[:, 0] = float(cfg)
+    table[:, 1:] = schedule.coefficients
+    table = table.to(device)
+    t_table = torch.tensor(schedule.timesteps, dtype=torch.int64).to(device)
+    has_noise = schedule.eta > 0
+    shape = tuple(x_init.shape)
+    model_dtype = engine.dtype
+
+    def build(unet_fn) -> StepProgram:
+        return StepProgram(unet_fn, shape, model_dtype, calls, copies, has_noise, conditioning.guided,
+                           schedule.prediction_type, _allocator(engine))
+
+    def prepare(program: StepProgram) -> None:
+        program.load(calls, x_init.to(device))
+        program.set_step(t_table[0], table[0], torch.zeros(shape) if has_noise else None)
+
+    mode = resolve_acceleration(engine, acceleration, runner)
+    program = None
+    advance = None
+    unet_fn = eager_unet_fn(engine)
+    if mode != Acceleration.NONE.value:
+        runner = runner if runner is not None else default_runner()
+        compiled = mode == Acceleration.COMPILE.value
+        graph_fn = compiled_unet_fn(engine) if compiled else unet_fn
+        key = (shape, model_dtype, copies, conditioning.guided, has_noise, schedule.prediction_type,
+               tuple((tuple(c.context.shape), c.context.dtype,
+                      None if c.added is None else tuple((k, tuple(v.shape), v.dtype) for k, v in c.added.items()))
+                     for c in calls))
+        try:
+            captured = runner.step_for(engine, key, lambda: build(graph_fn), prepare, compiled=compiled)
+            program, advance, unet_fn = captured.program, captured.replay, graph_fn
+        except torch.cuda.OutOfMemoryError as exc:
+            runner.clear(engine)
+            logger.warning("capturing the %s step ran out of GPU memory (%s); dropped this model's cached graphs "
+                           "and running eagerly", mode, exc)
+    if program is None:
+        program = build(unet_fn)
+        prepare(program)
+        advance = program.step
+
+    # A cached program must not keep this engine alive (the cache is weak in the model): the UNet call is bound
+    # for this run only. A real CUDA graph replays without calling it; stand-in backends call it per replay.
+    program.unet_fn = unet_fn
+    try:
+        _run_steps(program, advance, t_table, table, shape, has_noise, generator, device, quiet)
+    finally:
+        program.unet_fn = None
+    return program.sample.clone()
+
+
+def _run_steps(program: StepProgram, advance, t_table: torch.Tensor, table: torch.Tensor, shape: tuple,
+               has_noise: bool, generator: Optional[torch.Generator], device: torch.device, quiet: bool) -> None:
+    """Per step: interruption check, next step's values into the buffers, run/replay, bounded run-ahead, progress."""
+    n = t_table.shape[0]
+    cuda = device.type == "cuda"
+    in_flight: collections.deque = collections.deque()
+    with bridge.ProgressBar(n, desc="Fused DDIM", quiet=quiet) as bar:
+        for i in range(n):
+            bridge.check_interrupted()
+            noise = torch.randn(shape, generator=generator, dtype=STATE_DTYPE) if has_noise else None
+            program.set_step(t_table[i], table[i], noise)
+            advance()
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+                in_flight.append(event)
+                if len(in_flight) > _RUN_AHEAD:
+                    in_flight.popleft().synchronize()
+            bar.update(1)

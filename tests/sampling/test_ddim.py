@@ -1,0 +1,116 @@
+"""``sampling.ddim`` reproduces diffusers' ``DDIMScheduler`` number for number.
+
+Guards: timestep spacing (leading + steps_offset, trailing, linspace), ``prev_timestep = t - T // steps`` for every
+spacing, ``set_alpha_to_one``, beta schedules (incl. zero-terminal-SNR rescaling), the three prediction types,
+the eta > 0 variance, img2img's ``int(steps * strength)`` rule and ``add_noise``.
+"""
+import pytest
+import torch
+from diffusers import DDIMScheduler
+
+from leandiffusion.kernels.cfg_ddim import cfg_ddim_reference
+from leandiffusion.sampling import ddim
+
+SD = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+          steps_offset=1, set_alpha_to_one=False, clip_sample=False, prediction_type="epsilon",
+          timestep_spacing="leading")
+
+CONFIGS = {
+    "sd-leading": SD,
+    "sd-trailing": dict(SD, timestep_spacing="trailing"),
+    "sd-linspace": dict(SD, timestep_spacing="linspace"),
+    "v-pred": dict(SD, prediction_type="v_prediction"),
+    "sample-pred": dict(SD, prediction_type="sample"),
+    "linear-alpha-one": dict(SD, beta_schedule="linear", beta_start=0.0001, beta_end=0.02, set_alpha_to_one=True,
+                             steps_offset=0),
+    "cosine": dict(SD, beta_schedule="squaredcos_cap_v2"),
+    "zero-snr-v-trailing": dict(SD, prediction_type="v_prediction", rescale_betas_zero_snr=True,
+                                timestep_spacing="trailing"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("steps", [1, 3, 7, 20, 50])
+def test_timesteps_match_diffusers(name, steps):
+    sched = DDIMScheduler(**CONFIGS[name])
+    sched.set_timesteps(steps)
+    assert ddim.timesteps(CONFIGS[name], steps) == sched.timesteps.tolist()
+
+
+def test_alphas_cumprod_bit_identical():
+    for cfg in CONFIGS.values():
+        assert torch.equal(ddim.alphas_cumprod(cfg), DDIMScheduler(**cfg).alphas_cumprod)
+
+
+STEP_CASES = [(name, steps, eta) for name in CONFIGS for steps, eta in [(5, 0.0), (7, 0.6), (10, 1.0)]
+              if not (name == "zero-snr-v-trailing" and eta == 1.0)]  # see test_zero_snr_eta_one_refused
+
+
+def test_zero_snr_eta_one_refused():
+    """1 - a' - sigma^2 rounds below 0 at alpha_bar_t = 0 with eta=1: diffusers returns NaN, we raise clearly."""
+    with pytest.raises(ValueError, match="not finite"):
+        ddim.make_schedule(CONFIGS["zero-snr-v-trailing"], 10, 1.0)
+
+
+@pytest.mark.parametrize("name,steps,eta", STEP_CASES)
+def test_fused_step_matches_diffusers_step(name, steps, eta):
+    """Every step of the schedule, applied as c_sample x + c_model m + c_noise z, equals DDIMScheduler.step."""
+    cfg = CONFIGS[name]
+    sched = DDIMScheduler(**cfg)
+    sched.set_timesteps(steps)
+    schedule = ddim.make_schedule(cfg, steps, eta)
+    assert list(schedule.timesteps) == sched.timesteps.tolist()
+    g = torch.Generator().manual_seed(steps)
+    x = torch.randn(2, 4, 5, 6, generator=g)
+    for i, t in enumerate(schedule.timesteps):
+        m = torch.randn(x.shape, generator=g)
+        z = torch.randn(x.shape, generator=g)
+        want = sched.step(m, t, x, eta=eta, variance_noise=z if eta > 0 else None).prev_sample
+        coeffs = torch.cat([torch.ones(1), schedule.coefficients[i]])
+        got = cfg_ddim_reference(x, m, None, coeffs, z if eta > 0 else None, prediction=cfg["prediction_type"])
+        assert torch.equal(got, want), (got - want).abs().max()  # same float32 ops in the same order
+        textbook = ddim.ddim_step(cfg, steps, m, t, x, eta, z)
+        torch.testing.assert_close(textbook, want, atol=2e-5, rtol=2e-5)
+        x = want
+
+
+@pytest.mark.parametrize("steps,denoise", [(10, 0.5), (10, 0.3), (7, 0.99), (20, 1.0), (3, 0.34), (30, 0.75)])
+def test_img2img_timesteps_match_diffusers_get_timesteps(steps, denoise):
+    sched = DDIMScheduler(**SD)
+    sched.set_timesteps(steps)
+    init = min(int(steps * denoise), steps)  # diffusers StableDiffusionImg2ImgPipeline.get_timesteps
+    want = sched.timesteps[max(steps - init, 0):].tolist()
+    assert list(ddim.make_schedule(SD, steps, 0.0, denoise=denoise).timesteps) == want
+
+
+def test_add_noise_matches_diffusers():
+    sched = DDIMScheduler(**SD)
+    g = torch.Generator().manual_seed(0)
+    x0, z = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    for t in (1, 500, 981):
+        want = sched.add_noise(x0, z, torch.tensor([t, t]))
+        assert torch.equal(ddim.add_noise(SD, x0, z, t), want)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(clip_sample=True), "clip_sample"), (dict(thresholding=True), "thresholding"),
+    (dict(prediction_type="flow"), "prediction_type"), (dict(beta_schedule="exp"), "beta_schedule"),
+])
+def test_unsupported_configs_raise(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ddim.make_schedule(dict(SD, **bad), 10)
+
+
+def test_impossible_numbers_raise():
+    with pytest.raises(ValueError, match="steps"):
+        ddim.timesteps(SD, 0)
+    with pytest.raises(ValueError, match="steps=1001"):
+        ddim.timesteps(SD, 1001)
+    with pytest.raises(ValueError, match="outside"):
+        ddim.timesteps(SD, 1000)  # leading + steps_offset 1 reaches t=1000
+    with pytest.raises(ValueError, match="steps \\* denoise"):
+        ddim.make_schedule(SD, 4, denoise=0.2)
+    with pytest.raises(ValueError, match="eta"):
+        ddim.make_schedule(SD, 4, eta=-0.1)
+    with pytest.raises(ValueError, match="timestep_spacing"):
+        ddim.timesteps(SD, 4, "karras")

@@ -1,0 +1,154 @@
+"""The node and the loop's promises beyond numerical parity: clear errors, interruption, progress, no mutation.
+
+Guards: width/height not a multiple of 8, a LATENT whose channels do not match, steps * denoise < 1 and other bad
+inputs fail before any model runs with a message naming the input; an interrupt stops between steps, detaches
+adapters and leaves the engine (and its cached graphs) usable; the progress bar advances once per step; the
+input LATENT is never modified; the node is plain plumbing over ``sampling.loop.sample``.
+"""
+import pytest
+import torch
+
+from leandiffusion import bridge
+from leandiffusion.nodes.sampler import LeanFusedDDIMSampler
+from leandiffusion.sampling.loop import sample
+from leandiffusion.sampling.settings import SamplerSettings
+from leandiffusion.tests.kit import tiny_engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("sd1")
+
+
+def _settings(**kw):
+    base = dict(positive="a lighthouse", negative="", seed=5, steps=3, cfg=6.0, width=64, height=64,
+                acceleration="none")
+    base.update(kw)
+    return SamplerSettings(**base)
+
+
+def _node_args(engine, **kw):
+    args = dict(lean_model=engine, positive="a lighthouse", negative="", seed=5, steps=3, cfg=6.0, eta=0.0, width=64,
+                height=64, batch_size=1, timestep_spacing="leading", cfg_mode="batched", acceleration="cuda_graph")
+    args.update(kw)
+    return args
+
+
+def test_node_is_plumbing_over_sample(engine):
+    (latent,) = LeanFusedDDIMSampler().run(**_node_args(engine))
+    want = sample(engine, _settings(), quiet=True)["samples"]
+    assert torch.equal(latent["samples"], want)  # cuda_graph on the CPU falls back to the same eager loop
+
+
+def test_node_img2img_optional_inputs(engine):
+    raw = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    keep = raw.clone()
+    (latent,) = LeanFusedDDIMSampler().run(**_node_args(engine), latent_image={"samples": raw}, denoise=0.7)
+    assert torch.equal(raw, keep), "the input LATENT must not be modified"
+    assert latent["samples"].shape == raw.shape
+    want = sample(engine, _settings(denoise=0.7), latent_image={"samples": keep}, quiet=True)["samples"]
+    assert torch.equal(latent["samples"], want)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(width=100), "width=100 is not a multiple of 8"),
+    (dict(height=68), "height=68 is not a multiple of 8"),
+    (dict(steps=4, denoise=0.2), "steps \\* denoise"),
+    (dict(steps=0), "steps=0"),
+    (dict(cfg=31.0), "cfg=31"),
+    (dict(eta=1.5), "eta=1.5"),
+    (dict(timestep_spacing="karras"), "timestep_spacing"),
+    (dict(cfg_mode="parallel"), "cfg_mode"),
+    (dict(acceleration="tensorrt"), "acceleration"),
+    (dict(batch_size=65), "batch_size=65"),
+])
+def test_bad_settings_raise_before_running(engine, kw, match, monkeypatch):
+    calls = []
+    monkeypatch.setattr(type(engine), "unet", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match=match):
+        LeanFusedDDIMSampler().run(**_node_args(engine, **kw))
+    assert calls == []
+
+
+def test_bad_latents_raise(engine):
+    node = LeanFusedDDIMSampler()
+    with pytest.raises(ValueError, match="latent_image has 16 channels but this model's VAE uses 4"):
+        node.run(**_node_args(engine), latent_image={"samples": torch.zeros(1, 16, 8, 8)})
+    with pytest.raises(TypeError, match="latent_image"):
+        node.run(**_node_args(engine), latent_image=torch.zeros(1, 4, 8, 8))
+    with pytest.raises(ValueError, match="noise_mask"):
+        node.run(**_node_args(engine), latent_image={"samples": torch.zeros(1, 4, 8, 8),
+                                                   "noise_mask": torch.ones(1, 1, 64, 64)})
+    with pytest.raises(ValueError, match="batch_size=3 is not a multiple"):
+        node.run(**_node_args(engine, batch_size=3), latent_image={"samples": torch.zeros(2, 4, 8, 8)})
+    with pytest.raises(TypeError, match="lean_model"):
+        node.run(**_node_args(object()))
+
+
+class _Adapter:
+    """Counts attach/detach (an unmerged LoRA stand-in)."""
+
+    graph_key = ("test-adapter",)
+
+    def __init__(self):
+        self.attached = 0
+
+    def attach(self, parts):
+        self.attached += 1
+
+    def detach(self, parts):
+        self.attached -= 1
+
+
+@pytest.mark.parametrize("acceleration", ["none", "cuda_graph"])
+def test_interrupt_stops_between_steps_and_engine_stays_usable(engine, acceleration):
+    adapter = _Adapter()
+    view = engine.with_adapter(adapter)
+    checks = []
+
+    def hook():
+        checks.append(1)
+        if len(checks) == 3:  # 1 before text encoding, then before steps 1, 2 -> stops before step 2
+            raise bridge.Interrupted("user pressed cancel")
+
+    unet_calls = []
+    original = type(engine).unet
+
+    def counting_unet(self, *a, **k):
+        unet_calls.append(1)
+        return original(self, *a, **k)
+
+    bridge.set_interrupt_hook(hook)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(engine), "unet", counting_unet)
+            with pytest.raises(bridge.Interrupted):
+                sample(view, _settings(steps=4, acceleration=acceleration), quiet=True)
+    finally:
+        bridge.set_interrupt_hook(None)
+    assert len(unet_calls) == 1, "stopped within one step"
+    assert adapter.attached == 0, "session closed: adapters detached"
+    again = sample(view, _settings(steps=4, acceleration=acceleration), quiet=True)["samples"]
+    fresh = sample(engine, _settings(steps=4, acceleration="none"), quiet=True)["samples"]
+    assert torch.equal(again, fresh)
+
+
+def test_progress_bar_advances_once_per_step(engine, monkeypatch):
+    updates = []
+
+    class Bar:
+        def __init__(self, total, desc="", quiet=False):
+            updates.append(("total", total))
+
+        def update(self, n=1):
+            updates.append(("update", n))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(bridge, "ProgressBar", Bar)
+    sample(engine, _settings(steps=10, denoise=0.5), quiet=True)
+    assert updates == [("total", 5)] + [("update", 1)] * 5
