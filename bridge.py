@@ -190,3 +190,12 @@ def comfy_tokenizer_dir() -> Optional[Path]:
         return None
     path = Path(mm.__file__).resolve().parent / "sd1_tokenizer"
     return path if (path / "vocab.json").is_file() else None
+
+
+# --------------------------------------------------------------------------------------------- model loading
+def load_comfy_model(patcher, memory_required: int = 0) -> None:
+    """Have ComfyUI load a ``ModelPatcher`` (e.g. ``VAE.patcher``) onto its device; no-op outside ComfyUI."""
+    mm = _comfy_module("comfy.model_management")
+    if mm is None or patcher is None:
+        return
+    mm.load_models_gpu([patcher], memory_required=int(memory_required))

@@ -1,0 +1,70 @@
+"""Tiled VAE Decode / Encode nodes (declarations only; the work is in ``vae/``)."""
+from __future__ import annotations
+
+from ..vae.targets import resolve_target
+from ..vae.tiled import SEAM_MODES, tiled_decode, tiled_encode
+
+_TILING = {
+    "tile_size": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 32,
+                          "tooltip": "Tile size in image pixels. 0 = auto: the largest tile that fits the free VRAM "
+                                     "(and the loader's budget). Otherwise 128-4096. On out-of-memory the tile is "
+                                     "halved and retried down to 128 px."}),
+    "overlap": ("INT", {"default": 64, "min": 0, "max": 512, "step": 8,
+                        "tooltip": "Overlap between tiles in image pixels, used by 'blend' mode to cross-fade "
+                                   "tiles. 'exact' mode computes its own halo and ignores it. The tile must be "
+                                   "larger than twice the overlap."}),
+    "seam_mode": (list(SEAM_MODES), {"default": "exact",
+                                     "tooltip": "exact: every GroupNorm uses whole-image statistics, so the result "
+                                                "equals an untiled decode (no seams, no tone shifts). blend: "
+                                                "cheaper linear cross-fade of overlapping tiles (approximate)."}),
+}
+_MODELS = {
+    "lean_model": ("LEAN_MODEL", {"tooltip": "The Memory Pool Loader's model; its VAE runs in the loader's "
+                                             "vae_dtype inside its VRAM policy. Connect this or 'vae', not both."}),
+    "vae": ("VAE", {"tooltip": "A ComfyUI VAE (e.g. from Load Checkpoint or Load VAE). Connect this or "
+                               "'lean_model', not both."}),
+}
+
+
+class LeanTiledVAEDecode:
+    DESCRIPTION = ("Decode latents to an image in tiles with bounded VRAM. 'exact' mode matches an untiled decode "
+                   "(whole-image GroupNorm statistics gathered across tiles); 'blend' cross-fades tiles.")
+    CATEGORY = "LeanDiffusion/vae"
+    RETURN_TYPES = ("IMAGE",)
+    RETURN_NAMES = ("IMAGE",)
+    FUNCTION = "decode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT", {"tooltip": "The latent to decode (raw VAE latent space)."}),
+                             **_TILING},
+                "optional": dict(_MODELS)}
+
+    def decode(self, samples, tile_size=0, overlap=64, seam_mode="exact", lean_model=None, vae=None):
+        target = resolve_target(lean_model, vae)
+        if not isinstance(samples, dict) or "samples" not in samples:
+            raise ValueError("samples: expected a LATENT (a dict with a 'samples' tensor)")
+        return (tiled_decode(target, samples["samples"], tile_size, overlap, seam_mode),)
+
+
+class LeanTiledVAEEncode:
+    DESCRIPTION = ("Encode an image to latents in tiles with bounded VRAM. 'exact' mode matches an untiled encode; "
+                   "'blend' cross-fades tiles. Returns the latent distribution's mean, as ComfyUI's VAE Encode does.")
+    CATEGORY = "LeanDiffusion/vae"
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("LATENT",)
+    FUNCTION = "encode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"pixels": ("IMAGE", {"tooltip": "The image to encode (cropped to multiples of 8)."}),
+                             **_TILING},
+                "optional": dict(_MODELS)}
+
+    def encode(self, pixels, tile_size=0, overlap=64, seam_mode="exact", lean_model=None, vae=None):
+        target = resolve_target(lean_model, vae)
+        return ({"samples": tiled_encode(target, pixels, tile_size, overlap, seam_mode)},)
+
+
+NODE_CLASS_MAPPINGS = {"LeanTiledVAEDecode": LeanTiledVAEDecode, "LeanTiledVAEEncode": LeanTiledVAEEncode}
+NODE_DISPLAY_NAME_MAPPINGS = {"LeanTiledVAEDecode": "Tiled VAE Decode", "LeanTiledVAEEncode": "Tiled VAE Encode"}

@@ -1,0 +1,132 @@
+"""Exact tiled decode/encode equals the untiled module (the issue's acceptance lines), on both module trees.
+
+Guards: whole-image GroupNorm statistics across tiles (no seams, no tone shift), the row algebra of every op
+(bands of a few rows, sizes that are not multiples of the tile), host-store and fused-upsampler paths, and the
+ComfyUI (LDM) module tree.
+"""
+import pytest
+import torch
+
+from leandiffusion.memory.engine import engine_from_parts
+from leandiffusion.nodes.vae import LeanTiledVAEDecode, LeanTiledVAEEncode
+from leandiffusion.tests.kit import tiny_components, tiny_engine, tiny_parts
+from leandiffusion.tests.vae.ldm_tree import FakeComfyVAE, ldm_from_diffusers
+from leandiffusion.vae.adapters import decoder_program, encoder_program
+from leandiffusion.vae.exact import ExactConfig, plan, run_exact
+from leandiffusion.vae.targets import from_module
+from leandiffusion.vae.tiled import _with_input_affine
+
+TOL = 1e-4
+CPU = torch.device("cpu")
+
+
+def _image_head(y):
+    return ((y.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("sd1")
+
+
+def test_exact_decode_node_matches_untiled(engine):
+    z = torch.randn(2, 4, 21, 15)  # 168 x 120 px: not a multiple of the 128 px tile
+    with engine.session("vae"):
+        ref = engine.vae_decode(z)
+    (img,) = LeanTiledVAEDecode().decode({"samples": z}, tile_size=128, overlap=32, seam_mode="exact",
+                                         lean_model=engine)
+    assert img.shape == (2, 168, 120, 3) and img.dtype == torch.float32 and img.device.type == "cpu"
+    assert (img - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("tile_px,budget", [(8, 10**9), (24, 2 * 10**5)])
+def test_exact_decode_small_bands(engine, tile_px, budget):
+    """Bands of a few rows at every level; a tiny budget forces host stores and fused upsamplers."""
+    vae = engine.parts.vae
+    z = torch.randn(1, 4, 11, 7)
+    with torch.no_grad():
+        ref = _image_head(vae.decode(z).sample)[0].permute(1, 2, 0)
+    prog = decoder_program(vae)
+    cfg = ExactConfig(CPU, torch.float32, budget, tile_px)
+    planned = plan(prog, (4, 11, 7), cfg)
+    if budget < 10**6:
+        assert any("+" in p.stage.name for p in planned) and not all(p.out_on_device for p in planned)
+    else:
+        assert all(p.out_on_device for p in planned[:-1])
+    out = run_exact(prog, z[0].permute(1, 2, 0).contiguous(), cfg, _image_head, 3)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_exact_encode_node_matches_untiled(engine):
+    pixels = torch.rand(1, 150, 101, 3)  # cropped to 144 x 96 about the centre, as ComfyUI does
+    cropped = pixels[:, 3:147, 2:98, :]
+    with engine.session("vae"):
+        ref = engine.vae_encode(cropped)
+    (lat,) = LeanTiledVAEEncode().encode(pixels, tile_size=128, overlap=16, seam_mode="exact", lean_model=engine)
+    assert lat["samples"].shape == (1, 4, 18, 12)
+    assert (lat["samples"] - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("tile_px,budget", [(8, 2 * 10**5), (16, 10**9)])
+def test_exact_encode_small_bands(engine, tile_px, budget):
+    """Downsampling bands (odd start rows, bottom padding) with host and device stores."""
+    vae = engine.parts.vae
+    x = torch.rand(1, 3, 72, 56)
+    with torch.no_grad():
+        ref = vae.encode(x * 2 - 1).latent_dist.mean[0].permute(1, 2, 0)
+    prog = _with_input_affine(encoder_program(vae))
+    cfg = ExactConfig(CPU, torch.float32, budget, tile_px)
+    out = run_exact(prog, x[0].permute(1, 2, 0).contiguous(), cfg, lambda y: y[:, :4].float(), 4)
+    assert (out - ref).abs().max().item() <= TOL
+
+
+@pytest.fixture(scope="module")
+def ldm_vae():
+    return ldm_from_diffusers(tiny_components("sd1")["vae"])
+
+
+def test_ldm_tree_equals_diffusers(ldm_vae):
+    """The ComfyUI stand-in computes the diffusers VAE's function (so the comparison below means something)."""
+    vae = tiny_components("sd1")["vae"]
+    z = torch.randn(1, 4, 6, 5)
+    x = torch.rand(1, 3, 40, 32) * 2 - 1
+    with torch.no_grad():
+        assert (ldm_vae.decode(z) - vae.decode(z).sample).abs().max().item() <= 1e-5
+        assert (ldm_vae.encode(x) - vae.encode(x).latent_dist.mean).abs().max().item() <= 1e-5
+
+
+def test_exact_comfy_vae_decode_and_encode(ldm_vae):
+    comfy_vae = FakeComfyVAE(ldm_vae)
+    z = torch.randn(1, 4, 19, 13)
+    with torch.no_grad():
+        ref = _image_head(ldm_vae.decode(z)).permute(0, 2, 3, 1)
+    (img,) = LeanTiledVAEDecode().decode({"samples": z}, 128, 32, "exact", vae=comfy_vae)
+    assert (img - ref).abs().max().item() <= TOL
+    pixels = torch.rand(1, 136, 104, 3)
+    with torch.no_grad():
+        ref_lat = ldm_vae.encode(pixels.permute(0, 3, 1, 2) * 2 - 1)
+    (lat,) = LeanTiledVAEEncode().encode(pixels, 128, 32, "exact", vae=comfy_vae)
+    assert (lat["samples"] - ref_lat).abs().max().item() <= TOL
+
+
+def test_respects_vae_dtype():
+    """The engine's vae_dtype is the compute dtype (bf16 here), so the result tracks a bf16 untiled decode."""
+    eng = engine_from_parts(tiny_parts("sd1"), vae_dtype=torch.bfloat16)
+    z = torch.randn(1, 4, 9, 7)
+    with eng.session("vae"):
+        ref = eng.vae_decode(z)
+    (img,) = LeanTiledVAEDecode().decode({"samples": z}, 0, 64, "exact", lean_model=eng)
+    ref32 = tiny_engine("sd1").vae_decode(z)
+    assert (img - ref).abs().max().item() <= 0.05  # bf16 vs bf16: float error only
+    assert next(eng.parts.vae.parameters()).dtype == torch.bfloat16
+    assert (img - ref32).abs().max().item() > 0  # it really ran in bf16
+
+
+def test_module_unchanged(engine):
+    vae = engine.parts.vae
+    before = {k: v.clone() for k, v in vae.state_dict().items()}
+    LeanTiledVAEDecode().decode({"samples": torch.randn(1, 4, 8, 8)}, 128, 16, "exact", lean_model=engine)
+    after = vae.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert from_module(vae).dtype == torch.float32

@@ -1,0 +1,93 @@
+"""The VAE's single-head spatial self-attention, run on the whole feature map, with bounded memory.
+
+Invariant: ``run_attention(spec, x)`` equals the original block's forward on ``x`` (diffusers ``Attention`` with
+``residual_connection`` or ComfyUI/LDM ``AttnBlock``), up to floating-point error:
+    h = GroupNorm(x);  q, k, v = Wq h, Wk h, Wv h  (per pixel);  o = softmax(q k^T / sqrt(d)) v;
+    out = (x + Wo o) / rescale
+Attention is global, so tiles cannot compute it; it runs untiled at the block's resolution (1/8 of the image for
+the SD VAE's mid block, where the map is small). Memory: on CUDA, PyTorch's memory-efficient/flash kernels keep it
+O(N); where none applies (the CPU, odd head sizes) the queries are processed in chunks so the score matrix held at
+once is ``chunk x N`` instead of ``N x N`` - exact, because softmax rows are independent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+_SCORE_BYTES = 256 * 2**20  # cap on one chunk's fp32 score matrix on the fallback path
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    norm: Any  # GroupNorm module applied to the [B, C, H, W] input
+    q: Callable
+    k: Callable
+    v: Callable
+    out: Callable  # each maps [B, N, C] -> [B, N, C']
+    heads: int = 1
+    rescale: float = 1.0
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v for [B, h, N, d] tensors, never materialising N x N scores at once."""
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v)
+        except RuntimeError as exc:  # only "no kernel for these inputs" falls through to chunks
+            if "No available kernel" not in str(exc):
+                raise
+    n = k.shape[-2]
+    chunk = max(1, min(q.shape[-2], _SCORE_BYTES // max(1, 4 * n * q.shape[0] * q.shape[1])))
+    outs = [F.scaled_dot_product_attention(q[..., i:i + chunk, :], k, v) for i in range(0, q.shape[-2], chunk)]
+    return torch.cat(outs, dim=-2)
+
+
+def run_attention(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
+    """The attention block's output for the whole map ``x`` [B, C, H, W] (see the module docstring)."""
+    b, c, h, w = x.shape
+    hs = spec.norm(x).flatten(2).transpose(1, 2)  # [B, N, C]
+    q, k, v = spec.q(hs), spec.k(hs), spec.v(hs)
+    del hs
+
+    def split(t):
+        return t.reshape(b, h * w, spec.heads, -1).transpose(1, 2)
+
+    o = _sdpa(split(q), split(k), split(v))
+    del q, k, v
+    o = spec.out(o.transpose(1, 2).reshape(b, h * w, -1))
+    o = o.transpose(1, 2).reshape(b, -1, h, w)
+    return (x + o) / spec.rescale if spec.rescale != 1.0 else x + o
+
+
+def _conv1x1_tokens(conv) -> Callable:
+    """A 1x1 convolution module applied to tokens [B, N, C] (through the module, so ComfyUI's casting works)."""
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        b, n, c = t.shape
+        y = conv(t.transpose(1, 2).reshape(b, c, n, 1))
+        return y.reshape(b, -1, n).transpose(1, 2)
+
+    return apply
+
+
+def spec_from_ldm(block) -> AttentionSpec:
+    """ComfyUI / LDM ``AttnBlock`` (norm, q, k, v, proj_out as 1x1 convolutions; one head)."""
+    return AttentionSpec(block.norm, _conv1x1_tokens(block.q), _conv1x1_tokens(block.k),
+                         _conv1x1_tokens(block.v), _conv1x1_tokens(block.proj_out), heads=1)
+
+
+def spec_from_diffusers(attn) -> AttentionSpec:
+    """diffusers ``Attention`` as the VAE uses it (group_norm, to_q/k/v, to_out, residual connection)."""
+    unsupported = [name for name in ("spatial_norm", "norm_q", "norm_k", "norm_cross")
+                   if getattr(attn, name, None) is not None]
+    if unsupported or not getattr(attn, "residual_connection", False) or attn.group_norm is None:
+        raise TypeError(f"unsupported VAE attention block ({type(attn).__name__}: {unsupported or 'no residual'}); "
+                        f"use seam_mode='blend' for this VAE")
+    return AttentionSpec(attn.group_norm, attn.to_q, attn.to_k, attn.to_v, attn.to_out[0], heads=int(attn.heads),
+                         rescale=float(getattr(attn, "rescale_output_factor", 1.0)))

@@ -1,0 +1,100 @@
+"""What a tiled VAE call runs on: the engine's VAE, ComfyUI's native ``VAE`` object, or a bare autoencoder module.
+
+Invariant: a ``VaeTarget`` names the autoencoder module (diffusers or LDM ``AutoencoderKL``), the device and dtype
+its weights run in (the loader's ``vae_dtype`` for an engine, ``VAE.vae_dtype`` for ComfyUI), how to enter the
+stage (``engine.session("vae")``, ComfyUI's model loader) and the activation budget the caller allows. It never
+changes the module; the session (engine) or ComfyUI's patcher places the weights.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import bridge
+
+
+@dataclass(frozen=True, eq=False)
+class VaeTarget:
+    ae: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    enter: Callable[[], Any] = field(default=contextlib.nullcontext)  # context manager factory
+    budget_bytes: Optional[int] = None  # the loader's VRAM budget, if any
+    pool: Any = None
+    latent_channels: Optional[int] = None
+
+    @property
+    def decode_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Untiled decode of raw latents [B, C, h, w] -> [-1, 1] image [B, 3, H, W] (the module's own forward)."""
+        ae = self.ae
+        pqc = getattr(ae, "post_quant_conv", None)
+        return lambda z: ae.decoder(pqc(z) if pqc is not None else z)
+
+    @property
+    def encode_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Untiled encode of a [-1, 1] image -> the latent distribution's mean [B, C, h, w]."""
+        ae = self.ae
+        qc = getattr(ae, "quant_conv", None)
+
+        def enc(x):
+            m = ae.encoder(x)
+            m = qc(m) if qc is not None else m
+            return m[:, : m.shape[1] // 2]
+
+        return enc
+
+
+def _engine_budget(engine) -> Optional[int]:
+    for holder in (engine.placement, engine):
+        for name in ("budget_bytes", "vram_budget_bytes"):
+            value = getattr(holder, name, None)
+            if value:
+                return int(value)
+    gb = (engine.extras or {}).get("vram_budget_gb")
+    return int(float(gb) * 2**30) if gb else None
+
+
+def from_engine(engine) -> VaeTarget:
+    """The engine's VAE, run inside ``engine.session("vae")`` on the stage device in ``engine.vae_dtype``."""
+    vae = engine.parts.vae
+    return VaeTarget(vae, engine.stage_device("vae"), engine.vae_dtype, lambda: engine.session("vae"),
+                     _engine_budget(engine), engine.pool, int(vae.config.latent_channels))
+
+
+def from_comfy(vae) -> VaeTarget:
+    """ComfyUI's ``VAE`` wrapper (``first_stage_model`` an LDM ``AutoencoderKL``), loaded by ComfyUI's manager."""
+    ae = getattr(vae, "first_stage_model", None)
+    if ae is None or not isinstance(ae, torch.nn.Module):
+        raise TypeError(f"vae: expected ComfyUI's VAE object (with first_stage_model), got {type(vae).__name__}")
+    device = torch.device(getattr(vae, "device", None) or next(ae.parameters()).device)
+    dtype = getattr(vae, "vae_dtype", None) or next(ae.parameters()).dtype
+    patcher = getattr(vae, "patcher", None)
+
+    @contextlib.contextmanager
+    def enter():
+        bridge.load_comfy_model(patcher)
+        yield
+
+    return VaeTarget(ae, device, dtype, enter, None, None, getattr(vae, "latent_channels", None))
+
+
+def from_module(ae: torch.nn.Module, device=None, dtype=None) -> VaeTarget:
+    """A bare autoencoder module, used where it already sits (benchmarks, tests)."""
+    p = next(ae.parameters())
+    return VaeTarget(ae, torch.device(device) if device is not None else p.device, dtype or p.dtype)
+
+
+def resolve_target(lean_model=None, vae=None) -> VaeTarget:
+    """The node's model inputs -> a target; exactly one of ``lean_model`` / ``vae`` must be given."""
+    if (lean_model is None) == (vae is None):
+        given = "both" if lean_model is not None else "neither"
+        raise ValueError(f"lean_model / vae: {given} given; connect exactly one: a LEAN_MODEL from the Memory Pool "
+                         f"Loader, or a VAE from a ComfyUI loader")
+    if lean_model is not None:
+        if not hasattr(lean_model, "parts") or not hasattr(lean_model, "session"):
+            raise TypeError(f"lean_model: expected a LEAN_MODEL engine, got {type(lean_model).__name__}")
+        return from_engine(lean_model)
+    return from_comfy(vae)

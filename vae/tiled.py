@@ -1,0 +1,203 @@
+"""Public entry points: tiled VAE decode and encode in ``exact`` or ``blend`` mode, with OOM fallback.
+
+Invariants
+- IMAGE / LATENT conventions (GUIDE section 6): ``tiled_decode`` takes raw latents ``[B, C, h, w]`` and returns
+  ``[B, 8h, 8w, 3]`` float32 in 0..1 on the CPU; ``tiled_encode`` takes an IMAGE ``[B, H, W, 3]`` (cropped to
+  multiples of 8 about the centre, as ComfyUI's VAEEncode does) and returns the latent distribution's mean
+  ``[B, C, H/8, W/8]`` float32 on the CPU, in the raw latent space.
+- ``exact``: tiled == untiled up to floating-point error (``exact.py``). ``blend``: linear cross-fade of
+  overlapping tiles (``blend.py``).
+- Memory: tiles are bounded by ``tile_size`` (image pixels; 0 = auto from the free VRAM and the loader's budget).
+  On out-of-memory the tile (and the activation budget) is halved and the sample retried, down to 128 px; below
+  that a ``torch.OutOfMemoryError`` says what was tried. Nothing stays allocated after a failure.
+- The module is never changed; weights are placed by the caller's session (engine) or ComfyUI's loader.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from .. import bridge
+from .adapters import decoder_program, encoder_program
+from .blend import run_blend
+from .exact import ExactConfig, run_exact
+from .program import Op, Program
+from .targets import VaeTarget
+
+logger = logging.getLogger(__name__)
+
+SEAM_MODES = ("exact", "blend")
+MIN_TILE = 128
+MAX_TILE = 4096
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+# Device bytes per output pixel of an untiled SD-VAE decode, per byte of dtype (ComfyUI's estimate: 2178 * 64 / 64).
+_BLEND_BYTES_PER_PX = 2200
+_CPU_BUDGET = 4 * 2**30
+
+
+def validate_tiling(tile_size: int, overlap: int, seam_mode: str) -> None:
+    """Check the node's tiling inputs; raises ValueError naming the input, the value and the fix."""
+    if seam_mode not in SEAM_MODES:
+        raise ValueError(f"seam_mode={seam_mode!r}: expected one of {SEAM_MODES}")
+    if not isinstance(tile_size, int) or isinstance(tile_size, bool) or tile_size < 0:
+        raise ValueError(f"tile_size={tile_size!r}: expected 0 (auto) or an integer number of pixels >= {MIN_TILE}")
+    if not isinstance(overlap, int) or isinstance(overlap, bool) or not 0 <= overlap <= 512:
+        raise ValueError(f"overlap={overlap!r}: expected an integer number of pixels in 0..512")
+    if tile_size and tile_size < MIN_TILE:
+        raise ValueError(f"tile_size={tile_size} is below the minimum {MIN_TILE} px; use 0 (auto) or >= {MIN_TILE}")
+    if tile_size and tile_size <= 2 * overlap:
+        raise ValueError(f"tile_size={tile_size} is too small for overlap={overlap}: a tile must be larger than twice "
+                         f"the overlap; raise tile_size above {2 * overlap} or lower overlap below {tile_size // 2}")
+
+
+def activation_budget(target: VaeTarget, budget_bytes: Optional[int] = None) -> int:
+    """Device bytes the tiled run may use for activations: the caller's value, else free VRAM (and loader budget)."""
+    if budget_bytes is not None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes={budget_bytes}: expected a positive number of bytes")
+        return int(budget_bytes)
+    dev = target.device
+    if dev.type != "cuda":
+        return _CPU_BUDGET
+    free, _ = torch.cuda.mem_get_info(dev)
+    cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    budget = int(0.8 * (free + cached))
+    if target.budget_bytes:
+        weights = sum(p.numel() * p.element_size() for p in target.ae.parameters() if p.device.type == "cuda")
+        budget = min(budget, max(target.budget_bytes - weights, 256 * 2**20))
+    return budget
+
+
+def _blend_tile(budget: int, dtype: torch.dtype, limit: int) -> int:
+    px = budget / (_BLEND_BYTES_PER_PX * torch.empty((), dtype=dtype).element_size())
+    return int(max(MIN_TILE, min(limit, (int(math.sqrt(px)) // 64) * 64)))
+
+
+def _free_after_oom(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    bridge.soft_empty_cache()
+
+
+def _run_with_retry(run, tile: int, budget: int, device: torch.device, what: str):
+    tried = []
+    while True:
+        try:
+            return run(tile, budget)
+        except _OOM as exc:
+            tried.append(tile)
+            error = exc
+        _free_after_oom(device)  # outside the except block, so the failed frames' tensors are released
+        if tile <= MIN_TILE:
+            raise _OOM(f"{what}: out of memory even with {MIN_TILE} px tiles (tried {tried} px, activation budget "
+                       f"down to {budget / 2**30:.2f} GiB); free VRAM (unload models) or decode on a larger GPU. "
+                       f"Last error: {error}")
+        tile, budget = max(MIN_TILE, tile // 2), max(budget // 2, 64 * 2**20)
+        logger.warning("%s: out of memory; retrying with %d px tiles", what, tile)
+
+
+def _check_latents(latents, channels: int) -> torch.Tensor:
+    if not isinstance(latents, torch.Tensor) or latents.ndim != 4:
+        raise ValueError(f"samples: expected a LATENT tensor [B, C, h, w], got "
+                         f"{getattr(latents, 'shape', type(latents).__name__)}")
+    if latents.shape[1] != channels:
+        raise ValueError(f"samples has {latents.shape[1]} channels but this VAE takes {channels}-channel latents; "
+                         f"connect a LATENT made for this VAE (SD1/SD2/SDXL latents have 4 channels)")
+    if latents.shape[2] < 1 or latents.shape[3] < 1:
+        raise ValueError(f"samples: empty latent of shape {tuple(latents.shape)}")
+    return latents
+
+
+@torch.no_grad()
+def tiled_decode(target: VaeTarget, latents: torch.Tensor, tile_size: int = 0, overlap: int = 64,
+                 seam_mode: str = "exact", budget_bytes: Optional[int] = None, quiet: bool = False) -> torch.Tensor:
+    """Raw latents [B, C, h, w] -> IMAGE [B, 8h, 8w, 3] (see the module docstring)."""
+    validate_tiling(tile_size, overlap, seam_mode)
+    program = decoder_program(target.ae)
+    latents = _check_latents(latents, program.latent_channels)
+    b, _, h, w = latents.shape
+    with target.enter():
+        budget = activation_budget(target, budget_bytes)
+        out = torch.empty((b, 8 * h, 8 * w, program.out_channels), dtype=torch.float32)
+        with bridge.ProgressBar(b * len(program.stages), "Tiled VAE decode", quiet) as bar:
+            for i in range(b):
+                z = latents[i:i + 1].detach().float()
+                if seam_mode == "exact":
+                    def run(tile, bud, z=z):
+                        cfg = ExactConfig(target.device, target.dtype, bud, tile, target.pool)
+
+                        def head(y):
+                            return ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0)
+
+                        return run_exact(program, z[0].permute(1, 2, 0).contiguous(), cfg, head,
+                                         program.out_channels, lambda: bar.update(1))
+                    tile0 = tile_size or max(8 * h, 8 * w)
+                else:
+                    def run(tile, bud, z=z):
+                        img = run_blend(target.decode_fn, z, tile // 8, overlap // 8, (8, 1), target.device,
+                                        target.dtype)
+                        return ((img[0] + 1.0) / 2.0).clamp_(0.0, 1.0).permute(1, 2, 0)
+                    tile0 = tile_size or _blend_tile(budget, target.dtype, max(8 * h, 8 * w))
+                out[i] = _run_with_retry(run, tile0, budget, target.device, "tiled VAE decode")
+    return out
+
+
+def _with_input_affine(program: Program) -> Program:
+    """``program`` whose first op maps a 0..1 IMAGE to the encoder's -1..1 input (no mutation)."""
+    first = program.stages[0]
+    if first.residual_src is not None:
+        raise TypeError("unsupported encoder: its first stage has a residual connection")
+    head = dataclasses.replace(first, ops=[Op("affine", args=(2.0, -1.0))] + list(first.ops))
+    return dataclasses.replace(program, stages=[head] + list(program.stages[1:]))
+
+
+def crop_to_multiple(pixels: torch.Tensor, multiple: int = 8) -> torch.Tensor:
+    """Centre-crop an IMAGE [B, H, W, C] to multiples of ``multiple`` (ComfyUI's ``vae_encode_crop_pixels``)."""
+    h, w = pixels.shape[1], pixels.shape[2]
+    nh, nw = (h // multiple) * multiple, (w // multiple) * multiple
+    if (nh, nw) == (h, w):
+        return pixels
+    oy, ox = (h % multiple) // 2, (w % multiple) // 2
+    return pixels[:, oy:oy + nh, ox:ox + nw, :]
+
+
+@torch.no_grad()
+def tiled_encode(target: VaeTarget, pixels: torch.Tensor, tile_size: int = 0, overlap: int = 64,
+                 seam_mode: str = "exact", budget_bytes: Optional[int] = None, quiet: bool = False) -> torch.Tensor:
+    """IMAGE [B, H, W, 3] -> raw latents (distribution mean) [B, C, H/8, W/8] (see the module docstring)."""
+    validate_tiling(tile_size, overlap, seam_mode)
+    program = encoder_program(target.ae)
+    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 4 or pixels.shape[-1] != program.in_channels:
+        raise ValueError(f"pixels: expected an IMAGE [B, H, W, {program.in_channels}], got "
+                         f"{getattr(pixels, 'shape', type(pixels).__name__)}")
+    if pixels.shape[1] < 8 or pixels.shape[2] < 8:
+        raise ValueError(f"pixels: image {pixels.shape[2]}x{pixels.shape[1]} is smaller than 8x8 px")
+    pixels = crop_to_multiple(pixels)
+    b, h, w, _ = pixels.shape
+    lat = program.latent_channels
+    enc_program = _with_input_affine(program)
+    with target.enter():
+        budget = activation_budget(target, budget_bytes)
+        out = torch.empty((b, lat, h // 8, w // 8), dtype=torch.float32)
+        with bridge.ProgressBar(b * len(program.stages), "Tiled VAE encode", quiet) as bar:
+            for i in range(b):
+                x = pixels[i].detach().float().contiguous()
+                if seam_mode == "exact":
+                    def run(tile, bud, x=x):
+                        cfg = ExactConfig(target.device, target.dtype, bud, tile, target.pool)
+                        res = run_exact(enc_program, x, cfg, lambda y: y[:, :lat].float(), lat,
+                                        lambda: bar.update(1))
+                        return res.permute(2, 0, 1)
+                    tile0 = tile_size or max(h, w)
+                else:
+                    def run(tile, bud, x=x):
+                        img = (x.permute(2, 0, 1)[None] * 2.0 - 1.0)
+                        return run_blend(target.encode_fn, img, tile, overlap, (1, 8), target.device,
+                                         target.dtype, align=8)[0]
+                    tile0 = tile_size or _blend_tile(budget, target.dtype, max(h, w))
+                out[i] = _run_with_retry(run, tile0, budget, target.device, "tiled VAE encode")
+    return out
