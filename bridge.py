@@ -199,3 +199,95 @@ def load_comfy_model(patcher, memory_required: int = 0) -> None:
     if mm is None or patcher is None:
         return
     mm.load_models_gpu([patcher], memory_required=int(memory_required))
+
+
+# --------------------------------------------------------------------------------------------- pack memory owners
+class _PackLoadedModel:
+    """What ComfyUI's ``current_loaded_models`` list sees for a pack model holding GPU memory.
+
+    ComfyUI's ``free_memory`` (run by ``/free``, ``unload_all_models`` and its own loads when VRAM runs short) walks
+    that list and calls ``model_unload`` on entries of the device: ours calls ``release`` (the pack frees its GPU
+    weights; its engine reloads them on next use) and ComfyUI drops the entry. ``cleanup_models`` drops it when the
+    owner has been garbage collected (``real_model()`` is then None). The owner is held weakly.
+    """
+
+    class _View:
+        def __init__(self, entry):
+            self._entry = entry
+
+        @property
+        def model(self):
+            return self._entry.real_model()
+
+        def is_clone(self, other) -> bool:
+            return False
+
+        def model_size(self) -> int:
+            return self._entry.model_memory()
+
+        def loaded_size(self) -> int:
+            return self._entry.model_memory()
+
+    def __init__(self, owner, device, size_fn: Callable[[], int], release: Callable[[], None]):
+        import weakref
+
+        self.device = device
+        self.currently_used = False
+        self.real_model = weakref.ref(owner)
+        # bound methods of the owner are held weakly too, or ComfyUI's list would keep the owner alive
+        self._size_fn = weakref.WeakMethod(size_fn) if hasattr(size_fn, "__self__") else (lambda: size_fn)
+        self._release = weakref.WeakMethod(release) if hasattr(release, "__self__") else (lambda: release)
+        self.model = _PackLoadedModel._View(self)
+
+    def model_memory(self) -> int:
+        fn = self._size_fn()
+        return int(fn()) if fn is not None and self.real_model() is not None else 0
+
+    def model_loaded_memory(self) -> int:
+        return self.model_memory()
+
+    def model_offloaded_memory(self) -> int:
+        return 0
+
+    def model_memory_required(self, device) -> int:
+        return 0
+
+    def model_use_more_vram(self, extra_memory, force_patch_weights=False) -> int:
+        return 0
+
+    def is_dead(self) -> bool:
+        return False
+
+    def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
+        fn = self._release()
+        if fn is not None and self.real_model() is not None:
+            fn()
+        return True
+
+
+def register_memory_owner(owner, device, size_fn: Callable[[], int], release: Callable[[], None]):
+    """Let ComfyUI's memory manager free ``owner``'s GPU memory (calls ``release()``); no-op outside ComfyUI.
+
+    Returns a handle for :func:`unregister_memory_owner`, or ``None`` outside ComfyUI. ``size_fn()`` reports the
+    bytes the owner holds on ``device``.
+    """
+    mm = _comfy_module("comfy.model_management")
+    if mm is None or not hasattr(mm, "current_loaded_models"):
+        return None
+    entry = _PackLoadedModel(owner, device, size_fn, release)
+    mm.current_loaded_models.append(entry)
+    return entry
+
+
+def unregister_memory_owner(handle) -> None:
+    """Remove a handle returned by :func:`register_memory_owner` (no-op if ComfyUI already dropped it)."""
+    if handle is None:
+        return
+    mm = _comfy_module("comfy.model_management")
+    if mm is None:
+        return
+    models = getattr(mm, "current_loaded_models", [])
+    for i, entry in enumerate(models):
+        if entry is handle:
+            models.pop(i)
+            return

@@ -66,3 +66,4 @@ def save_diffusers_folder(components: dict, folder: str | Path) -> Path:
     index["scheduler"] = ["diffusers", "DDIMScheduler"]
     (folder / "model_index.json").write_text(json.dumps(index, indent=2))
     return folder
+from .ldm import save_ldm_checkpoint, ldm_state_dict  # noqa: E402,F401  (loader helper: LDM single-file writer)

@@ -1,0 +1,209 @@
+"""Checkpoint families, detected by a declarative registry of key and shape conditions (GUIDE convention 6).
+
+Invariant: a family is decided from tensor *names and shapes only* (the safetensors header), never from class
+names, file names or tensor values, except for the one thing checkpoints do not record, SD2's prediction type
+(see :func:`sd2_prediction_type`). Rules are checked in order; the first whose conditions all hold wins.
+Unsupported families (SD3, Flux, the SDXL refiner, inpainting UNets, ...) have rules too, so the error names them.
+
+Detection of a supported family only says which converter to use; the converter then infers every size from
+shapes (``memory/ldm_config.py``), so a checkpoint that matches a rule but has a different layout still fails
+loudly at load time, never silently.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+Shapes = Mapping[str, Sequence[int]]
+
+UNET = "model.diffusion_model."
+UNET_IN = UNET + "input_blocks.0.0.weight"
+CLIP_L_SD1 = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"
+OPENCLIP_SD2 = "cond_stage_model.model.token_embedding.weight"
+CLIP_L_SDXL = "conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight"
+OPENCLIP_SDXL = "conditioner.embedders.1.model.token_embedding.weight"
+VAE_IN = "first_stage_model.encoder.conv_in.weight"
+
+
+@dataclass(frozen=True)
+class Has:
+    """The key is present (and, when ``ndim``/``axis`` are given, its shape matches)."""
+
+    key: str
+    ndim: Optional[int] = None
+    axis: Optional[int] = None
+    size: Optional[int] = None
+
+    def holds(self, shapes: Shapes) -> bool:
+        shape = shapes.get(self.key)
+        if shape is None:
+            return False
+        if self.ndim is not None and len(shape) != self.ndim:
+            return False
+        if self.axis is not None and (len(shape) <= self.axis or shape[self.axis] != self.size):
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    conditions: tuple
+
+    def holds(self, shapes: Shapes) -> bool:
+        return any(c.holds(shapes) for c in self.conditions)
+
+
+@dataclass(frozen=True)
+class Lacks:
+    key: str
+
+    def holds(self, shapes: Shapes) -> bool:
+        return self.key not in shapes
+
+
+@dataclass(frozen=True)
+class Family:
+    """One registry row: ``name`` is what the engine stores (``sd1``, ``sd2``, ``sdxl``) or the refused family."""
+
+    name: str
+    display: str
+    supported: bool
+    conditions: tuple
+
+    def matches(self, shapes: Shapes) -> bool:
+        return all(c.holds(shapes) for c in self.conditions)
+
+
+def _both(key: str) -> AnyOf:
+    """A key that appears with or without ComfyUI's ``model.diffusion_model.`` prefix."""
+    return AnyOf((Has(key), Has(UNET + key)))
+
+
+REGISTRY: tuple[Family, ...] = (
+    # Refused families first: their keys can coexist with SD-like keys (an SD3 file has a VAE, say).
+    Family("sd3", "Stable Diffusion 3 / 3.5 (MMDiT)", False,
+           (_both("joint_blocks.0.context_block.adaLN_modulation.1.bias"),)),
+    Family("flux", "Flux (double/single-stream DiT)", False, (_both("double_blocks.0.img_attn.norm.key_norm.scale"),)),
+    Family("sdxl-refiner", "SDXL refiner (OpenCLIP-G only, no CLIP-L)", False,
+           (Has("conditioner.embedders.0.model.text_projection"),)),
+    Family("inpaint", "inpainting UNet (9 input channels)", False, (Has(UNET_IN, ndim=4, axis=1, size=9),)),
+    Family("instruct-pix2pix", "InstructPix2Pix UNet (8 input channels)", False,
+           (Has(UNET_IN, ndim=4, axis=1, size=8),)),
+    Family("sd-upscale", "Stable Diffusion x4 upscaler (7 input channels)", False, (Has(UNET_IN, ndim=4, axis=1, size=7),)),
+    Family("stable-cascade", "Stable Cascade", False, (AnyOf((Has("clip_txt_mapper.weight"),
+                                                              Has("down_blocks.1.0.channelwise.0.weight"))),)),
+    Family("controlnet", "ControlNet (not a full checkpoint)", False,
+           (AnyOf((Has("control_model.time_embed.0.weight"), Has("controlnet_cond_embedding.conv_in.weight"))),)),
+    # Supported families.
+    Family("sdxl", "SDXL base", True, (Has(UNET_IN, ndim=4, axis=1, size=4), Has(UNET + "label_emb.0.0.weight"),
+                                       Has(CLIP_L_SDXL), Has(OPENCLIP_SDXL), Has(VAE_IN))),
+    Family("sd2", "Stable Diffusion 2.x", True, (Has(UNET_IN, ndim=4, axis=1, size=4), Has(OPENCLIP_SD2), Has(VAE_IN),
+                                                  Lacks(UNET + "label_emb.0.0.weight"))),
+    Family("sd1", "Stable Diffusion 1.x", True, (Has(UNET_IN, ndim=4, axis=1, size=4), Has(CLIP_L_SD1), Has(VAE_IN),
+                                                  Lacks(UNET + "label_emb.0.0.weight"))),
+)
+
+SUPPORTED = tuple(f.name for f in REGISTRY if f.supported)
+
+
+class UnsupportedFamilyError(ValueError):
+    """The checkpoint belongs to a family this pack does not run (the message names it)."""
+
+
+def detect_family(shapes: Shapes, source: str = "checkpoint") -> Family:
+    """The first registry family whose conditions all hold; raises :class:`UnsupportedFamilyError` otherwise."""
+    for family in REGISTRY:
+        if family.matches(shapes):
+            if not family.supported:
+                raise UnsupportedFamilyError(
+                    f"{source}: detected family '{family.name}' ({family.display}), which LeanDiffusion does not "
+                    f"run; supported families are SD1.x, SD2.x (epsilon and v) and SDXL base")
+            return family
+    raise UnsupportedFamilyError(f"{source}: {_describe_unknown(shapes)}")
+
+
+def _describe_unknown(shapes: Shapes) -> str:
+    keys = list(shapes)
+    if not keys:
+        return "the file holds no tensors, so it is not a model checkpoint"
+    if any("lora_" in k or ".lora." in k or k.endswith(".alpha") for k in keys[:2000]):
+        return "this looks like a LoRA file, not a checkpoint; load a full checkpoint and apply the LoRA with the LoRA node"
+    guess = _diffusers_guess(shapes)
+    if guess:
+        return (f"detected family '{guess}' (by diffusers' key table), which LeanDiffusion does not run; supported "
+                f"families are SD1.x, SD2.x and SDXL base")
+    has_unet = any(k.startswith(UNET) for k in keys)
+    missing = []
+    if not has_unet:
+        missing.append("a UNet (model.diffusion_model.*)")
+    if not any(k.startswith("first_stage_model.") for k in keys):
+        missing.append("a VAE (first_stage_model.*)")
+    if not any(k.startswith(("cond_stage_model.", "conditioner.")) for k in keys):
+        missing.append("text encoders (cond_stage_model.* / conditioner.*)")
+    if missing:
+        return (f"not a complete SD1.x/SD2.x/SDXL checkpoint: it lacks {', '.join(missing)} "
+                f"(first keys: {', '.join(keys[:3])}); use an all-in-one checkpoint or a diffusers folder")
+    return f"unknown checkpoint family (first keys: {', '.join(keys[:3])}); supported: SD1.x, SD2.x, SDXL base"
+
+
+class _ShapeOnly:
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+def _diffusers_guess(shapes: Shapes) -> Optional[str]:
+    """diffusers' own model-type guess for a non-SD file, when it names something specific (else None)."""
+    try:
+        from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+    except ImportError:
+        return None
+    proxy = {k: _ShapeOnly(v) for k, v in shapes.items()}
+    try:
+        name = infer_diffusers_model_type(proxy)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError):
+        return None
+    return None if name in ("v1", "v2", "xl_base") else name
+
+
+# --------------------------------------------------------------------------------------------- SD2 prediction
+_V_NAME = re.compile(r"(^|[^0-9])768([^0-9]|$)|(^|[-_.\s])v([-_.\s]|$)|v[-_]?pred", re.IGNORECASE)
+
+
+def sd2_prediction_type(shapes: Shapes, path: Optional[Path] = None) -> str:
+    """SD2 checkpoints do not record epsilon vs v-prediction; decide by this documented rule, first hit wins.
+
+    1. a ``v_pred`` tensor in the file (ComfyUI's convention when it saves a v-prediction model; the test kit too)
+       -> ``v_prediction``;
+    2. a sidecar ``<name>.yaml`` next to the file containing ``parameterization: "v"`` (the original
+       ``v2-inference-v.yaml`` convention A1111 uses) -> ``v_prediction``;
+    3. a file name with the token ``768``, ``v`` or ``vpred`` (``v2-1_768-ema-pruned``, ``sd21-v``,
+       ``model_vpred``) -> ``v_prediction`` (Stability's 768 models are the v models);
+    4. otherwise ``epsilon`` (the 512 "base" models).
+    """
+    if "v_pred" in shapes:
+        return "v_prediction"
+    if path is not None:
+        sidecar = Path(path).with_suffix(".yaml")
+        if sidecar.is_file():
+            text = sidecar.read_text(errors="replace")
+            if re.search(r"parameterization:\s*[\"']?v[\"']?\s*$", text, re.MULTILINE):
+                return "v_prediction"
+        if _V_NAME.search(Path(path).stem):
+            return "v_prediction"
+    return "epsilon"
+
+
+# --------------------------------------------------------------------------------------------- shipped defaults
+_DEFAULTS_FILE = Path(__file__).resolve().parent / "configs" / "families.json"
+
+
+def family_defaults(name: str) -> dict:
+    """Shipped per-family defaults (scheduler config, VAE scaling, native size, fp16 VAE overflow); see the JSON."""
+    import json
+
+    table = json.loads(_DEFAULTS_FILE.read_text())
+    if name not in table or name.startswith("_"):
+        raise ValueError(f"family={name!r}: expected one of sd1, sd2, sd2-v, sdxl")
+    return table[name]

@@ -1,0 +1,93 @@
+"""diffusers pipeline folders (``model_index.json`` + one sub-folder per component) -> modules, offline.
+
+Invariant: components load with diffusers' / transformers' own ``from_pretrained(local_files_only=True)``; the
+family comes from a declarative table of pipeline classes plus the UNet config (SD1 vs SD2 by the UNet's
+projection style, the one architectural difference) and the scheduler's ``prediction_type``. Tokenizers: the
+folder's own ``tokenizer``/``tokenizer_2``, else the single-file search order of ``memory/tokenizers.py``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from .families import UnsupportedFamilyError, family_defaults
+from .tokenizers import OPENCLIP_PAD, find_tokenizer_dir, load_clip_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# pipeline class -> "sd" (SD1 or SD2, told apart by the UNet), "sdxl", or a refused family's description.
+PIPELINES = {
+    "StableDiffusionPipeline": "sd", "StableDiffusionImg2ImgPipeline": "sd", "StableDiffusionXLPipeline": "sdxl",
+    "StableDiffusionXLImg2ImgPipeline": "sdxl",
+}
+REFUSED = {
+    "StableDiffusion3Pipeline": "sd3 (Stable Diffusion 3 / 3.5)", "FluxPipeline": "flux (Flux)",
+    "StableDiffusionInpaintPipeline": "inpaint (inpainting UNet)",
+    "StableDiffusionXLInpaintPipeline": "inpaint (SDXL inpainting UNet)",
+    "StableDiffusionUpscalePipeline": "sd-upscale (x4 upscaler)", "PixArtAlphaPipeline": "pixart (PixArt)",
+    "StableCascadePriorPipeline": "stable-cascade", "KandinskyV22Pipeline": "kandinsky",
+}
+
+
+def is_diffusers_folder(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "model_index.json").is_file()
+
+
+def load_diffusers_folder(folder: Path) -> dict:
+    """A components dict (as ``memory.tiny.build_tiny_components`` returns) from a diffusers pipeline folder."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    folder = Path(folder)
+    if not is_diffusers_folder(folder):
+        raise ValueError(f"model={folder.name!r}: {folder} has no model_index.json, so it is not a diffusers folder")
+    index = json.loads((folder / "model_index.json").read_text())
+    cls = index.get("_class_name", "")
+    if cls in REFUSED:
+        raise UnsupportedFamilyError(f"model={folder.name!r}: detected family '{REFUSED[cls]}' ({cls}), which "
+                                     f"LeanDiffusion does not run; supported families are SD1.x, SD2.x and SDXL base")
+    kind = PIPELINES.get(cls)
+    if kind is None:
+        raise UnsupportedFamilyError(f"model={folder.name!r}: pipeline class {cls!r} is not an SD1.x/SD2.x/SDXL "
+                                     f"text-to-image pipeline")
+    for part in ("unet", "vae", "text_encoder") + (("text_encoder_2",) if kind == "sdxl" else ()):
+        if not (folder / part).is_dir():
+            what = "an SDXL refiner (no first text encoder)" if part == "text_encoder" and kind == "sdxl" else "incomplete"
+            raise UnsupportedFamilyError(f"model={folder.name!r}: the folder has no '{part}' sub-folder ({what})")
+    kw = dict(local_files_only=True)
+    unet = UNet2DConditionModel.from_pretrained(str(folder / "unet"), **kw)
+    if unet.config.in_channels != 4:
+        raise UnsupportedFamilyError(f"model={folder.name!r}: UNet with {unet.config.in_channels} input channels "
+                                     f"(inpainting/upscaler/pix2pix family) is not supported")
+    components = {"unet": unet, "vae": AutoencoderKL.from_pretrained(str(folder / "vae"), **kw)}
+    if kind == "sdxl":
+        components["text_encoder"] = CLIPTextModel.from_pretrained(str(folder / "text_encoder"), **kw)
+        components["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(str(folder / "text_encoder_2"), **kw)
+        family = "sdxl"
+    else:
+        components["text_encoder"] = CLIPTextModel.from_pretrained(str(folder / "text_encoder"), **kw)
+        family = "sd2" if unet.config.use_linear_projection else "sd1"
+    sched_file = folder / "scheduler" / "scheduler_config.json"
+    scheduler = json.loads(sched_file.read_text()) if sched_file.is_file() else {}
+    if family == "sd2" and scheduler.get("prediction_type") == "v_prediction":
+        family = "sd2-v"
+    defaults = dict(family_defaults(family)["scheduler"])
+    defaults.update({k: v for k, v in scheduler.items() if not k.startswith("_") and k in defaults})
+    components["scheduler_config"] = defaults
+    components["family"] = family
+    for module in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        if module in components:
+            components[module].eval().requires_grad_(False)
+    openclip_first = family in ("sd2", "sd2-v")
+    components["tokenizer"] = _tokenizer(folder, "tokenizer", OPENCLIP_PAD if openclip_first else None)
+    if kind == "sdxl":
+        components["tokenizer_2"] = _tokenizer(folder, "tokenizer_2", OPENCLIP_PAD)
+    return components
+
+
+def _tokenizer(folder: Path, sub: str, fallback_pad):
+    own = folder / sub
+    if (own / "vocab.json").is_file() or (own / "tokenizer.json").is_file():
+        return load_clip_tokenizer(own)  # the folder's own settings (pad token included) win
+    return load_clip_tokenizer(find_tokenizer_dir(folder / "model_index.json"), pad_token=fallback_pad)

@@ -1,0 +1,94 @@
+"""The loader's package entry: a model choice -> modules -> an engine under a VRAM policy.
+
+Model choices (the node's ``model`` COMBO): ``tiny-random (test)`` (``memory/tiny.py``'s SD1.x-like model, built
+once per process and copied per load), a ``.safetensors`` name in ComfyUI's ``checkpoints`` folder, or a folder
+name in its ``diffusers`` folder (outside ComfyUI: ``$LEANDIFFUSION_MODELS/<folder>``).
+
+Invariant: each load builds its own modules (a placement owns where its modules live, so two engines with
+different policies never share modules); on any error nothing stays on the GPU (``apply_vram_policy``'s
+guarantee, and the modules of a failed load are dropped with it).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .. import bridge
+from .engine import LeanEngine, ModelParts, parts_from_components
+from .folders import load_diffusers_folder
+from .ldm import load_ldm_checkpoint
+from .policies import DTYPES, apply_vram_policy
+from .pool import BufferPool
+
+logger = logging.getLogger(__name__)
+
+TINY_CHOICE = "tiny-random (test)"
+WEIGHT_DTYPES = ("auto", "fp16", "bf16", "fp32")
+VAE_DTYPES = ("auto", "fp32", "fp16", "bf16")
+
+
+def model_choices() -> list[str]:
+    """The node's ``model`` COMBO: the tiny model, checkpoints (``.safetensors``) and diffusers folders."""
+    return [TINY_CHOICE] + bridge.list_models("checkpoints", (".safetensors",)) + \
+        bridge.list_models("diffusers", dirs=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_cached() -> dict:
+    from .tiny import build_tiny_components
+
+    return build_tiny_components("sd1", seed=0)
+
+
+def load_components(choice: str) -> tuple[dict, str]:
+    """Modules for ``choice`` (CPU, file dtype) and a display name."""
+    if not isinstance(choice, str) or not choice:
+        raise ValueError(f"model={choice!r}: expected a name from the node's model list")
+    if choice == TINY_CHOICE:
+        cached = _tiny_cached()
+        return {k: (copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v) for k, v in cached.items()}, "tiny-sd1"
+    if choice.lower().endswith(".safetensors"):
+        return load_ldm_checkpoint(bridge.resolve_model("checkpoints", choice, "model")), Path(choice).stem
+    path = bridge.resolve_model("diffusers", choice, "model")
+    return load_diffusers_folder(path), Path(choice).name
+
+
+def resolve_dtype(name: str, arg: str, device: torch.device, vae: bool = False) -> Optional[torch.dtype]:
+    """``auto`` -> None (the policy's default); else the torch dtype. CPU runs always use fp32 for ``auto``."""
+    allowed = VAE_DTYPES if vae else WEIGHT_DTYPES
+    if name not in allowed:
+        raise ValueError(f"{arg}={name!r}: expected one of {', '.join(allowed)}")
+    return None if name == "auto" else DTYPES[name]
+
+
+def build_engine(parts: ModelParts, vram_policy: str = "auto", vram_budget_gb: float = 4.0,
+                 weight_dtype: str = "auto", vae_dtype: str = "auto", device=None, **policy_kwargs) -> LeanEngine:
+    """An engine over ``parts`` under ``vram_policy`` (see ``memory/policies.py``), with a buffer pool."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    placement = apply_vram_policy(parts, vram_policy, device=dev, vram_budget_gb=vram_budget_gb,
+                                  dtype=resolve_dtype(weight_dtype, "weight_dtype", dev),
+                                  vae_dtype=resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True), **policy_kwargs)
+    cfg = placement.config
+    pool = BufferPool(placement.device)
+    placement.pool = pool
+    plan_text = placement.report()
+    logger.info("%s", plan_text)
+    return LeanEngine(parts=parts, device=placement.device, dtype=cfg.dtype, vae_dtype=cfg.vae_dtype,
+                      text_dtype=placement.text_dtype, placement=placement, pool=pool,
+                      plan=plan_text)
+
+
+def load_engine(model: str, vram_policy: str = "auto", vram_budget_gb: float = 4.0, weight_dtype: str = "auto",
+                vae_dtype: str = "auto", device=None) -> LeanEngine:
+    """The node's whole job: load ``model`` and place it under the policy; returns the engine."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolve_dtype(weight_dtype, "weight_dtype", dev)
+    resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True)
+    components, name = load_components(model)
+    parts = parts_from_components(components, name=name)
+    return build_engine(parts, vram_policy, vram_budget_gb, weight_dtype, vae_dtype, device=dev)

@@ -1,0 +1,51 @@
+"""Memory Pool Loader node: a checkpoint (or the tiny test model) -> LEAN_MODEL under a VRAM policy + memory plan.
+
+Argument plumbing only; the work is in ``memory/load.py`` (loading) and ``memory/policies.py`` (placement).
+"""
+from __future__ import annotations
+
+from ..memory.load import TINY_CHOICE, VAE_DTYPES, WEIGHT_DTYPES, load_engine, model_choices
+from ..memory.policies import VramPolicy
+
+POLICIES = [p.value for p in VramPolicy]
+
+
+class LeanModelLoader:
+    DESCRIPTION = ("Loads an SD1.x / SD2.x / SDXL checkpoint (single .safetensors file or diffusers folder) into a "
+                   "LeanDiffusion engine under a VRAM policy, and reports the memory plan: what stays on the GPU, "
+                   "what streams, estimated and measured peaks.")
+    CATEGORY = "LeanDiffusion/loaders"
+    RETURN_TYPES = ("LEAN_MODEL", "STRING")
+    RETURN_NAMES = ("lean_model", "memory_plan")
+    OUTPUT_TOOLTIPS = ("The loaded model (engine handle) for LeanDiffusion sampler, LoRA and VAE nodes.",
+                       "The memory plan as text: per stage what is resident, what streams, the estimated peak.")
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": (model_choices(), {"default": TINY_CHOICE, "tooltip": (
+                "Checkpoint to load: a .safetensors file from models/checkpoints, a folder from models/diffusers, "
+                "or 'tiny-random (test)', a tiny random SD1.x-like model that runs anywhere (for testing graphs).")}),
+            "vram_policy": (POLICIES, {"default": "auto", "tooltip": (
+                "full: everything on the GPU. balanced: UNet on the GPU, text encoders and VAE only while used. "
+                "lowvram: text encoders on the CPU, VAE on the GPU only while decoding. stream: UNet weights split "
+                "into a resident part and blocks streamed from pinned RAM within vram_budget_gb. auto: the fastest "
+                "policy that fits the free VRAM.")}),
+            "vram_budget_gb": ("FLOAT", {"default": 4.0, "min": 0.5, "max": 1024.0, "step": 0.25, "tooltip": (
+                "GPU memory the 'stream' policy may use for the UNet step (weights + activations), in GB. "
+                "Too small a budget gives an error stating the model's minimum.")}),
+            "weight_dtype": (list(WEIGHT_DTYPES), {"default": "auto", "tooltip": (
+                "Precision of UNet and text encoder weights. auto: fp16 on the GPU, fp32 on the CPU.")}),
+            "vae_dtype": (list(VAE_DTYPES), {"default": "auto", "tooltip": (
+                "Precision of the VAE. auto keeps the VAE in fp32 where fp16 is known to overflow (SDXL), as "
+                "ComfyUI's --no-half-vae does, and uses the weight precision otherwise.")}),
+        }}
+
+    def load(self, model, vram_policy, vram_budget_gb, weight_dtype, vae_dtype):
+        engine = load_engine(model, vram_policy, float(vram_budget_gb), weight_dtype, vae_dtype)
+        return (engine, engine.plan)
+
+
+NODE_CLASS_MAPPINGS = {"LeanModelLoader": LeanModelLoader}
+NODE_DISPLAY_NAME_MAPPINGS = {"LeanModelLoader": "Memory Pool Loader"}

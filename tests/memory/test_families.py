@@ -1,0 +1,104 @@
+"""Family detection by the declarative registry, SD2's v/eps rule, and clear errors for bad files.
+
+Guards the acceptance line "a truncated or non-checkpoint file ... and an unknown family each give a clear error".
+"""
+import pytest
+import torch
+
+from leandiffusion.memory import families
+from leandiffusion.memory.families import UnsupportedFamilyError, detect_family, sd2_prediction_type
+from leandiffusion.memory.ldm import load_ldm_checkpoint, read_header
+from leandiffusion.memory.tokenizers import find_tokenizer_dir
+from leandiffusion.tests.kit import ldm_state_dict, save_ldm_checkpoint, tiny_components
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    return {fam: {k: tuple(v.shape) for k, v in ldm_state_dict(tiny_components(fam)).items()}
+            for fam in ("sd1", "sd2", "sdxl")}
+
+
+def test_supported_families_detected(shapes):
+    assert {fam: detect_family(s).name for fam, s in shapes.items()} == {"sd1": "sd1", "sd2": "sd2", "sdxl": "sdxl"}
+
+
+@pytest.mark.parametrize("extra,name", [
+    ({"model.diffusion_model.joint_blocks.0.context_block.adaLN_modulation.1.bias": (9216,)}, "sd3"),
+    ({"double_blocks.0.img_attn.norm.key_norm.scale": (128,)}, "flux"),
+    ({"conditioner.embedders.0.model.text_projection": (1280, 1280)}, "sdxl-refiner"),
+])
+def test_unsupported_families_named(shapes, extra, name):
+    with pytest.raises(UnsupportedFamilyError, match=f"'{name}'"):
+        detect_family({**shapes["sdxl"], **extra})
+
+
+def test_inpainting_unet_refused(shapes):
+    s = dict(shapes["sd1"])
+    s["model.diffusion_model.input_blocks.0.0.weight"] = (32, 9, 3, 3)
+    with pytest.raises(UnsupportedFamilyError, match="inpaint"):
+        detect_family(s)
+
+
+def test_unknown_and_partial_files_explained(shapes):
+    with pytest.raises(UnsupportedFamilyError, match="LoRA"):
+        detect_family({"lora_unet_down_blocks_0.lora_down.weight": (4, 32)})
+    unet_only = {k: v for k, v in shapes["sd1"].items() if k.startswith("model.diffusion_model.")}
+    with pytest.raises(UnsupportedFamilyError, match="text encoders"):
+        detect_family(unet_only)
+    with pytest.raises(UnsupportedFamilyError, match="no tensors"):
+        detect_family({})
+
+
+def test_flux_by_diffusers_fallback_names_family():
+    with pytest.raises(UnsupportedFamilyError, match="flux"):
+        detect_family({"double_blocks.0.img_attn.norm.key_norm.scale": (128,)})
+
+
+def test_sd2_prediction_rule(tmp_path):
+    assert sd2_prediction_type({"v_pred": (0,)}) == "v_prediction"
+    assert sd2_prediction_type({}, tmp_path / "v2-1_768-ema-pruned.safetensors") == "v_prediction"
+    assert sd2_prediction_type({}, tmp_path / "sd21-v.safetensors") == "v_prediction"
+    assert sd2_prediction_type({}, tmp_path / "v2-1_512-ema-pruned.safetensors") == "epsilon"
+    assert sd2_prediction_type({}, tmp_path / "dreamvision.safetensors") == "epsilon"
+    (tmp_path / "mine.yaml").write_text("model:\n  params:\n    parameterization: \"v\"\n")
+    assert sd2_prediction_type({}, tmp_path / "mine.safetensors") == "v_prediction"
+
+
+def test_truncated_file_clear_error(tmp_path):
+    path = save_ldm_checkpoint(tiny_components("sd1"), tmp_path / "t.safetensors")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated"):
+        load_ldm_checkpoint(path)
+
+
+def test_non_checkpoint_file_clear_error(tmp_path):
+    path = tmp_path / "notes.safetensors"
+    path.write_text("this is not a model")
+    with pytest.raises(ValueError, match="not a safetensors checkpoint"):
+        read_header(path)
+
+
+def test_lora_like_safetensors_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "lora.safetensors"
+    save_file({"lora_unet_x.lora_down.weight": torch.zeros(4, 8)}, str(path))
+    (tmp_path / "tokenizer").mkdir()
+    with pytest.raises(UnsupportedFamilyError, match="LoRA"):
+        load_ldm_checkpoint(path)
+
+
+def test_missing_tokenizer_says_where(tmp_path):
+    path = save_ldm_checkpoint(tiny_components("sd1"), tmp_path / "m.safetensors", tokenizer=False)
+    with pytest.raises(ValueError, match="vocab.json and merges.txt"):
+        load_ldm_checkpoint(path)
+
+
+def test_comfy_tokenizer_fallback(tmp_path, monkeypatch):
+    from leandiffusion import bridge
+    from leandiffusion.memory.tiny import write_tiny_clip_tokenizer
+
+    comfy_dir = write_tiny_clip_tokenizer(tmp_path / "comfy" / "sd1_tokenizer")
+    monkeypatch.setattr(bridge, "comfy_tokenizer_dir", lambda: comfy_dir)
+    assert find_tokenizer_dir(tmp_path / "model" / "m.safetensors") == comfy_dir

@@ -1,0 +1,70 @@
+"""The Memory Pool Loader node: contract, model list, tiny model, real files, errors.
+
+Guards the node contract of issue 3 (IDs, inputs, outputs) and "tiny-random (test) builds the kit's tiny SD1.x
+model in memory (cached per process)".
+"""
+import pytest
+import torch
+
+from leandiffusion.memory import load as load_mod
+from leandiffusion.nodes.loader import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, LeanModelLoader
+from leandiffusion.tests.kit import save_diffusers_folder, save_ldm_checkpoint, tiny_components
+
+
+@pytest.fixture()
+def models_dir(tmp_path, monkeypatch):
+    save_ldm_checkpoint(tiny_components("sd1"), tmp_path / "checkpoints" / "tiny-sd1.safetensors")
+    save_diffusers_folder(tiny_components("sd2"), tmp_path / "diffusers" / "tiny-sd2")
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(tmp_path))
+    return tmp_path
+
+
+def test_contract():
+    assert NODE_CLASS_MAPPINGS["LeanModelLoader"] is LeanModelLoader
+    assert NODE_DISPLAY_NAME_MAPPINGS["LeanModelLoader"] == "Memory Pool Loader"
+    assert LeanModelLoader.CATEGORY == "LeanDiffusion/loaders"
+    assert LeanModelLoader.RETURN_TYPES == ("LEAN_MODEL", "STRING")
+    req = LeanModelLoader.INPUT_TYPES()["required"]
+    assert list(req) == ["model", "vram_policy", "vram_budget_gb", "weight_dtype", "vae_dtype"]
+    assert req["vram_policy"][0] == ["auto", "full", "balanced", "lowvram", "stream"]
+    assert req["vram_budget_gb"][0] == "FLOAT" and req["vram_budget_gb"][1]["default"] == 4.0
+    assert req["vram_budget_gb"][1]["min"] == 0.5
+    assert req["weight_dtype"][0] == ["auto", "fp16", "bf16", "fp32"]
+    assert req["vae_dtype"][0] == ["auto", "fp32", "fp16", "bf16"]
+    assert req["model"][0][0] == "tiny-random (test)"
+
+
+def test_model_list_has_checkpoints_and_folders(models_dir):
+    choices = LeanModelLoader.INPUT_TYPES()["required"]["model"][0]
+    assert "tiny-sd1.safetensors" in choices and "tiny-sd2" in choices
+
+
+def test_tiny_model_loads_and_is_cached_per_process():
+    node = LeanModelLoader()
+    load_mod._tiny_cached.cache_clear()
+    e1, plan = node.load("tiny-random (test)", "balanced", 4.0, "auto", "auto")
+    e2, _ = node.load("tiny-random (test)", "full", 4.0, "auto", "auto")
+    assert load_mod._tiny_cached.cache_info().misses == 1
+    assert e1.parts.unet is not e2.parts.unet  # each engine owns its modules (placements never collide)
+    assert e1.family == "sd1" and "policy balanced" in plan and "text" in plan and "unet" in plan
+    assert e1.pool is not None and e1.placement.name == "balanced"
+
+
+def test_files_load_through_the_node(models_dir):
+    node = LeanModelLoader()
+    engine, plan = node.load("tiny-sd1.safetensors", "stream", 0.5, "fp32", "auto")
+    assert engine.family == "sd1" and "policy stream" in plan
+    engine2, _ = node.load("tiny-sd2", "lowvram", 4.0, "auto", "fp32")
+    assert engine2.family == "sd2" and engine2.stage_device("text") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("args,match", [
+    (("nope.safetensors", "full", 4.0, "auto", "auto"), "nope.safetensors"),
+    (("../x.safetensors", "full", 4.0, "auto", "auto"), "outside"),
+    (("tiny-random (test)", "full", 4.0, "fp8", "auto"), "weight_dtype='fp8'"),
+    (("tiny-random (test)", "full", 4.0, "auto", "int8"), "vae_dtype='int8'"),
+    (("tiny-random (test)", "turbo", 4.0, "auto", "auto"), "vram_policy='turbo'"),
+])
+def test_bad_inputs_give_clear_errors(models_dir, args, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        LeanModelLoader().load(*args)
