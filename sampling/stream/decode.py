@@ -143,7 +143,7 @@ class DecodeStage:
                     images[j].copy_(image[0], non_blocking=cuda)
                     done = j + 1
             except _OOM as exc:
-                oom = exc
+                oom = exc.with_traceback(None)
         if oom is not None:
             self._after_oom()
             logger.warning("untiled VAE decode ran out of memory (%s); decoding the rest of this run in tiles", oom)

@@ -15,6 +15,9 @@ Invariants
   tensor, even inside a batch (batch rows are concatenated, never drawn together), its conditioning is its own
   prompt's, and the step math is the sampler's ``StepProgram``. In fp32 a batch of one is bit-identical; larger
   batches differ by the UNet's batched floating-point error only.
+- Adapters (LoRA): the text session attaches the view's adapters on the ``text`` stream; when the view has any,
+  the ``unet`` stream waits for the ``text`` stream before its own session, so weight or strength writes of the
+  two sessions never overlap on the GPU. The VAE session runs on a view without adapters.
 - Memory: one batch in each stage (bounded queues); the batch size (``batching.py``) counts the UNet's
   activations and one concurrent decode against the free VRAM and the loader's budget.
 - Out-of-memory while denoising a batch: nothing of that batch has been written; the batch size is halved and
@@ -133,13 +136,15 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
                 oom = None
                 try:
                     streams.hand_over(current.event, current.tensors(), "unet")
+                    if engine.adapters:  # the text session attached (and detached) them on the text stream
+                        streams.wait_stage("unet", "text")
                     span = timeline.span("unet", f"images {start}-{stop - 1}", range(start, stop)) if timeline \
                         else _Null()
                     with span, engine.session("unet"):
                         final = denoise_batch(engine, current.conditioning, x_init, schedule, s.cfg, s.acceleration,
                                               lambda i, a=start, b=stop - start: progress.at(a, b, i), runner)
                 except _OOM as exc:
-                    oom = exc
+                    oom = exc.with_traceback(None)  # drop the failed frames (and their tensors) before retrying
                 if oom is not None:
                     current = upcoming = final = None
                     retries += 1
