@@ -289,7 +289,7 @@ def run(ctx) -> None:
         plan = [("sd15_512", "sd15", 8, 10, 512, {"fused": 1.5, "diffusers": 2.5}, ()),
                 ("sdxl_1024", "sdxl", 4, 10, 1024, {"fused": 1.2}, ())]
     else:
-        plan = [("sd15_512", "sd15", 16, 20, 512, {"fused": 1.5, "diffusers": 2.5}, (8, 16)),
+        plan = [("sd15_512", "sd15", 16, 20, 512, {"fused": 1.5, "diffusers": 2.5}, (4, 16)),
                 ("sdxl_1024", "sdxl", 8, 30, 1024, {"fused": 1.2}, (1, 4))]
     for case, kind, n_prompts, steps, size, targets, sweep in plan:
         if hasattr(ctx, "has_time") and not ctx.has_time(30 if not ctx.smoke else 1):

@@ -7,12 +7,17 @@ Estimate (bytes, in the UNet's dtype), from the loader's own activation model (`
   ``stream`` policy also at most the loader's budget minus the UNet's resident weights; on the CPU 4 GiB;
 - reserved for the decode stage, which runs concurrently: one untiled decode (``decode.untiled_decode_bytes``)
   plus the VAE weights when the policy loads them only while used.
-Automatic batch = ``clamp((available - reserve) // per_image, 1, min(AUTO_BATCH_CAP, ceil(N / MIN_BATCHES)))``,
-then evened out over the run (``ceil(N / ceil(N / B))``) so the batches have at most two sizes (fewer CUDA-graph
-captures). ``MIN_BATCHES``: the pipeline hides a batch's decode behind the next batch's denoising, but the last
-batch's decode is never hidden; cutting a run into at least 4 batches keeps that exposed tail at <= 1/4 of the
-decoding. Batches above ``AUTO_BATCH_CAP`` images add memory for little throughput on SD-sized UNets (a guided
-SD1.5 step at 512 px is already ~16 UNet rows).
+Automatic batch = ``clamp(min((available - reserve) // per_image, saturating, ceil(N / MIN_BATCHES)), 1,
+AUTO_BATCH_CAP)``, then evened out over the run (``ceil(N / ceil(N / B))``) so the batches have at most two sizes
+(fewer CUDA-graph captures). Why these bounds:
+- ``saturating = ceil(SATURATION_ROWS_PX / (copies x latent_h x latent_w))``: batching pays while the UNet call is
+  too small to fill the GPU (SD1.5 at 512 px: 2 rows of 64x64 leave most SMs idle in the 8x8 blocks) and stops
+  paying once it is full; past ~64k latent pixel-rows per call (SD1.5 512 px: 8 images; SDXL 1024 px: 2 images)
+  a larger batch adds memory and latency, not throughput. This is an assumption about today's datacenter GPUs
+  that ``bench/suite_stream.py`` checks with an explicit ``max_batch`` sweep.
+- ``MIN_BATCHES`` = 2: the pipeline hides a batch's decode behind the next batch's denoising, but never the last
+  batch's, so a run is cut into at least two batches.
+- ``AUTO_BATCH_CAP`` = 8 images bounds the memory of a batch whatever the model.
 
 On out-of-memory the scheduler halves the batch and retries the failed batch; ``shrink`` gives the next size.
 """
@@ -29,7 +34,8 @@ from ...memory.plan import WORKSPACE_CUDA, activation_bytes
 from ...memory.streaming import trace_units
 
 AUTO_BATCH_CAP = 8
-MIN_BATCHES = 4
+MIN_BATCHES = 2
+SATURATION_ROWS_PX = 64 * 64 * 16
 CPU_BUDGET = 4 * 2 ** 30
 FREE_FRACTION = 0.9
 
@@ -68,10 +74,15 @@ def decode_reserve(engine: LeanEngine, untiled_bytes: int) -> int:
     return untiled_bytes + weights
 
 
-def auto_batch(n_images: int, per_image: int, available: int, reserve: int) -> int:
+def saturating_batch(latent_h: int, latent_w: int, guided: bool) -> int:
+    """Images per batch at which the UNet call holds ``SATURATION_ROWS_PX`` latent pixel-rows (at least 1)."""
+    return max(1, math.ceil(SATURATION_ROWS_PX / ((2 if guided else 1) * latent_h * latent_w)))
+
+
+def auto_batch(n_images: int, per_image: int, available: int, reserve: int, saturating: int = AUTO_BATCH_CAP) -> int:
     """The automatic batch size (module docstring); always at least 1."""
     fit = (available - reserve) // max(per_image, 1)
-    b = int(max(1, min(AUTO_BATCH_CAP, math.ceil(n_images / MIN_BATCHES), fit)))
+    b = int(max(1, min(AUTO_BATCH_CAP, saturating, math.ceil(n_images / MIN_BATCHES), fit)))
     return even_out(n_images, b)
 
 

@@ -42,7 +42,7 @@ from ...memory.engine import LeanEngine
 from .. import ddim
 from ..graph_runner import GraphRunner
 from ..loop import vae_scale_factor
-from .batching import auto_batch, available_bytes, decode_reserve, per_image_bytes, shrink
+from .batching import auto_batch, available_bytes, decode_reserve, per_image_bytes, saturating_batch, shrink
 from .decode import DecodeStage, needs_tiles, untiled_decode_bytes
 from .denoise import denoise_batch
 from .settings import ImageJob, StreamSettings
@@ -86,7 +86,8 @@ def choose_batch(engine: LeanEngine, s: StreamSettings, tiled: bool, latent_hw: 
         return min(s.max_batch, s.n_images)
     reserve = 0 if tiled else decode_reserve(engine, untiled_decode_bytes(s.height, s.width, engine.vae_dtype))
     per = per_image_bytes(engine, latent_hw[0], latent_hw[1], s.guided)
-    batch = auto_batch(s.n_images, per, available_bytes(engine), reserve)
+    batch = auto_batch(s.n_images, per, available_bytes(engine), reserve,
+                       saturating_batch(latent_hw[0], latent_hw[1], s.guided))
     logger.info("Stream Scheduler Sampler: automatic batch of %d images (%.0f MB activations per image)", batch,
                 per / 2 ** 20)
     return batch

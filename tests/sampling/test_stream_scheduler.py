@@ -20,7 +20,7 @@ import torch
 from leandiffusion.sampling.graph_runner import GraphRunner
 from leandiffusion.sampling.loop import sample
 from leandiffusion.sampling.settings import SamplerSettings
-from leandiffusion.sampling.stream.batching import auto_batch, even_out, shrink
+from leandiffusion.sampling.stream.batching import auto_batch, even_out, saturating_batch, shrink
 from leandiffusion.sampling.stream.scheduler import initial_noise, run_stream
 from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.sampling.stream.streams import Timeline
@@ -161,22 +161,30 @@ def test_timeline_has_every_stage_and_batch(engine):
 
 
 def test_auto_batch_runs_and_is_exact(engine):
-    s = _settings(max_batch=0, images_per_prompt=3)  # 9 images: at least 4 batches -> batches of 3
+    s = _settings(max_batch=0, images_per_prompt=2)  # 6 images: at least 2 batches -> batches of 3
     result = run_stream(engine, s, quiet=True)
-    assert result.batch_sizes == (3, 3, 3)
+    assert result.batch_sizes == (3, 3)
     _check(engine, s, result, rel=BATCHED_REL)
 
 
-@pytest.mark.parametrize("n,per,avail,reserve,want", [
-    (16, 100, 10_000, 0, 4),  # at least 4 batches
-    (64, 100, 10_000, 0, 8),  # capped at 8
-    (16, 100, 350, 50, 3),  # what fits (3 images), evened out over 16 -> 6 batches of <= 3
-    (16, 100, 50, 0, 1),  # nothing fits: still 1 (OOM handling takes over)
-    (10, 100, 10_000, 0, 3),  # ceil(10/4) = 3 -> 4 batches -> 3,3,3,1
-    (1, 100, 10_000, 0, 1),
+@pytest.mark.parametrize("n,per,avail,reserve,sat,want", [
+    (16, 100, 10_000, 0, 8, 8),  # two batches of the saturating size
+    (8, 100, 10_000, 0, 8, 4),  # at least 2 batches
+    (64, 100, 10_000, 0, 64, 8),  # capped at 8
+    (8, 100, 10_000, 0, 2, 2),  # SDXL-sized: the call is full at 2 images
+    (16, 100, 350, 50, 8, 3),  # what fits (3 images), evened out over 16 -> 6 batches of <= 3
+    (16, 100, 50, 0, 8, 1),  # nothing fits: still 1 (OOM handling takes over)
+    (10, 100, 10_000, 0, 8, 5),  # ceil(10/2) = 5 -> 5,5
+    (1, 100, 10_000, 0, 8, 1),
 ])
-def test_auto_batch_rule(n, per, avail, reserve, want):
-    assert auto_batch(n, per, avail, reserve) == want
+def test_auto_batch_rule(n, per, avail, reserve, sat, want):
+    assert auto_batch(n, per, avail, reserve, sat) == want
+
+
+def test_saturating_batch_sizes():
+    assert saturating_batch(64, 64, True) == 8  # SD1.5 512 px
+    assert saturating_batch(128, 128, True) == 2  # SDXL 1024 px
+    assert saturating_batch(8, 8, False) == 1024
 
 
 def test_shrink_halves_down_to_one():
