@@ -33,6 +33,13 @@ logger = logging.getLogger(__name__)
 RUN_AHEAD = 2  # steps the host may enqueue ahead of the device (as the Fused DDIM loop)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without blocking the host: a pageable copy would first wait for the stream's queued steps."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _allocator(engine: LeanEngine):
     get = getattr(engine.pool, "get", None) if engine.pool is not None else None
     if callable(get):
@@ -53,7 +60,7 @@ def program_key(shape: tuple, dtype: torch.dtype, copies: int, conditioning: Con
 def denoise_batch(engine: LeanEngine, conditioning: Conditioning, x_init: torch.Tensor,
                   schedule: ddim.DDIMSchedule, cfg: float, acceleration: str,
                   on_step: Callable[[int], None], runner: Optional[GraphRunner] = None) -> torch.Tensor:
-    """DDIM from ``x_init`` (scaled latents, CPU) over ``schedule``; call inside ``engine.session("unet")``.
+    """DDIM from ``x_init`` (scaled latents, CPU or device) over ``schedule``; call inside ``engine.session("unet")``.
 
     Returns the final scaled latents (float32, on ``engine.device``, a new tensor). ``on_step(i)`` runs after
     step ``i`` has been enqueued. ``bridge.check_interrupted()`` runs before every step.
@@ -66,8 +73,8 @@ def denoise_batch(engine: LeanEngine, conditioning: Conditioning, x_init: torch.
     table = torch.empty(n, 6, dtype=torch.float32)
     table[:, 0] = float(cfg)
     table[:, 1:] = schedule.coefficients
-    table = table.to(device)
-    t_table = torch.tensor(schedule.timesteps, dtype=torch.int64).to(device)
+    table = to_device(table, device)
+    t_table = to_device(torch.tensor(schedule.timesteps, dtype=torch.int64), device)
     shape = tuple(x_init.shape)
     dtype = engine.dtype
 

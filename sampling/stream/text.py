@@ -8,9 +8,9 @@ Invariants
 - A batch's conditioning is the per-image contexts stacked in image order, the negative repeated, SDXL pooled
   embeddings stacked the same way and the time ids repeated: ``cfg.Conditioning`` as ``conditioning_from_embeds``
   builds it for one prompt, generalised to one prompt per row.
-- On CUDA the stage runs on the ``text`` stream after waiting for the ``unet`` stream (a session attaches the
-  view's adapters, which may write weights or strength buffers the UNet reads), and hands its result over with
-  an event recorded after the session closed. Under ``lowvram`` the encoders run on the CPU (``stage_device``).
+- On CUDA the stage runs on the ``text`` stream and hands its result over with an event recorded after the session
+  closed. When the view has adapters, the ``text`` stream first waits for the ``unet`` stream (the session attaches
+  them, which may write weights or strength buffers the UNet's queued steps read). Under ``lowvram`` the encoders run on the CPU (``stage_device``).
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ class TextStage:
         engine = self.engine
         span = self.timeline.span("text", f"images {start}-{stop - 1}", range(start, stop)) if self.timeline \
             else _null()
-        self.streams.wait_stage("text", "unet")
+        if engine.adapters:  # attaching them may write what the UNet reads: wait for the UNet's queued steps
+            self.streams.wait_stage("text", "unet")
         with self.streams.use("text"), span:
             if missing or (guided and self._negative is None):
                 with engine.session("text"):
