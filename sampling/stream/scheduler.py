@@ -148,7 +148,7 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
                 except _OOM as exc:
                     oom = exc.with_traceback(None)  # drop the failed frames (and their tensors) before retrying
                 if oom is not None:
-                    current = upcoming = final = None
+                    current = upcoming = final = x_init = None
                     retries += 1
                     tried.append(stop - start)
                     _release_after_oom(streams)
