@@ -1,0 +1,304 @@
+"""Stream Scheduler Sampler throughput: many prompts, images per second, against prompt-by-prompt peers.
+
+Cases (fp16 UNet and text encoders, random full-size weights, ``full`` VRAM policy, DDIM, cfg 7.5, batched CFG):
+- ``sd15_512``: SD1.5 512x512, 16 prompts x 20 steps (quick: 8 x 10); targets >= 1.5x the Fused DDIM Sampler +
+  decode called prompt by prompt (same acceleration, ``cuda_graph``) and >= 2.5x diffusers'
+  ``StableDiffusionPipeline`` called prompt by prompt (eager fp16, SDPA, DDIMScheduler, output decoded).
+- ``sdxl_1024``: SDXL 1024x1024, 8 prompts x 30 steps (quick: 4 x 10); target >= 1.2x the prompt-by-prompt Fused
+  DDIM path; diffusers' ``StableDiffusionXLPipeline`` is recorded as well. The SDXL VAE runs in fp32 (the loader's
+  default for SDXL, as ComfyUI's --no-half-vae), for every contender (they share the modules).
+All contenders share the same modules in one process. Each run is warmed up first (ours: the whole run, so every
+batch shape's CUDA graph is captured; the peers: one prompt), then timed twice; the median counts.
+
+Correctness records: a batch-of-one stream run must equal the Fused DDIM Sampler bit for bit (same cached graph,
+same per-image seed); the batched run's largest relative latent difference from the prompt-by-prompt path is
+recorded (fp16 batched GEMMs round differently; no target). Memory: peak reserved of ours vs the fused path.
+Timeline: per stage (text, unet, vae) the GPU start/end of every batch from CUDA events on the stage's stream;
+records give how much of the decoding ran while a UNet batch was running; in full and smoke mode the spans are
+written to ``stream_timeline.json`` (one small artifact).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SUITE = "stream"
+SMOKE_BUDGET_S = 30
+QUICK_BUDGET_S = 150
+FULL_BUDGET_S = 330
+
+NEGATIVE = "blurry, low quality"
+CFG = 7.5
+SUBJECTS = ["a lighthouse on a cliff", "a red fox in snow", "a bowl of ramen", "an old library", "a sailing boat",
+            "a desert at dusk", "a mountain lake", "a city street in rain", "a cup of coffee", "a vintage car",
+            "a field of tulips", "a robot portrait", "a castle in fog", "a koi pond", "a hot air balloon",
+            "a forest cabin", "a jellyfish", "a neon sign"]
+
+
+def _prompts(n: int) -> str:
+    return "\n".join(f"{SUBJECTS[i % len(SUBJECTS)]}, photo {i}" for i in range(n))
+
+
+# --------------------------------------------------------------------------------------------- models
+def _tokenizer():
+    from ..memory.tiny import tiny_tokenizer
+
+    return tiny_tokenizer(Path(tempfile.mkdtemp(prefix="leandiffusion-bench-tok-")))
+
+
+def _full_parts(kind: str, device):
+    from ..memory.engine import ModelParts
+    from .models import SCHEDULER, full_text_encoder, full_unet, full_vae
+
+    tok = _tokenizer()
+    unet = full_unet(kind, device=device)
+    vae = full_vae(device=device)
+    te = full_text_encoder("clip_l", device=device)
+    if kind == "sd15":
+        return ModelParts("sd1", unet, vae, te, tok, dict(SCHEDULER), name="sd15-random")
+    te2 = full_text_encoder("clip_g", device=device)
+    return ModelParts("sdxl", unet, vae, te, tok, dict(SCHEDULER), text_encoder_2=te2, tokenizer_2=tok,
+                      name="sdxl-random")
+
+
+def _tiny_parts(kind: str):
+    from ..memory.engine import parts_from_components
+    from ..memory.tiny import build_tiny_components
+
+    return parts_from_components(build_tiny_components("sd1" if kind == "sd15" else "sdxl"), name=f"tiny-{kind}")
+
+
+def _engine(parts, device):
+    from ..memory.load import build_engine
+
+    return build_engine(parts, "full", device=device, weight_dtype="auto", vae_dtype="auto")
+
+
+def _diffusers_pipe(engine):
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    p = engine.parts
+    sched = DDIMScheduler(**p.scheduler_config)
+    if p.is_sdxl:
+        pipe = StableDiffusionXLPipeline(vae=p.vae, text_encoder=p.text_encoder, text_encoder_2=p.text_encoder_2,
+                                         tokenizer=p.tokenizer, tokenizer_2=p.tokenizer_2, unet=p.unet,
+                                         scheduler=sched, force_zeros_for_empty_prompt=False,
+                                         add_watermarker=False)
+    else:
+        pipe = StableDiffusionPipeline(vae=p.vae, text_encoder=p.text_encoder, tokenizer=p.tokenizer, unet=p.unet,
+                                       scheduler=sched, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# --------------------------------------------------------------------------------------------- contenders
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn, device, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fused_one_by_one(engine, settings, limit=None):
+    """The Fused DDIM Sampler + untiled decode, prompt by prompt (image n: its prompt, seed + n, batch 1)."""
+    from ..sampling.loop import sample
+
+    s = settings.validated()
+    latents, images = [], []
+    for job in s.jobs()[:limit]:
+        lat = sample(engine, s.sampler_settings(s.prompts[job.prompt_index], job.seed), quiet=True)["samples"]
+        with engine.session("vae"):
+            images.append(engine.vae_decode(lat))
+        latents.append(lat)
+    return torch.cat(latents), torch.cat(images)
+
+
+def _diffusers_one_by_one(pipe, settings, limit=None):
+    s = settings.validated()
+    out = []
+    for job in s.jobs()[:limit]:
+        res = pipe(s.prompts[job.prompt_index], negative_prompt=s.negative, num_inference_steps=s.steps,
+                   guidance_scale=s.cfg, height=s.height, width=s.width, output_type="pt",
+                   generator=torch.Generator("cpu").manual_seed(job.seed))
+        out.append(res.images)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- timeline
+def _busy(spans, stage):
+    return [(sp["start_ms"], sp["end_ms"]) for sp in spans if sp["stage"] == stage and sp["end_ms"] is not None]
+
+
+def _overlap_ms(a, b) -> float:
+    total = 0.0
+    for s0, e0 in a:
+        for s1, e1 in b:
+            total += max(0.0, min(e0, e1) - max(s0, s1))
+    return total
+
+
+def _timeline_summary(spans) -> dict:
+    vae, unet, text = _busy(spans, "vae"), _busy(spans, "unet"), _busy(spans, "text")
+    vae_ms = sum(e - s for s, e in vae)
+    return {"wall_ms": max((e for _, e in vae + unet + text), default=0.0),
+            "unet_ms": sum(e - s for s, e in unet), "vae_ms": vae_ms, "text_ms": sum(e - s for s, e in text),
+            "vae_overlapped_ms": _overlap_ms(vae, unet),
+            "vae_overlap_fraction": (_overlap_ms(vae, unet) / vae_ms) if vae_ms > 0 else 0.0}
+
+
+# --------------------------------------------------------------------------------------------- one case
+def _case(ctx, case: str, kind: str, n_prompts: int, steps: int, size: int, targets: dict, timelines: dict,
+          sweep: tuple) -> None:
+    from ..sampling.stream.scheduler import run_stream
+    from ..sampling.stream.settings import StreamSettings
+    from ..sampling.stream.streams import Timeline
+
+    device = ctx.device
+    gpu = device.type == "cuda"
+    parts = _full_parts(kind, device) if gpu else _tiny_parts(kind)
+    engine = _engine(parts, device)
+    repeat = 2 if gpu else 1
+    settings = StreamSettings.from_text(_prompts(n_prompts), negative=NEGATIVE, seed=1000, steps=steps, cfg=CFG,
+                                        width=size, height=size, acceleration="cuda_graph", max_batch=0)
+    n = settings.n_images
+    notes = f"{n} prompts x {steps} steps, {size}x{size}, cfg {CFG}, fp16 UNet, VAE {engine.vae_dtype}"
+
+    # ours: warm-up (captures each batch shape's graph), timed runs, one timeline run
+    first = run_stream(engine, settings, quiet=True)
+    with _peak(device) as ours_peak:
+        ours_s = _seconds(lambda: run_stream(engine, settings, quiet=True), device, repeat)
+    timeline = Timeline()
+    run_stream(engine, settings, timeline=timeline, quiet=True)
+    spans = timeline.to_list()
+    summary = _timeline_summary(spans)
+    timelines[case] = {"batch_sizes": list(first.batch_sizes), "summary": summary, "spans": spans}
+
+    # the Fused DDIM Sampler + decode, prompt by prompt
+    _fused_one_by_one(engine, settings, limit=1)
+    kept = {}
+    with _peak(device) as fused_peak:
+        fused_s = _seconds(lambda: kept.update(out=_fused_one_by_one(engine, settings)), device, repeat)
+    ref_lat = kept.pop("out")[0]
+
+    ours_ips, fused_ips = n / ours_s, n / fused_s
+    ctx.record(case, "images_per_s", ours_ips, fused_ips, "fused_ddim_prompt_by_prompt",
+               target=targets.get("fused"), target_kind="ratio>=" if "fused" in targets else "",
+               lower_is_better=False, unit="img/s",
+               notes=f"{notes}; batches {list(first.batch_sizes)}; peer = Fused DDIM Sampler (cuda_graph) + "
+                     f"engine.vae_decode per prompt")
+
+    # diffusers' pipeline, prompt by prompt
+    pipe = _diffusers_pipe(engine)
+    _diffusers_one_by_one(pipe, settings, limit=1)
+    diff_s = _seconds(lambda: _diffusers_one_by_one(pipe, settings), device, repeat)
+    del pipe
+    ctx.record(case, "images_per_s_vs_diffusers", ours_ips, n / diff_s, "diffusers_pipeline_prompt_by_prompt",
+               target=targets.get("diffusers"), target_kind="ratio>=" if "diffusers" in targets else "",
+               lower_is_better=False, unit="img/s",
+               notes=f"{notes}; peer = {'StableDiffusionXLPipeline' if kind == 'sdxl' else 'StableDiffusionPipeline'}"
+                     f" (DDIMScheduler, eager fp16 SDPA, output_type='pt') per prompt")
+
+    # correctness
+    rel = max(((first.latents[i] - ref_lat[i]).abs().max() / ref_lat[i].abs().max().clamp_min(1e-6)).item()
+              for i in range(n))
+    ctx.record(case, "batched_max_rel_latent_diff", rel, unit="",
+               notes="stream (batched, fp16) vs prompt-by-prompt Fused DDIM latents, same seeds; batched fp16 "
+                     "GEMMs round differently, no target")
+    one = StreamSettings.from_text(_prompts(2), negative=NEGATIVE, seed=1000, steps=min(steps, 5), cfg=CFG,
+                                   width=size, height=size, acceleration="cuda_graph", max_batch=1)
+    got = run_stream(engine, one, quiet=True).latents
+    want, _ = _fused_one_by_one(engine, one)
+    ctx.record(case, "batch1_max_abs_latent_diff", (got - want).abs().max().item(), target=0.0,
+               target_kind="ours<=", unit="",
+               notes="stream with max_batch=1 vs Fused DDIM Sampler, 2 prompts: must be bit-identical")
+
+    # memory and timeline
+    if gpu:
+        ctx.record(case, "peak_reserved_gb", ours_peak["reserved_gb"], fused_peak["reserved_gb"],
+                   "fused_ddim_prompt_by_prompt", unit="GB",
+                   notes="torch.cuda.max_memory_reserved during the timed runs (weights included, CUDA context "
+                         "excluded); ours holds a batch in each stage")
+    ctx.record(case, "decode_overlap_fraction", summary["vae_overlap_fraction"], unit="",
+               notes=f"share of VAE-stage GPU time that ran while a UNet batch ran; stage ms: unet "
+                     f"{summary['unet_ms']:.0f}, vae {summary['vae_ms']:.0f}, text {summary['text_ms']:.1f}, "
+                     f"wall {summary['wall_ms']:.0f}")
+
+    for mb in sweep:
+        if hasattr(ctx, "has_time") and not ctx.has_time(ours_s * 3 + 5):
+            if hasattr(ctx, "skip"):
+                ctx.skip(f"{case}_max_batch_{mb}", "no time left")
+            continue
+        variant = StreamSettings.from_text(_prompts(n_prompts), negative=NEGATIVE, seed=1000, steps=steps, cfg=CFG,
+                                           width=size, height=size, acceleration="cuda_graph", max_batch=mb)
+        run_stream(engine, variant, quiet=True)
+        t = _seconds(lambda: run_stream(engine, variant, quiet=True), device, repeat)
+        ctx.record(f"{case}_max_batch_{mb}", "images_per_s", n / t, fused_ips, "fused_ddim_prompt_by_prompt",
+                   lower_is_better=False, unit="img/s", notes=f"{notes}; explicit max_batch={mb} (no target)")
+
+    from ..sampling.graph_runner import default_runner
+
+    default_runner().clear(engine)
+    placement = engine.placement
+    del engine, parts, first, ref_lat
+    if hasattr(placement, "remove"):
+        placement.remove()
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+
+
+class _peak:
+    def __init__(self, device):
+        self.device = device
+        self.out = {"reserved_gb": 0.0}
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self.out
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.out["reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2 ** 30
+        return False
+
+
+def run(ctx) -> None:
+    timelines: dict = {}
+    if ctx.smoke:
+        plan = [("sd15_512", "sd15", 2, 2, 64, {}, ()), ("sdxl_1024", "sdxl", 2, 1, 64, {}, ())]
+    elif ctx.quick:
+        plan = [("sd15_512", "sd15", 8, 10, 512, {"fused": 1.5, "diffusers": 2.5}, ()),
+                ("sdxl_1024", "sdxl", 4, 10, 1024, {"fused": 1.2}, ())]
+    else:
+        plan = [("sd15_512", "sd15", 16, 20, 512, {"fused": 1.5, "diffusers": 2.5}, (4, 16)),
+                ("sdxl_1024", "sdxl", 8, 30, 1024, {"fused": 1.2}, (1, 4))]
+    for case, kind, n_prompts, steps, size, targets, sweep in plan:
+        if hasattr(ctx, "has_time") and not ctx.has_time(30 if not ctx.smoke else 1):
+            if hasattr(ctx, "skip"):
+                ctx.skip(case, "no time left")
+            continue
+        _case(ctx, case, kind, n_prompts, steps, size, targets, timelines, sweep)
+    if timelines and not ctx.quick:
+        path = ctx.artifact_path("stream_timeline.json") if hasattr(ctx, "artifact_path") else \
+            Path(ctx.out_dir) / "stream_timeline.json"
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(timelines, indent=1))

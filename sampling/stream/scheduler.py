@@ -1,0 +1,197 @@
+"""Stream Scheduler Sampler: text encoding of batch k+1, denoising of batch k and decoding of batch k-1, overlapped.
+
+The run (prompt-major images ``n = p * images_per_prompt + i``, image n seeded ``seed + n``) is cut into
+consecutive batches. Each cycle k the host, on one thread, enqueues:
+  1. the decode of batch k-1 on the ``vae`` stream (after the decode of batch k-2 was finished and its rows
+     written: the decode queue holds one batch),
+  2. the text encoding of batch k+1 on the ``text`` stream (the CPU under ``lowvram``; each prompt once),
+  3. the DDIM steps of batch k on the ``unet`` stream (the caller's stream, where the CUDA graphs replay),
+so the GPU runs k-1's decode and k+1's encoding alongside k's UNet steps; events order every hand-over
+(``streams.py``). On the CPU the streams are no-ops and the same code runs the stages one after the other.
+
+Invariants
+- Image n equals the Fused DDIM Sampler's output for its prompt with seed ``seed + n`` and batch size 1: its
+  initial noise is drawn on the CPU from its own ``torch.Generator().manual_seed(seed + n)`` as a ``[1, C, h, w]``
+  tensor, even inside a batch (batch rows are concatenated, never drawn together), its conditioning is its own
+  prompt's, and the step math is the sampler's ``StepProgram``. In fp32 a batch of one is bit-identical; larger
+  batches differ by the UNet's batched floating-point error only.
+- Adapters (LoRA): the text session attaches the view's adapters on the ``text`` stream; when the view has any,
+  the ``unet`` stream waits for the ``text`` stream before its own session, so weight or strength writes of the
+  two sessions never overlap on the GPU. The VAE session runs on a view without adapters.
+- Memory: one batch in each stage (bounded queues); the batch size (``batching.py``) counts the UNet's
+  activations and one concurrent decode against the free VRAM and the loader's budget.
+- Out-of-memory while denoising a batch: nothing of that batch has been written; the batch size is halved and
+  the same images are retried (earlier batches stay queued or written, later ones are not started), so no image
+  is lost or produced twice (``DecodeStage`` refuses to write a row twice and the run checks every row was
+  written). At batch size 1 the error is re-raised with the sizes tried.
+- One progress bar of ``images x steps`` units; it never goes backwards (a retried batch re-advances nothing).
+- Interruption (``bridge.check_interrupted``) is checked before every step and between stages; any exception
+  stops all three stages: the streams are synchronised (no copy lands in a buffer after the run ended), the
+  sessions are closed, nothing is returned, and the exception propagates unchanged with a note on the progress.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ... import bridge
+from ...memory.engine import LeanEngine
+from .. import ddim
+from ..graph_runner import GraphRunner
+from ..loop import vae_scale_factor
+from .batching import auto_batch, available_bytes, decode_reserve, per_image_bytes, saturating_batch, shrink
+from .decode import DecodeStage, needs_tiles, untiled_decode_bytes
+from .denoise import denoise_batch, to_device
+from .settings import ImageJob, StreamSettings
+from .streams import StageStreams, Timeline
+from .text import TextStage
+
+logger = logging.getLogger(__name__)
+
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+@dataclass(frozen=True, eq=False)
+class StreamResult:
+    images: torch.Tensor  # IMAGE [N, H, W, 3] float32 0..1, CPU, prompt-major order
+    latents: torch.Tensor  # raw LATENT samples [N, C, h, w] float32, CPU
+    batch_sizes: tuple  # the batch sizes the run used, in order (after any out-of-memory retries)
+    oom_retries: int
+
+
+def initial_noise(jobs: list[ImageJob], shape: tuple) -> torch.Tensor:
+    """Each image's noise from its own CPU generator (seed + n), ``[1, C, h, w]`` float32, stacked."""
+    return torch.cat([torch.randn((1,) + tuple(shape), generator=torch.Generator("cpu").manual_seed(j.seed),
+                                  dtype=torch.float32) for j in jobs])
+
+
+class _Progress:
+    """One bar over images x steps that only moves forward."""
+
+    def __init__(self, bar, steps: int):
+        self.bar, self.steps, self.shown = bar, steps, 0
+
+    def at(self, start: int, batch: int, step: int) -> None:
+        units = start * self.steps + (step + 1) * batch
+        if units > self.shown:
+            self.bar.update(units - self.shown)
+            self.shown = units
+
+
+def choose_batch(engine: LeanEngine, s: StreamSettings, tiled: bool, latent_hw: tuple) -> int:
+    if s.max_batch:
+        return min(s.max_batch, s.n_images)
+    reserve = 0 if tiled else decode_reserve(engine, untiled_decode_bytes(s.height, s.width, engine.vae_dtype))
+    per = per_image_bytes(engine, latent_hw[0], latent_hw[1], s.guided)
+    batch = auto_batch(s.n_images, per, available_bytes(engine), reserve,
+                       saturating_batch(latent_hw[0], latent_hw[1], s.guided))
+    logger.info("Stream Scheduler Sampler: automatic batch of %d images (%.0f MB activations per image)", batch,
+                per / 2 ** 20)
+    return batch
+
+
+@torch.no_grad()
+def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[GraphRunner] = None,
+               timeline: Optional[Timeline] = None, quiet: bool = False) -> StreamResult:
+    """Sample every prompt's images through the three-stage pipeline (module docstring)."""
+    if not isinstance(engine, LeanEngine):
+        raise TypeError(f"lean_model: expected a LEAN_MODEL from the Memory Pool Loader, got {type(engine).__name__}")
+    if not isinstance(settings, StreamSettings):
+        raise TypeError(f"settings: expected a StreamSettings, got {type(settings).__name__}")
+    s = settings.validated()
+    parts = engine.parts
+    factor = vae_scale_factor(engine)
+    latent_shape = (parts.latent_channels, s.height // factor, s.width // factor)
+    config = ddim.config_with(parts.scheduler_config, timestep_spacing=s.timestep_spacing)
+    schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
+    jobs = s.jobs()
+    n = len(jobs)
+    streams = StageStreams(engine.device)
+    if timeline is not None:
+        timeline.begin(streams)
+    tiled = bool(s.decode_tile_size) or needs_tiles(
+        engine, s.height, s.width, available_bytes(engine) if engine.device.type == "cuda" else None)
+    batch = choose_batch(engine, s, tiled, latent_shape[1:])
+    images = torch.empty((n, s.height, s.width, 3), dtype=torch.float32)
+    latents = torch.empty((n,) + latent_shape, dtype=torch.float32)
+    text = TextStage(engine, s, jobs, streams, timeline)
+    decoder = DecodeStage(engine, s.decode_tile_size, tiled, streams, images, latents, timeline)
+    used, tried, retries = [], [], 0
+    start = 0
+    try:
+        with bridge.ProgressBar(n * s.steps, desc="Stream sampler", quiet=quiet) as bar:
+            progress = _Progress(bar, s.steps)
+            upcoming = None
+            while start < n:
+                stop = min(n, start + batch)
+                bridge.check_interrupted()
+                current = upcoming if upcoming is not None and (upcoming.start, upcoming.stop) == (start, stop) \
+                    else text.prepare(start, stop)
+                decoder.launch()  # batch k-1 (the queue's one entry)
+                nxt = min(n, stop + batch)
+                upcoming = text.prepare(stop, nxt) if stop < n else None
+                # DDIM's init_noise_sigma is 1: the noise is the start; moved without blocking the host
+                x_init = to_device(initial_noise(jobs[start:stop], latent_shape), engine.device)
+                oom = None
+                try:
+                    streams.hand_over(current.event, current.tensors(), "unet")
+                    if engine.adapters:  # the text session attached (and detached) them on the text stream
+                        streams.wait_stage("unet", "text")
+                    span = timeline.span("unet", f"images {start}-{stop - 1}", range(start, stop)) if timeline \
+                        else _Null()
+                    with span, engine.session("unet"):
+                        final = denoise_batch(engine, current.conditioning, x_init, schedule, s.cfg, s.acceleration,
+                                              lambda i, a=start, b=stop - start: progress.at(a, b, i), runner)
+                except _OOM as exc:
+                    oom = exc.with_traceback(None)  # drop the failed frames (and their tensors) before retrying
+                if oom is not None:
+                    current = upcoming = final = x_init = None
+                    retries += 1
+                    tried.append(stop - start)
+                    _release_after_oom(streams)
+                    smaller = shrink(stop - start)
+                    if smaller is None:
+                        raise _OOM(f"Stream Scheduler Sampler: out of memory denoising image {start} even with a "
+                                   f"batch of 1 (batch sizes tried: {tried}); lower the resolution, use a "
+                                   f"lower-VRAM policy in the Memory Pool Loader or free VRAM. Last error: {oom}"
+                                   ) from oom
+                    logger.warning("out of memory denoising images %d-%d in a batch of %d (%s); retrying them in "
+                                   "batches of %d", start, stop - 1, stop - start, oom, smaller)
+                    batch = smaller
+                    continue
+                used.append(stop - start)
+                decoder.submit(start, stop, final)
+                final = None
+                text.release_before(stop)
+                start = stop
+            decoder.drain()
+        if not bool(decoder.written.all()):
+            missing = (~decoder.written).nonzero().flatten().tolist()
+            raise RuntimeError(f"Stream Scheduler Sampler: images {missing} were never written (a scheduler bug)")
+    except BaseException as exc:
+        streams.synchronize()
+        finished = int(decoder.written.sum())
+        note = (f"Stream Scheduler Sampler stopped: {finished} of {n} images were finished (images {start}.. were "
+                f"in progress); nothing was returned")
+        logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        raise
+    return StreamResult(images, latents, tuple(used), retries)
+
+
+def _release_after_oom(streams: StageStreams) -> None:
+    if streams.cuda:
+        torch.cuda.synchronize(streams.device)
+    bridge.soft_empty_cache()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

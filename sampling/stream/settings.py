@@ -1,0 +1,106 @@
+"""The Stream Scheduler Sampler's settings and the order of its images.
+
+Invariants
+- ``StreamSettings.validated()`` checks every input once, at the public entry point, with the Fused DDIM
+  Sampler's own rules for the inputs the two nodes share (``SamplerSettings.validated``), so a value one node
+  accepts the other accepts too.
+- Prompts: one per non-empty line of the ``prompts`` text, surrounding whitespace stripped.
+- Image order is prompt-major: image ``n`` is copy ``i`` of prompt ``p`` with ``n = p * images_per_prompt + i``,
+  and it is sampled with seed ``seed + n`` -- exactly the Fused DDIM Sampler's run for that prompt with that
+  seed and ``batch_size`` 1 (eta 0, batched CFG, denoise 1). ``seed + n`` must stay within the seed range.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ...vae.tiled import validate_tiling
+from ..settings import MAX_SEED, SamplerSettings
+
+MAX_IMAGES_PER_PROMPT = 64
+MAX_BATCH = 64
+
+
+def split_prompts(text) -> tuple[str, ...]:
+    """``prompts`` text -> the prompts, one per non-empty line (stripped)."""
+    if not isinstance(text, str):
+        raise TypeError(f"prompts: expected text with one prompt per line, got {type(text).__name__}")
+    return tuple(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _int(name: str, value, lo: int, hi: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r}: expected an int ({fix})")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value}: expected {lo}..{hi} ({fix})")
+    return value
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    """Image ``index`` of the run: copy ``copy`` of prompt ``prompt_index``, sampled with ``seed``."""
+
+    index: int
+    prompt_index: int
+    copy: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """What one run of the Stream Scheduler Sampler does (the node's inputs, minus the model)."""
+
+    prompts: tuple
+    negative: str = ""
+    seed: int = 0
+    steps: int = 30
+    cfg: float = 7.5
+    width: int = 512
+    height: int = 512
+    timestep_spacing: str = "leading"
+    acceleration: str = "cuda_graph"
+    images_per_prompt: int = 1
+    max_batch: int = 0  # 0 = auto
+    decode_tile_size: int = 0  # 0 = auto (untiled when it fits)
+
+    @classmethod
+    def from_text(cls, prompts: str, **kwargs) -> "StreamSettings":
+        return cls(prompts=split_prompts(prompts), **kwargs)
+
+    @property
+    def n_images(self) -> int:
+        return len(self.prompts) * self.images_per_prompt
+
+    @property
+    def guided(self) -> bool:
+        return self.cfg != 1.0
+
+    def sampler_settings(self, prompt: str, seed: int) -> SamplerSettings:
+        """The Fused DDIM Sampler run that image (``prompt``, ``seed``) must equal."""
+        return SamplerSettings(positive=prompt, negative=self.negative, seed=seed, steps=self.steps, cfg=self.cfg,
+                               eta=0.0, width=self.width, height=self.height, batch_size=1,
+                               timestep_spacing=self.timestep_spacing, cfg_mode="batched",
+                               acceleration=self.acceleration, denoise=1.0)
+
+    def validated(self) -> "StreamSettings":
+        if not isinstance(self.prompts, tuple) or not all(isinstance(p, str) for p in self.prompts):
+            raise TypeError("prompts: expected a tuple of prompt strings (use StreamSettings.from_text for the "
+                            "node's one-prompt-per-line text)")
+        if not self.prompts or not all(p.strip() for p in self.prompts):
+            raise ValueError("prompts: no prompt given (the text is empty or only blank lines); write one prompt "
+                             "per line")
+        _int("images_per_prompt", self.images_per_prompt, 1, MAX_IMAGES_PER_PROMPT, "images sampled per prompt")
+        _int("max_batch", self.max_batch, 0, MAX_BATCH, "0 = automatic from free VRAM, else images per UNet batch")
+        if isinstance(self.decode_tile_size, bool) or not isinstance(self.decode_tile_size, int):
+            raise TypeError(f"decode_tile_size={self.decode_tile_size!r}: expected an int (0 = auto, else pixels)")
+        validate_tiling(self.decode_tile_size, 0, "exact")
+        base = self.sampler_settings(self.prompts[0], 0)
+        base = replace(base, seed=self.seed).validated()
+        last = self.seed + self.n_images - 1
+        if last > MAX_SEED:
+            raise ValueError(f"seed={self.seed}: image n uses seed + n and this run has {self.n_images} images, so "
+                             f"the last seed {last} exceeds {MAX_SEED}; use a seed <= {MAX_SEED - self.n_images + 1}")
+        return replace(self, cfg=base.cfg)
+
+    def jobs(self) -> list[ImageJob]:
+        k = self.images_per_prompt
+        return [ImageJob(n, n // k, n % k, self.seed + n) for n in range(self.n_images)]

@@ -1,0 +1,214 @@
+"""Stream Scheduler Sampler: clear errors, out-of-memory recovery, interruption, one progress bar, the node.
+
+Guards: empty prompts and bad numbers fail before any model runs, naming the input; an out-of-memory error in the
+middle of a run (injected by a UNet wrapper / a failing VAE decode) is recovered by halving the batch (or tiling
+the decode) with every image produced exactly once and equal to its one-prompt run; an OOM even at batch 1 ends
+with the sizes tried; an interrupt stops all stages, returns nothing, says how far it got and leaves the engine
+usable; the progress bar counts images x steps once, even across a retried batch; the node is plumbing.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from leandiffusion import bridge
+from leandiffusion.nodes.stream import LeanStreamSampler
+from leandiffusion.sampling.loop import sample
+from leandiffusion.sampling.stream.scheduler import run_stream
+from leandiffusion.sampling.stream.settings import StreamSettings
+from leandiffusion.tests.kit import tiny_engine
+
+OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+PROMPTS = "a red boat\na lighthouse\nsnowy forest"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("sd1")
+
+
+def _settings(**kw):
+    base = dict(negative="", seed=3, steps=2, cfg=5.0, width=64, height=64, acceleration="none", max_batch=2)
+    base.update(kw)
+    return StreamSettings.from_text(base.pop("prompts", PROMPTS), **base)
+
+
+def _refs(engine, s):
+    s = s.validated()
+    return torch.cat([sample(engine, s.sampler_settings(s.prompts[j.prompt_index], j.seed), quiet=True)["samples"]
+                      for j in s.jobs()])
+
+
+def _close(got, ref, rel=1e-5):
+    for n in range(ref.shape[0]):
+        err = (got[n] - ref[n]).abs().max().item()
+        assert err <= rel * max(1.0, ref[n].abs().max().item()), f"image {n}: max abs diff {err:.3g}"
+
+
+class OOMUNet(torch.nn.Module):
+    """Wraps a UNet; raises out-of-memory on the calls ``fail(rows, call_index)`` selects."""
+
+    def __init__(self, unet, fail):
+        super().__init__()
+        self.inner = unet
+        self.config = unet.config
+        self.fail = fail
+        self.calls = []
+
+    def forward(self, sample, *args, **kwargs):
+        index = len(self.calls)
+        self.calls.append(sample.shape[0])
+        if self.fail(sample.shape[0], index):
+            raise OOM(f"injected: CUDA out of memory (batch rows {sample.shape[0]})")
+        return self.inner(sample, *args, **kwargs)
+
+
+def _with_unet(engine, fail):
+    wrapper = OOMUNet(engine.parts.unet, fail)
+    return engine.with_changes(parts=dataclasses.replace(engine.parts, unet=wrapper)), wrapper
+
+
+# --------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("text", ["", "\n   \n\t\n"])
+def test_empty_prompts_is_a_clear_error(engine, text):
+    with pytest.raises(ValueError, match="prompts: no prompt given"):
+        run_stream(engine, StreamSettings.from_text(text), quiet=True)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(images_per_prompt=0), ValueError, "images_per_prompt=0"),
+    (dict(max_batch=-1), ValueError, "max_batch=-1"),
+    (dict(max_batch=True), TypeError, "max_batch=True"),
+    (dict(decode_tile_size=100), ValueError, "tile_size=100"),
+    (dict(width=100), ValueError, "width=100 is not a multiple of 8"),
+    (dict(steps=0), ValueError, "steps=0"),
+    (dict(seed=2 ** 64 - 2), ValueError, "the last seed"),
+])
+def test_bad_inputs_name_the_input(engine, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        run_stream(engine, _settings(**kw), quiet=True)
+
+
+def test_prompts_must_be_text():
+    with pytest.raises(TypeError, match="prompts"):
+        StreamSettings.from_text(["a", "b"])
+
+
+# --------------------------------------------------------------------------------------------- out of memory
+def test_oom_mid_run_halves_the_batch_and_loses_nothing(engine):
+    # batch 0 (2 images) runs; batch 1's second step runs out of memory -> images 2.. retried in batches of 1
+    eng, wrapper = _with_unet(engine, lambda rows, i: i == 3)
+    s = _settings(prompts="a red boat\na lighthouse\nsnowy forest\na cat", max_batch=2)
+    result = run_stream(eng, s, quiet=True)
+    assert result.oom_retries == 1
+    assert result.batch_sizes == (2, 1, 1)
+    assert wrapper.calls == [4, 4, 4, 4, 2, 2, 2, 2]  # rows = 2 x images (CFG); the failed call is counted too
+    _close(result.latents, _refs(engine, s))
+
+
+def test_oom_on_every_large_batch_shrinks_until_it_fits(engine):
+    eng, _ = _with_unet(engine, lambda rows, i: rows > 2)
+    s = _settings(max_batch=3)
+    result = run_stream(eng, s, quiet=True)
+    assert result.batch_sizes == (1, 1, 1) and result.oom_retries == 1
+    _close(result.latents, _refs(engine, s))
+
+
+def test_oom_at_batch_1_reports_what_was_tried(engine):
+    eng, _ = _with_unet(engine, lambda rows, i: True)
+    with pytest.raises(OOM, match=r"batch sizes tried: \[2, 1\]") as info:
+        run_stream(eng, _settings(max_batch=2), quiet=True)
+    assert "0 of 3 images were finished" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_decode_oom_falls_back_to_exact_tiles(engine, monkeypatch):
+    vae = engine.parts.vae
+    real = vae.decode
+    state = {"calls": 0}
+
+    def flaky(z, *a, **k):
+        state["calls"] += 1
+        if state["calls"] == 2:
+            raise OOM("injected: CUDA out of memory in the VAE")
+        return real(z, *a, **k)
+
+    monkeypatch.setattr(vae, "decode", flaky)
+    s = _settings()
+    result = run_stream(engine, s, quiet=True)
+    monkeypatch.undo()
+    with engine.session("vae"):
+        want = engine.vae_decode(result.latents)
+    assert state["calls"] == 2  # image 0 untiled, image 1 failed -> images 1, 2 tiled
+    assert (result.images - want).abs().max().item() <= 1e-4
+
+
+# --------------------------------------------------------------------------------------------- interruption
+def test_interrupt_stops_cleanly_and_engine_stays_usable(engine):
+    checks = {"n": 0}
+
+    def hook():
+        checks["n"] += 1
+        if checks["n"] == 6:
+            raise bridge.Interrupted("user pressed cancel")
+
+    s = _settings()
+    bridge.set_interrupt_hook(hook)
+    try:
+        with pytest.raises(bridge.Interrupted) as info:
+            run_stream(engine, s, quiet=True)
+    finally:
+        bridge.set_interrupt_hook(None)
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "Stream Scheduler Sampler stopped" in notes and "nothing was returned" in notes
+    result = run_stream(engine, s, quiet=True)  # the engine is usable and gives the same images
+    _close(result.latents, _refs(engine, s))
+
+
+# --------------------------------------------------------------------------------------------- progress
+class RecordingBar:
+    made = []
+
+    def __init__(self, total, desc="", quiet=False):
+        self.total, self.updates = total, []
+        RecordingBar.made.append(self)
+
+    def update(self, n=1):
+        self.updates.append(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_one_progress_bar_over_images_and_steps_even_with_a_retry(engine, monkeypatch):
+    RecordingBar.made = []
+    monkeypatch.setattr(bridge, "ProgressBar", RecordingBar)
+    eng, _ = _with_unet(engine, lambda rows, i: i == 3)
+    s = _settings(prompts="a\nb\nc\nd", steps=3, max_batch=2)
+    run_stream(eng, s, quiet=True)
+    assert len(RecordingBar.made) == 1
+    bar = RecordingBar.made[0]
+    assert bar.total == 4 * 3 and sum(bar.updates) == 12 and all(u > 0 for u in bar.updates)
+
+
+# --------------------------------------------------------------------------------------------- node
+def test_node_is_plumbing(engine):
+    node = LeanStreamSampler()
+    image, latent = node.run(engine, PROMPTS, "", 3, 2, 5.0, 64, 64, "leading", "cuda_graph", 1, 2, 0)
+    want = run_stream(engine, _settings(acceleration="cuda_graph"), quiet=True)
+    assert torch.equal(image, want.images) and torch.equal(latent["samples"], want.latents)
+    assert image.shape == (3, 64, 64, 3) and image.dtype == torch.float32
+    assert 0.0 <= image.min().item() and image.max().item() <= 1.0
+
+
+def test_node_inputs_match_the_issue():
+    spec = LeanStreamSampler.INPUT_TYPES()
+    assert list(spec["required"]) == ["lean_model", "prompts", "negative", "seed", "steps", "cfg", "width",
+                                      "height", "timestep_spacing", "acceleration", "images_per_prompt",
+                                      "max_batch", "decode_tile_size"]
+    assert LeanStreamSampler.RETURN_TYPES == ("IMAGE", "LATENT")
+    assert spec["required"]["images_per_prompt"][1]["max"] == 64
+    assert spec["required"]["max_batch"][1]["min"] == 0
+

@@ -1,0 +1,192 @@
+"""Stream Scheduler Sampler: every image equals the Fused DDIM Sampler's one-prompt run for its seed.
+
+Guards the issue's promises on the CPU (tiny fp32 models): image n (prompt-major) is the Fused DDIM Sampler's
+``sample`` for its prompt with seed ``seed + n`` and batch size 1 -- bit-exact with ``max_batch`` 1, and within
+the batched UNet's rounding otherwise, for one and several images per prompt and batch sizes that do not divide
+the image count; per-image noise inside a batch (a batch-wide draw would shift every row after the first); the
+IMAGE is the VAE decode of the LATENT; SDXL's pooled/time-id conditioning is stacked per row; batches of one
+shape reuse one captured step (stand-in graph backend); the timeline covers all three stages.
+
+Tolerance when batched: a batched fp32 UNet call differs from single calls by ~1e-6 relative (measured on the
+tiny UNet: 4e-6 on outputs of magnitude 5.6), amplified by CFG over the steps; the tiny model's raw latents reach
+~90, so the bound is relative to the reference's magnitude: max abs diff <= 1e-5 * max|ref| (measured ~3.5e-6
+relative at cfg 6). A misplaced row, prompt or seed gives O(1) differences.
+"""
+import functools
+
+import pytest
+import torch
+
+from leandiffusion.sampling.graph_runner import GraphRunner
+from leandiffusion.sampling.loop import sample
+from leandiffusion.sampling.settings import SamplerSettings
+from leandiffusion.sampling.stream.batching import auto_batch, even_out, saturating_batch, shrink
+from leandiffusion.sampling.stream.scheduler import initial_noise, run_stream
+from leandiffusion.sampling.stream.settings import StreamSettings
+from leandiffusion.sampling.stream.streams import Timeline
+from leandiffusion.tests.kit import tiny_engine
+
+PROMPTS = "a red boat\n\n  a lighthouse at dusk  \nsnowy forest\n"
+BATCHED_REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("sd1")
+
+
+def _settings(**kw):
+    base = dict(negative="blurry", seed=7, steps=2, cfg=6.0, width=64, height=64, acceleration="none")
+    base.update(kw)
+    prompts = base.pop("prompts", PROMPTS)
+    return StreamSettings.from_text(prompts, **base)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(engine_id, prompt, seed, steps, cfg, negative):
+    eng = _ENGINES[engine_id]
+    s = SamplerSettings(positive=prompt, negative=negative, seed=seed, steps=steps, cfg=cfg, width=64, height=64,
+                        batch_size=1, acceleration="none")
+    return sample(eng, s, quiet=True)["samples"]
+
+
+_ENGINES = {}
+
+
+def _check(engine, settings, result, rel=None):
+    _ENGINES[id(engine)] = engine
+    s = settings.validated()
+    jobs = s.jobs()
+    assert result.latents.shape[0] == len(jobs) == result.images.shape[0]
+    worst = 0.0
+    for n, job in enumerate(jobs):
+        ref = _reference(id(engine), s.prompts[job.prompt_index], s.seed + n, s.steps, s.cfg, s.negative)
+        err = (result.latents[n:n + 1] - ref).abs().max().item()
+        bound = 1e-5 if rel is None else rel * max(1.0, ref.abs().max().item())
+        assert err <= bound, f"image {n} (prompt {job.prompt_index}, seed {s.seed + n}): max abs diff {err:.3g}"
+        worst = max(worst, err)
+    return worst
+
+
+def test_prompts_split_one_per_nonempty_line():
+    assert _settings().prompts == ("a red boat", "a lighthouse at dusk", "snowy forest")
+
+
+@pytest.mark.parametrize("ipp", [1, 2])
+def test_max_batch_1_is_bit_exact_with_the_fused_sampler(engine, ipp):
+    s = _settings(images_per_prompt=ipp, max_batch=1)
+    result = run_stream(engine, s, quiet=True)
+    assert result.batch_sizes == (1,) * (3 * ipp)
+    assert _check(engine, s, result) == 0.0
+
+
+@pytest.mark.parametrize("ipp,max_batch,sizes", [(1, 2, (2, 1)), (3, 4, (4, 2))])
+def test_batched_rows_equal_one_prompt_runs(engine, ipp, max_batch, sizes):
+    s = _settings(images_per_prompt=ipp, max_batch=max_batch, prompts="a red boat\nsnowy forest" if ipp == 3
+                  else PROMPTS)
+    result = run_stream(engine, s, quiet=True)
+    assert result.batch_sizes == sizes  # batches that do not divide the image count
+    _check(engine, s, result, rel=BATCHED_REL)
+
+
+def test_noise_is_drawn_per_image_not_per_batch():
+    s = _settings(images_per_prompt=2).validated()
+    jobs = s.jobs()
+    noise = initial_noise(jobs[1:3], (4, 8, 8))
+    one = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(s.seed + 2))
+    assert torch.equal(noise[1:2], one)
+    batch_draw = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(s.seed + 1))
+    assert not torch.equal(noise, batch_draw)
+
+
+def test_image_is_the_vae_decode_of_the_latent(engine):
+    s = _settings(max_batch=2)
+    result = run_stream(engine, s, quiet=True)
+    with engine.session("vae"):
+        want = engine.vae_decode(result.latents)
+    assert result.images.shape == (3, 64, 64, 3)
+    assert (result.images - want).abs().max().item() <= 1e-5
+
+
+def test_tiled_decode_matches_untiled(engine):
+    s = _settings(prompts="a red boat", images_per_prompt=2, max_batch=2, decode_tile_size=128)
+    result = run_stream(engine, s, quiet=True)
+    with engine.session("vae"):
+        want = engine.vae_decode(result.latents)
+    assert (result.images - want).abs().max().item() <= 1e-4
+
+
+def test_unguided_cfg_1(engine):
+    s = _settings(cfg=1.0, max_batch=2, prompts="a red boat\nsnowy forest")
+    _check(engine, s, run_stream(engine, s, quiet=True), rel=BATCHED_REL)
+
+
+def test_sdxl_rows_carry_their_own_pooled_embeddings():
+    eng = tiny_engine("sdxl")
+    s = _settings(prompts="a red boat\nsnowy forest\na cat", max_batch=2)
+    _check(eng, s, run_stream(eng, s, quiet=True), rel=BATCHED_REL)
+
+
+class StandInBackend:
+    """Captures by keeping the callable (replay = call it): the graph path's bookkeeping without a GPU."""
+
+    name = "stand-in"
+
+    def capture(self, fn, device):
+        fn()
+        return fn
+
+
+def test_graph_path_reuses_one_capture_per_batch_shape(engine):
+    runner = GraphRunner(backend=StandInBackend())
+    s = _settings(prompts="a\nb\nc\nd\ne", max_batch=2, acceleration="cuda_graph")
+    result = run_stream(engine, s, runner=runner, quiet=True)
+    assert result.batch_sizes == (2, 2, 1)
+    assert runner.captures(engine) == 2  # batch 2 (reused) and batch 1
+    eager = run_stream(engine, _settings(prompts="a\nb\nc\nd\ne", max_batch=2), quiet=True)
+    assert torch.equal(result.latents, eager.latents)
+
+
+def test_timeline_has_every_stage_and_batch(engine):
+    timeline = Timeline()
+    run_stream(engine, _settings(max_batch=2), timeline=timeline, quiet=True)
+    spans = timeline.to_list()
+    for stage in ("text", "unet", "vae"):
+        covered = sorted(i for sp in spans if sp["stage"] == stage for i in sp["images"])
+        assert covered == [0, 1, 2], (stage, spans)
+    assert all(sp["end_ms"] >= sp["start_ms"] >= 0 for sp in spans)
+    order = [sp["stage"] for sp in spans]
+    # cycle k: decode k-1, encode k+1, denoise k -- the decode of batch 0 is enqueued after batch 1's encoding
+    assert order.index("vae") > order.index("unet")
+
+
+def test_auto_batch_runs_and_is_exact(engine):
+    s = _settings(max_batch=0, images_per_prompt=2)  # 6 images: at least 2 batches -> batches of 3
+    result = run_stream(engine, s, quiet=True)
+    assert result.batch_sizes == (3, 3)
+    _check(engine, s, result, rel=BATCHED_REL)
+
+
+@pytest.mark.parametrize("n,per,avail,reserve,sat,want", [
+    (16, 100, 10_000, 0, 8, 8),  # two batches of the saturating size
+    (8, 100, 10_000, 0, 8, 4),  # at least 2 batches
+    (64, 100, 10_000, 0, 64, 8),  # capped at 8
+    (8, 100, 10_000, 0, 2, 2),  # SDXL-sized: the call is full at 2 images
+    (16, 100, 350, 50, 8, 3),  # what fits (3 images), evened out over 16 -> 6 batches of <= 3
+    (16, 100, 50, 0, 8, 1),  # nothing fits: still 1 (OOM handling takes over)
+    (10, 100, 10_000, 0, 8, 5),  # ceil(10/2) = 5 -> 5,5
+    (1, 100, 10_000, 0, 8, 1),
+])
+def test_auto_batch_rule(n, per, avail, reserve, sat, want):
+    assert auto_batch(n, per, avail, reserve, sat) == want
+
+
+def test_saturating_batch_sizes():
+    assert saturating_batch(64, 64, True) == 8  # SD1.5 512 px
+    assert saturating_batch(128, 128, True) == 2  # SDXL 1024 px
+    assert saturating_batch(8, 8, False) == 1024
+
+
+def test_shrink_halves_down_to_one():
+    assert [shrink(8), shrink(5), shrink(2), shrink(1)] == [4, 2, 1, None]
+    assert even_out(16, 6) == 6 and even_out(10, 8) == 5
