@@ -22,6 +22,7 @@ from typing import Iterable, Mapping
 import torch
 
 from .keymap import Target
+from .unmerged import refuse_inside_capture
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class MergedBinding:
                     done.append(comp)
                     continue
                 if s != 0.0:
+                    refuse_inside_capture(self.label, comp)
                     self._merge(comp, s)
                 self._strength[comp] = s
                 self._depth[comp] = 1

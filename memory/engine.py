@@ -123,6 +123,8 @@ def modules_of_stage(parts: ModelParts, stage: str) -> list[torch.nn.Module]:
 
 def module_for_stage(parts: ModelParts, stage: str, device: torch.device, dtype: torch.dtype) -> None:
     """Move the stage's modules to ``device``/``dtype`` (no-op when already there)."""
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device: compare like with like
+        device = torch.device("cuda", torch.cuda.current_device())  # (else every session re-runs module.to)
     for module in modules_of_stage(parts, stage):
         p = next(module.parameters())
         if p.device != device or p.dtype != dtype:

@@ -1,5 +1,10 @@
 """GPU: a CUDA graph captured inside a LoRA view's session follows strength changes on replay (no recapture),
 in fp16, for unmerged and merged; the graph equals eager at every strength. Skipped without CUDA.
+
+The capture mirrors the sampler exactly: ``engine.session("unet")`` is entered first (adapters attach and write
+their strength buffers *outside* any capture), then ``sampling.graph_runner.CudaGraphBackend.capture`` warms up
+on a side stream and captures a step that reads only static device buffers (the timestep is a device tensor, as
+``StepProgram.timestep`` is: a Python int would make diffusers build a CPU tensor and copy it during capture).
 """
 import re
 
@@ -8,6 +13,7 @@ import torch
 
 from leandiffusion.lora import inject_lora
 from leandiffusion.memory.engine import engine_from_parts, parts_from_components
+from leandiffusion.sampling.graph_runner import CudaGraphBackend
 from leandiffusion.tests.kit import tiny_components
 from leandiffusion.tests.lora import lorafiles as lf
 
@@ -15,18 +21,17 @@ pytestmark = pytest.mark.gpu
 FP16_REL = 2e-3
 
 
-def _graph(view, inputs):
-    kw = {"added_cond_kwargs": inputs["added_cond_kwargs"]} if "added_cond_kwargs" in inputs else {}
-    call = lambda: view.unet(inputs["latents"], inputs["timestep"], inputs["context"], **kw)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph, out, call
+def _cuda_inputs(family):
+    inputs = lf.unet_inputs(family)
+    out = {"latents": inputs["latents"].cuda().half(), "context": inputs["context"].cuda().half(),
+           "timestep": torch.tensor(inputs["timestep"], device="cuda", dtype=torch.int64)}
+    if "added_cond_kwargs" in inputs:
+        out["added_cond_kwargs"] = {k: v.cuda().half() for k, v in inputs["added_cond_kwargs"].items()}
+    return out
+
+
+def _call(view, inputs):
+    return view.unet(inputs["latents"], inputs["timestep"], inputs["context"], inputs.get("added_cond_kwargs"))
 
 
 def _rel(a, b):
@@ -43,28 +48,52 @@ def test_graph_replay_follows_strength(tmp_path, family, mode):
     roots = {"unet": c["unet"]}
     sd = lf.kohya_state_dict(roots, {"unet": re.compile(lf.ATTN_FF.pattern + "|" + lf.LOCON.pattern)}, rank=4)
     path = lf.write(sd, tmp_path / "g.safetensors")
-    inputs = lf.unet_inputs(family)
-    inputs = {k: (v.cuda().half() if torch.is_tensor(v) else v) for k, v in inputs.items()}
-    if "added_cond_kwargs" in inputs:
-        inputs["added_cond_kwargs"] = {k: v.cuda().half() for k, v in inputs["added_cond_kwargs"].items()}
+    inputs = _cuda_inputs(family)
     views = [inject_lora(engine, path, s, 1.0, mode=mode) for s in (1.0, -0.7, 0.0)]
     assert len({v.adapters[0].graph_key for v in views}) == 1
     ptrs = [p.data_ptr() for p in engine.parts.unet.parameters()]
-    with views[0].session("unet"):
-        graph, out, _ = _graph(views[0], inputs)
+    static = {}
+
+    def step():  # what StepProgram.step does: read static buffers, write a static output
+        static["out"] = _call(views[0], inputs)
+
+    with views[0].session("unet"):  # the sampler's order: session (attach) first, capture inside it
+        replay = CudaGraphBackend(warmup=2).capture(step, torch.device("cuda"))
+    out = static["out"]
     results = []
     for view in views + [views[0]]:
         with view.session("unet"):
-            graph.replay()
+            replay()
             torch.cuda.synchronize()
             replayed = out.clone()
-            eager = view.unet(inputs["latents"], inputs["timestep"], inputs["context"],
-                              **({"added_cond_kwargs": inputs["added_cond_kwargs"]} if family == "sdxl" else {}))
+            eager = _call(view, inputs)
         assert _rel(replayed, eager) <= FP16_REL
         results.append(replayed)
-    base = engine.unet(inputs["latents"], inputs["timestep"], inputs["context"],
-                       **({"added_cond_kwargs": inputs["added_cond_kwargs"]} if family == "sdxl" else {}))
+    with engine.session("unet"):
+        base = _call(engine, inputs)
     assert _rel(results[0], base) > 1e-2  # the LoRA acts
+    assert _rel(results[1], base) > 1e-2
     assert _rel(results[2], base) <= FP16_REL  # strength 0 (the same graph) gives the base model
     assert torch.equal(results[0], results[3])
     assert ptrs == [p.data_ptr() for p in engine.parts.unet.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["unmerged", "merged"])
+@torch.no_grad()
+def test_strength_write_inside_capture_is_refused(tmp_path, mode):
+    """Entering a session with a new strength while a capture is running would bake the value into the graph."""
+    c = tiny_components("sd1")
+    engine = engine_from_parts(parts_from_components(c), device="cuda", dtype=torch.float16,
+                               vae_dtype=torch.float16)
+    sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=4)
+    path = lf.write(sd, tmp_path / "g.safetensors")
+    view = inject_lora(engine, path, 0.5, 1.0, mode=mode)
+    graph = torch.cuda.CUDAGraph()
+    x = torch.zeros(4, device="cuda")
+    with pytest.raises(RuntimeError, match="capture"):
+        with torch.cuda.graph(graph):
+            x.add_(1)
+            with view.session("unet"):
+                pass
+    with view.session("unet"):  # nothing left half-attached
+        pass

@@ -1,0 +1,123 @@
+"""CPU guards for the unmerged fast path: shared down projections of sibling Linears are exact (also when a
+sibling is fed another input), leave no cached tensor behind, and the forward adds no host-built tensor; strength
+writes are refused while a CUDA-graph capture is (faked as) running, leaving nothing attached.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from leandiffusion.lora import inject_lora, unmerged
+from leandiffusion.lora.formats import LoraLayer
+from leandiffusion.lora.keymap import Target
+from leandiffusion.lora.unmerged import UnmergedBinding
+from leandiffusion.memory.engine import engine_from_parts, parts_from_components
+from leandiffusion.tests.kit import tiny_components
+from leandiffusion.tests.lora import lorafiles as lf
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, c=24, ctx=24):
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(c, c), torch.nn.Linear(ctx, c), torch.nn.Linear(ctx, c))
+        self.to_out = torch.nn.Linear(c, c)
+
+    def forward(self, x, context=None):
+        ctx = x if context is None else context
+        return self.to_q(x), self.to_k(ctx), self.to_v(ctx), self.to_out(x)
+
+
+def _targets(attn, ranks=(3, 5, 2, 4), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for (name, m), r in zip(attn.named_children(), ranks):
+        layer = LoraLayer("unet", name, "dotted", torch.randn(r, m.in_features, generator=g),
+                          torch.randn(m.out_features, r, generator=g), 1.0, name)
+        out.append(Target("unet", f"blk.{name}", m, layer))
+    return out
+
+
+def _plain(attn, targets, s, x, context=None):
+    ctx = x if context is None else context
+    ins = {"to_q": x, "to_k": ctx, "to_v": ctx, "to_out": x}
+    return [F.linear(ins[n], t.module.weight, t.module.bias) + s * F.linear(F.linear(ins[n], t.layer.down), t.layer.up)
+            for n, t in zip(("to_q", "to_k", "to_v", "to_out"), targets)]
+
+
+@pytest.mark.parametrize("cross", [False, True])
+@torch.no_grad()
+def test_shared_down_is_exact_and_leaves_no_cache(cross):
+    torch.manual_seed(0)
+    attn = _Attn()
+    targets = _targets(attn)
+    binding = UnmergedBinding(("k",), targets, "t")
+    assert len(binding._shared) == 1 and binding._shared[0].size == 3  # to_q/k/v share one down GEMM
+    x, ctx = torch.randn(2, 7, 24), torch.randn(2, 5, 24)
+    binding.attach({"unet": 0.7})
+    try:
+        got = attn(x, ctx if cross else None)
+        assert all(g.x is None and g.h is None for g in binding._shared)  # nothing outlives the call
+    finally:
+        binding.detach({"unet": 0.7})
+    want = _plain(attn, targets, 0.7, x, ctx if cross else None)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() <= 1e-5
+    base = attn(x)
+    assert all(torch.equal(a, b) for a, b in zip(base, [F.linear(x, m.weight, m.bias) for m in attn.children()]))
+
+
+class _HostTensors(TorchDispatchMode):
+    """Records ops that build a tensor from host data (on a GPU: a host->device copy)."""
+
+    HOST = {"lift_fresh", "lift_fresh_copy", "scalar_tensor", "_to_copy", "_local_scalar_dense"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.HOST:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def test_lora_forward_builds_no_host_tensor(tmp_path):
+    """The hooks add only device-side GEMMs: the UNet issues the same host-built tensors with and without them."""
+    c = tiny_components("sdxl")
+    engine = engine_from_parts(parts_from_components(c))
+    sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=4)
+    view = inject_lora(engine, lf.write(sd, tmp_path / "a.safetensors"), 0.8, 1.0)
+    inputs = lf.unet_inputs("sdxl")
+    inputs["timestep"] = torch.tensor(10)  # a device tensor in the sampler (StepProgram.timestep)
+    seen = {}
+    for label, v in (("base", engine), ("lora", view)):
+        with v.session("unet"):
+            lf.run_unet(v.parts.unet, inputs)  # warm (lazy init)
+            with _HostTensors() as mode:
+                lf.run_unet(v.parts.unet, inputs)
+            seen[label] = sorted(mode.seen)
+    assert seen["lora"] == seen["base"]
+
+
+@pytest.mark.parametrize("mode", ["unmerged", "merged"])
+def test_strength_write_refused_while_capturing(tmp_path, monkeypatch, mode):
+    c = tiny_components("sd1")
+    engine = engine_from_parts(parts_from_components(c))
+    sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=4)
+    path = lf.write(sd, tmp_path / "a.safetensors")
+    view = inject_lora(engine, path, 0.5, 1.0, mode=mode)
+    before = lf.snapshot(engine.parts.unet)
+    monkeypatch.setattr(unmerged.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(unmerged.torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="captur"):
+        with view.session("unet"):
+            pass
+    assert all(not m._forward_hooks for m in engine.parts.unet.modules())  # nothing half-attached
+    lf.assert_untouched(before, engine.parts.unet)
+    monkeypatch.undo()
+    with view.session("unet"):  # entered outside a capture it works, and a capture inside it writes nothing
+        monkeypatch.setattr(unmerged.torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(unmerged.torch.cuda, "is_current_stream_capturing", lambda: True)
+        with view.session("unet"):  # nested, same strength: no write, allowed
+            pass
