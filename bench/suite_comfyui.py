@@ -129,7 +129,8 @@ class Comfy:
         real = self.mm.get_free_memory
 
         def free_on_budget(dev=None, torch_free_too=False):
-            if dev is None or getattr(dev, "type", "cuda") != "cuda":
+            dev = self.mm.get_torch_device() if dev is None else dev
+            if getattr(dev, "type", None) != "cuda":
                 return real(dev, torch_free_too)
             stats = torch.cuda.memory_stats(dev)
             reserved = stats["reserved_bytes.all.current"]
