@@ -1,7 +1,8 @@
 """Full-size SD1.5 / SDXL architectures with random weights, for GPU benchmarks (GUIDE section 5).
 
 The configs are the real models' diffusers configs written in code (no hub access). Weights are created on the
-meta device and materialised directly on the target device, then filled with N(0, 1/fan_in) (norm weights 1,
+meta device (buffers such as CLIP's ``position_ids`` keep their real values) and materialised directly on the
+target device, then filled with N(0, 1/fan_in) (norm weights 1,
 biases 0) so activations stay O(1) in fp16; building SDXL's UNet this way takes seconds instead of minutes of
 CPU initialisation. Random weights are valid for speed and memory, never for picture quality.
 """
@@ -53,9 +54,17 @@ def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def _materialise(cls, config: dict, device, dtype, seed: int):
-    with torch.device("meta"):
+    # Parameters on the meta device, buffers real (accelerate's init_empty_weights without buffers): ``to_empty``
+    # leaves memory uninitialised, and CLIP's ``position_ids`` buffer must stay ``arange(77)``, not garbage.
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
         module = cls(**config) if not hasattr(cls, "config_class") else cls(config)
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     module.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            b.copy_(buffers[name])
     randomize_(module, seed)
     return module.to(dtype).eval().requires_grad_(False)
 
