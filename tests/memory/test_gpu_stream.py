@@ -1,7 +1,7 @@
 """GPU: the stream policy on a full-size SDXL UNet (random fp16 weights): parity, budget, CUDA-graph capture.
 
 Guards the issue's GPU acceptance lines: every policy's UNet output equals ``full``'s (fp16: <= 1e-3 relative),
-``stream`` at 4 GB keeps ``max_memory_reserved`` <= 4.0 GB, the stream schedule is capture-safe (the sampler
+``stream`` keeps ``max_memory_reserved`` within its budget (4 GB and 1.5 GB), the stream schedule is capture-safe (the sampler
 captures ``engine.unet`` inside ``session("unet")`` into a CUDA graph: replay must equal eager), and a failure
 leaves nothing allocated. Timing targets are measured by ``bench/suite_loader.py``.
 """
@@ -74,8 +74,8 @@ def test_policy_matches_full(sdxl_unet, inputs, reference, policy, budget):
         peak = torch.cuda.max_memory_reserved()
         assert _rel(out, reference) <= REL
         assert _rel(out2, reference) <= REL
-        if policy == "stream" and budget == 4.0:
-            assert peak <= 4.0 * GiB + base, f"peak reserved {peak / GiB:.3f} GB over the 4 GB budget"
+        if policy == "stream":
+            assert peak <= budget * GiB + base, f"peak reserved {peak / GiB:.3f} GB over the {budget} GB budget"
     finally:
         placement.remove()
         torch.cuda.empty_cache()
