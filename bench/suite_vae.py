@@ -81,7 +81,7 @@ def _comfy_vae(ctx, vae, dtype):
 
 def _case(ctx, vae, size: int, dtype: torch.dtype, repeat: int, overlap: int = 64) -> None:
     from ..vae.targets import from_comfy, from_module
-    from ..vae.tiled import tiled_decode
+    from ..vae.tiled import MIN_TILE, tiled_decode
 
     name = f"decode_{size}_{str(dtype).replace('torch.', '')}"
     dev = ctx.device
@@ -101,7 +101,7 @@ def _case(ctx, vae, size: int, dtype: torch.dtype, repeat: int, overlap: int = 6
 
     contenders = [("exact", lambda: tiled_decode(target, z, 0, overlap, "exact", budget_bytes=budget, quiet=True)),
                   ("exact_auto", lambda: tiled_decode(target, z, 0, overlap, "exact", quiet=True)),
-                  ("blend", lambda: tiled_decode(target, z, min(BLEND_TILE, size), overlap, "blend", quiet=True))]
+                  ("blend", lambda: tiled_decode(target, z, max(MIN_TILE, min(BLEND_TILE, size)), overlap, "blend", quiet=True))]
 
     def diffusers_tiled():
         vae.enable_tiling()
