@@ -163,8 +163,8 @@ class _CpuStager:
     def upload(self, window_chw: torch.Tensor) -> torch.Tensor:
         return window_chw.unsqueeze(0).to(self.device)
 
-    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor) -> None:
-        dst.add_(tile_hwc.to(dst.device))
+    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor, accumulate: bool = True) -> None:
+        (dst.add_ if accumulate else dst.copy_)(tile_hwc.to(dst.device))
 
     def finish(self) -> None:
         pass
@@ -183,9 +183,9 @@ class _CudaStager:
     def _drain(self, slot: int) -> None:
         item = self.pending[slot]
         if item is not None:
-            event, buf, dst = item
+            event, buf, dst, accumulate = item
             event.synchronize()
-            dst.add_(buf)
+            (dst.add_ if accumulate else dst.copy_)(buf)
             self.pending[slot] = None
 
     def upload(self, window_chw: torch.Tensor) -> torch.Tensor:
@@ -194,12 +194,12 @@ class _CudaStager:
         buf.copy_(window_chw)
         return buf.unsqueeze(0).to(self.device, non_blocking=True)
 
-    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor) -> None:
+    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor, accumulate: bool = True) -> None:
         buf = self.outbufs[self.slot][: tile_hwc.numel()].view(tile_hwc.shape)
         buf.copy_(tile_hwc, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.pending[self.slot] = (event, buf, dst)
+        self.pending[self.slot] = (event, buf, dst, accumulate)
         self.slot ^= 1
         self._drain(self.slot)  # the previous tile, finished before this one started on the GPU
 
@@ -214,12 +214,18 @@ def _crop(t: torch.Tensor, r: Span, c: Span, s: int) -> torch.Tensor:
 
 
 def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                 tile: int, overlap: int, work_bytes: int, on_tile, layout: str = "nchw") -> torch.Tensor:
-    """[C, H, W] host image (aligned to ``multiple_of``) -> [H*s, W*s, C_out] float32 host image."""
+                 tile: int, overlap: int, work_bytes: int, on_tile, layout: str = "nchw",
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[C, H, W] host image (aligned to ``multiple_of``) -> [H*s, W*s, C_out] float32 host image, written into
+    ``out`` when given. One tile is copied in; several are accumulated into a zeroed output."""
     _, h, w = chw.shape
     s = upscaler.scale
     tiles = plan(h, w, tile, overlap, upscaler.multiple_of)
-    out = torch.zeros((h * s, w * s, upscaler.out_channels), dtype=torch.float32)
+    single = len(tiles) == 1
+    if out is None:
+        out = torch.empty((h * s, w * s, upscaler.out_channels), dtype=torch.float32)
+    if not single:
+        out.zero_()
     if device.type == "cuda":
         wh, ww = largest_window(tiles)
         kh, kw = largest_keep(tiles)
@@ -239,7 +245,7 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
         if r.band_lo or r.band_hi or c.band_lo or c.band_hi:
             weight = axis_weights(r, s, y.device)[:, None] * axis_weights(c, s, y.device)[None, :]
             y = y.mul_(weight.to(y.dtype))
-        stager.download(y.permute(1, 2, 0), out[r.keep0 * s:r.keep1 * s, c.keep0 * s:c.keep1 * s])
+        stager.download(y.permute(1, 2, 0), out[r.keep0 * s:r.keep1 * s, c.keep0 * s:c.keep1 * s], not single)
         del y
         on_tile()
     stager.finish()
@@ -247,12 +253,14 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
 
 
 def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                        tile: int, overlap: int, work_bytes: int, on_tile, layout: str) -> torch.Tensor:
+                        tile: int, overlap: int, work_bytes: int, on_tile, layout: str,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     tried = []
     tile = min(tile, max(chw.shape[1:]))
     while True:
         try:
-            return _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, on_tile, layout)
+            return _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, on_tile, layout,
+                                out)
         except torch.OutOfMemoryError as exc:
             tried.append(tile)
             if tile // 2 < MIN_TILE:
@@ -357,9 +365,11 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
                 chw = images[i].permute(2, 0, 1).to(torch.float32)
                 if (hp, wp) != (h, w):
                     chw = F.pad(chw.unsqueeze(0), (0, wp - w, 0, hp - h), mode="reflect")[0]
+                direct = (hp, wp) == (h, w) and (out_h, out_w) == (h * upscaler.scale, w * upscaler.scale)
                 y = _upscale_with_retry(upscaler, module, chw, dev, dtype, tile, tile_overlap, work_bytes,
-                                        lambda: bar.update(1), layout)
-                result[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
+                                        lambda: bar.update(1), layout, result[i] if direct else None)
+                if not direct:  # written in place otherwise
+                    result[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
                 del y
     except BaseException as exc:  # re-raised: only releases GPU memory the traceback would otherwise pin
         module = None
