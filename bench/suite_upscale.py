@@ -12,7 +12,13 @@ its output on the CPU. ComfyUI's own ``tiled_scale`` is imported from ``ctx.comf
 ``comfy_tiled_scale`` below reproduces its behaviour (tile positions, feather mask, normalisation). When spandrel
 does not import, the peer model is a plain Real-ESRGAN-structured module (torch.cat dense blocks), named so in
 the records. ComfyUI itself runs the model in fp32 (it never casts an upscaler to fp16); that configuration is
-recorded too as ``*_comfy_fp32`` metrics without a target.
+recorded too as ``*_comfy_fp32`` metrics without a target. Layout: ComfyUI passes ``image.movedim(-1, -3)``,
+whose strides are channels-last, so PyTorch runs the peer's convolutions channels-last (its weights stay NCHW);
+the peer gets exactly that input (``peer_convs_channels_last`` records the share of its convolutions that ran
+NHWC; ``*_vs_peer_nchw_input`` times it on a contiguous NCHW input). The peer keeps its model on the device
+between calls, which ComfyUI does not (it moves the model to the GPU and back on every run): that favours the
+peer. Ours runs with its defaults; ``ms_per_image_<variant>`` records time other layouts, cuDNN autotuning and
+tile sizes, each with its peak memory and its max difference from the default output.
 
 Weights: ``$LEANDIFFUSION_UPSCALE_WEIGHTS`` (a folder written by
 ``python -m leandiffusion.upscale.prepare_bench_weights DIR``), else converted from the installed
@@ -152,14 +158,14 @@ class PlainRRDBNet(torch.nn.Module):
 
 
 def _peer_callable(sd: dict, up: Upscaler, dev, dtype):
-    """(fn(image NCHW) -> NCHW clamped, peer name); the model is placed on ``dev`` in ``dtype``."""
+    """(fn(image NCHW) -> NCHW clamped, peer name, model); the model is placed on ``dev`` in ``dtype``."""
     sd32 = {k: v.float() for k, v in sd.items()}
     try:
         from spandrel import ModelLoader
 
         desc = ModelLoader().load_from_state_dict(sd32).eval()
         desc.model.to(device=dev, dtype=dtype)
-        return (lambda a: desc(a)), "spandrel"
+        return (lambda a: desc(a)), "spandrel", desc.model
     except (ImportError, RuntimeError, OSError) as exc:
         logger.warning("spandrel unavailable (%s); the peer model is a plain Real-ESRGAN-structured module", exc)
     if up.arch == "ESRGAN":
@@ -171,16 +177,37 @@ def _peer_callable(sd: dict, up: Upscaler, dev, dtype):
         model = SRVGGNetCompact(3, 3, sd32["body.0.weight"].shape[0], (last - 2) // 2, up.scale)
     model.load_state_dict(sd32)
     model = model.to(device=dev, dtype=dtype).eval()
-    return (lambda a: model(a).clamp_(0, 1)), "plain Real-ESRGAN module (spandrel missing)"
+    return (lambda a: model(a).clamp_(0, 1)), "plain Real-ESRGAN module (spandrel missing)", model
 
 
-def _peer_run(fn, tiled_scale, image, dev, dtype, scale, tile, overlap):
-    """ComfyUI ImageUpscaleWithModel's data flow: whole image on the device, tiled_scale to a CPU output."""
+def _peer_run(fn, tiled_scale, image, dev, dtype, scale, tile, overlap, contiguous=False):
+    """ComfyUI ImageUpscaleWithModel's data flow: whole image on the device, tiled_scale to a CPU output.
+
+    ``image.movedim(-1, -3)`` (as ComfyUI writes it) has channels-last strides, so PyTorch runs the peer's
+    convolutions channels-last although its weights are NCHW; ``contiguous=True`` feeds a plain NCHW tensor
+    instead (a variant, to show what the layout is worth to the peer).
+    """
     with torch.inference_mode():
         in_img = image.movedim(-1, -3).to(device=dev, dtype=dtype)
+        if contiguous:
+            in_img = in_img.contiguous()
         s = tiled_scale(in_img, fn, tile_x=tile, tile_y=tile, overlap=overlap, upscale_amount=scale,
                         output_device="cpu")
         return torch.clamp(s.movedim(-3, -1), min=0, max=1.0).float()
+
+
+def _channels_last_share(model, call) -> float:
+    """Fraction of ``model``'s convolutions whose output is channels-last during ``call()``."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: seen.append(
+        bool(out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous())))
+        for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    try:
+        call()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(seen) / max(len(seen), 1)
 
 
 # --------------------------------------------------------------------------------------------- weights
@@ -239,6 +266,18 @@ def _skip(ctx, case: str, reason: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------- cases
+def _variants(kind: str, quick: bool) -> dict:
+    """Ours, other settings: layouts, cuDNN autotuning, tile sizes (auto = the whole 1024 image in one window)."""
+    v = {"nchw": dict(layout="nchw"), "cudnn_benchmark": dict(cudnn_benchmark=True),
+         "nchw_cudnn_benchmark": dict(layout="nchw", cudnn_benchmark=True)}
+    if kind == "rrdb":
+        v.update({"tile512": dict(tile_size=512), "tile512_cudnn_benchmark": dict(tile_size=512, cudnn_benchmark=True),
+                  "tile256": dict(tile_size=256), "work_cap_0.5GB": dict(work_cap=2 ** 29)})
+    elif quick:
+        v = {k: v[k] for k in ("nchw", "cudnn_benchmark")}
+    return v
+
+
 def _gpu_case(ctx, case: str, kind: str, size: int, target_ratio, target_gb) -> None:
     dev = ctx.device
     smoke = ctx.smoke
@@ -246,7 +285,7 @@ def _gpu_case(ctx, case: str, kind: str, size: int, target_ratio, target_gb) -> 
     dtype = torch.float16 if gpu else torch.float32
     precision = "fp16" if gpu else "fp32"
     tile, overlap = (512, 32) if not smoke else (32, 8)
-    repeat = 1 if smoke or ctx.quick else 3
+    repeat = 1 if smoke else 3
     up, sd, source = _weights(kind, smoke)
     image = _image(size)
     tiled_scale, tiling_name = _tiled_scale_impl(ctx)
@@ -258,46 +297,59 @@ def _gpu_case(ctx, case: str, kind: str, size: int, target_ratio, target_gb) -> 
     ours_ms = time_ms(ours, warmup=1, repeat=repeat, device=dev)
     with peak_memory(dev) as mem:
         out = ours()
-    fn, peer_model = _peer_callable(sd, up, dev, dtype)
+    fn, peer_model, peer_module = _peer_callable(sd, up, dev, dtype)
     peer_name = f"{peer_model} + {tiling_name} ({tile}/{overlap}), {precision}"
     peer = lambda: _peer_run(fn, tiled_scale, image, dev, dtype, up.scale, tile, overlap)
     peer_ms = time_ms(peer, warmup=1, repeat=repeat, device=dev)
     with peak_memory(dev) as peer_mem:
         ref = peer()
-    notes = f"{source}; ours: device={device_arg} precision={precision} tile auto, overlap 32; {size}x{size} input"
+    peer_cl = _channels_last_share(peer_module, peer)
+    notes = (f"{source}; ours: device={device_arg} precision={precision}, defaults (tile auto, overlap 32, layout "
+             f"auto = channels-last); peer: spandrel-loaded NCHW weights fed image.movedim(-1,-3) as ComfyUI's "
+             f"ImageUpscaleWithModel does, model kept on the device between calls (ComfyUI moves it each call), "
+             f"in {precision} (ComfyUI itself runs fp32: see *_comfy_fp32); {size}x{size} input")
     ctx.record(case, "ms_per_image", ours_ms, peer_ms, peer_name, target=target_ratio,
                target_kind="ratio>=" if target_ratio else "", lower_is_better=True, unit="ms", notes=notes)
     if gpu:
         ctx.record(case, "peak_allocated_gb", mem["allocated_gb"], peer_mem["allocated_gb"], peer_name,
                    target=target_gb, target_kind="ours<=" if target_gb else "", unit="GB",
-                   notes="torch.cuda.max_memory_allocated during one call, weights included")
+                   notes="torch.cuda.max_memory_allocated during one call, weights included (GiB)")
         ctx.record(case, "peak_reserved_gb", mem["reserved_gb"], peer_mem["reserved_gb"], peer_name, unit="GB")
+        ctx.record(case, "peer_convs_channels_last", peer_cl, unit="share",
+                   notes="share of the peer's convolutions that ran channels-last (ComfyUI's movedim input)")
     diff = (out - ref).abs()
     ctx.record(case, "mean_abs_diff_vs_peer_255", diff.mean().item() * 255, unit="/255",
                notes="ours vs peer output; tiles differ, so RRDB differs slightly near tile borders")
     ctx.record(case, "max_abs_diff_vs_peer_255", diff.max().item() * 255, unit="/255")
-    del out, ref
+    del ref
     if gpu and not smoke:
-        variants = {"nhwc": dict(layout="nhwc"), "cudnn_benchmark": dict(cudnn_benchmark=True),
-                    "nhwc_cudnn_benchmark": dict(layout="nhwc", cudnn_benchmark=True)}
-        if ctx.quick:
-            variants = {k: v for k, v in variants.items() if k == "nhwc_cudnn_benchmark"}
-        for label, extra in variants.items():
-            if not _has_time(ctx, 4 * ours_ms / 1000 + 5):
+        for label, extra in _variants(kind, ctx.quick).items():
+            if not _has_time(ctx, 5 * ours_ms / 1000 + 5):
                 _skip(ctx, f"{case}/{label}", "suite time budget")
                 continue
-            v_ms = time_ms(lambda: ours(**extra), warmup=1, repeat=repeat, device=dev)
+            v_ms = time_ms(lambda: ours(**extra), warmup=1, repeat=2, device=dev)
             with peak_memory(dev) as v_mem:
-                ours(**extra)
+                v_out = ours(**extra)
             ctx.record(case, f"ms_per_image_{label}", v_ms, peer_ms, peer_name, lower_is_better=True, unit="ms",
-                       notes=f"variant {extra}; peak allocated {v_mem['allocated_gb']:.3f} GB")
-        if ctx.comfyui or not ctx.quick:
-            fn32, _ = _peer_callable(sd, up, dev, torch.float32)
+                       notes=f"ours with {extra}; peak allocated {v_mem['allocated_gb']:.3f} GiB")
+            ctx.record(case, f"peak_allocated_gb_{label}", v_mem["allocated_gb"], unit="GB", notes=str(extra))
+            ctx.record(case, f"max_abs_diff_vs_default_255_{label}", (v_out - out).abs().max().item() * 255,
+                       unit="/255", notes=f"{extra} vs the defaults, both fp16 on the GPU")
+            del v_out
+        if _has_time(ctx, 3 * peer_ms / 1000 + 5):
+            n_ms = time_ms(lambda: _peer_run(fn, tiled_scale, image, dev, dtype, up.scale, tile, overlap, True),
+                           warmup=1, repeat=2, device=dev)
+            ctx.record(case, "ms_per_image_vs_peer_nchw_input", ours_ms, n_ms, f"{peer_name}, contiguous NCHW input",
+                       lower_is_better=True, unit="ms", notes="peer fed a contiguous NCHW tensor (not as ComfyUI)")
+        if _has_time(ctx, 6 * peer_ms / 1000 + 5):
+            del fn, peer_module
+            fn32, _, _ = _peer_callable(sd, up, dev, torch.float32)
             c_ms = time_ms(lambda: _peer_run(fn32, tiled_scale, image, dev, torch.float32, up.scale, tile, overlap),
                            warmup=1, repeat=1, device=dev)
             ctx.record(case, "ms_per_image_comfy_fp32", ours_ms, c_ms, f"{peer_model} fp32 + {tiling_name}",
                        lower_is_better=True, unit="ms", notes="ComfyUI runs upscalers in fp32 as loaded")
-    del fn
+            del fn32
+    del out
     if gpu:
         torch.cuda.empty_cache()
 
@@ -314,12 +366,18 @@ def _cpu_case(ctx) -> None:
         repeat = 1 if ctx.smoke or ctx.quick else 2
         ours_ms = time_ms(lambda: upscale_images(up, image, device="cpu", quiet=True), warmup=1, repeat=repeat,
                           device=cpu)
-        fn, peer_model = _peer_callable(sd, up, cpu, torch.float32)
+        fn, peer_model, _ = _peer_callable(sd, up, cpu, torch.float32)
         tiled_scale, tiling_name = _tiled_scale_impl(ctx)
+        peer_name = f"{peer_model} + {tiling_name}, fp32"
         peer_ms = time_ms(lambda: _peer_run(fn, tiled_scale, image, cpu, torch.float32, up.scale, 512, 32),
                           warmup=1, repeat=repeat, device=cpu)
-        ctx.record(case, "ms_per_image", ours_ms, peer_ms, f"{peer_model} + {tiling_name}, fp32", unit="ms",
-                   notes=f"{source}; CPU, 2 threads, fp32, {size}x{size}")
+        ctx.record(case, "ms_per_image", ours_ms, peer_ms, peer_name, lower_is_better=True, unit="ms",
+                   notes=f"{source}; CPU, 2 threads, fp32, {size}x{size}; ours layout auto (channels-last)")
+        if not ctx.smoke and _has_time(ctx, 3 * ours_ms / 1000 + 5):
+            n_ms = time_ms(lambda: upscale_images(up, image, device="cpu", quiet=True, layout="nchw"), warmup=0,
+                           repeat=1, device=cpu)
+            ctx.record(case, "ms_per_image_nchw", n_ms, peer_ms, peer_name, lower_is_better=True, unit="ms",
+                       notes="ours with layout='nchw' (the previous default)")
     finally:
         torch.set_num_threads(threads)
 

@@ -13,7 +13,10 @@ Memory invariant (why this module is hand-written rather than imported from span
 preallocated ``[N, F + 4G, H, W]`` buffer and writes each new growth slice into it, so the concatenations of the
 reference code (which copy 96+128+160+192 channels per block) never exist; the convolutions read channel prefixes
 of the buffer, which for N == 1 in NCHW are contiguous views (batches and channels_last inputs concatenate as the
-reference does). The arithmetic is the reference's, operation for operation.
+reference does, dropping x1..x4 before conv5). The arithmetic is the reference's, operation for operation.
+Peak live activations per body pixel, in channels (F features, G growth): concatenation path ``4F + 8G`` (feat0,
+the RRDB input, the RDB input, x1..x4 and their F + 4G concatenation at the last concat); buffer path
+``5F + 5G``. RealESRGAN_x4plus (F 64, G 32): 512 channels, 1 KiB per pixel in fp16.
 
 The upsampling tail runs at up to 16x the pixel count of the body, so :meth:`RRDBNet.forward` can run it in row
 strips (``tail_rows``). Every tail layer is a 3x3 convolution at 2x/4x resolution or a nearest upsample, so an
@@ -55,7 +58,9 @@ class ResidualDenseBlock(nn.Module):
             feats = [x]
             for conv in (self.conv1, self.conv2, self.conv3, self.conv4):
                 feats.append(F.leaky_relu_(conv(torch.cat(feats, 1)), 0.2))
-            return self.conv5(torch.cat(feats, 1)).mul_(0.2).add_(x)
+            cat = torch.cat(feats, 1)
+            del feats  # x1..x4 live on only inside ``cat`` while conv5 runs
+            return self.conv5(cat).mul_(0.2).add_(x)
         buf = torch.empty((n, c + 4 * g, h, w), dtype=x.dtype, device=x.device)
         buf[:, :c].copy_(x)
         for k, conv in enumerate((self.conv1, self.conv2, self.conv3, self.conv4)):

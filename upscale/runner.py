@@ -11,6 +11,10 @@ Invariants:
   to unload its own models) it has room for the weights and a minimal window; otherwise the CPU.
 - Out of memory: the tile is halved and the image restarted; below ``MIN_TILE`` a ``RuntimeError`` lists every
   tile size that was tried. A batch is processed one image at a time, so its peak equals one image's peak.
+- Layout: ``layout="auto"`` runs the built-in networks channels-last (model copy and windows in NHWC). Same
+  arithmetic, other summation order inside the convolutions: equal to NCHW within float rounding (tested). On
+  cuDNN fp16 NHWC avoids the transposes (and their workspace) that NCHW half-precision convolutions need for
+  tensor cores; on the CPU oneDNN avoids a reorder per layer.
 - ``output_scale`` (0 = the model's native scale) resizes the model's output with antialiased bicubic
   interpolation, then clamps to 0..1.
 """
@@ -104,15 +108,38 @@ def auto_tile(upscaler: Upscaler, height: int, width: int, overlap: int, dtype: 
     return max(MIN_TILE, min(MAX_TILE, side // 8 * 8))
 
 
-LAYOUTS = ("nchw", "nhwc")
+LAYOUTS = ("auto", "nchw", "nhwc")
+CUDNN_BENCHMARK = False  # default of upscale_images(cudnn_benchmark=...); see bench/suite_upscale.py
+
+
+def resolve_layout(layout: str, upscaler: Upscaler) -> str:
+    """"auto" -> "nhwc" for networks marked ``channels_last`` (the built-in RRDBNet and SRVGGNetCompact), else
+    "nchw" (architectures loaded through spandrel keep the layout they were written for)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    if layout == "auto":
+        return "nhwc" if upscaler.channels_last else "nchw"
+    return layout
 
 
 def _placed_module(upscaler: Upscaler, device: torch.device, dtype: torch.dtype, layout: str) -> torch.nn.Module:
-    params = list(upscaler.module.parameters())
-    if layout == "nchw" and params and all(p.device == device and p.dtype == dtype for p in params):
-        return upscaler.module
-    module = copy.deepcopy(upscaler.module).to(device=device, dtype=dtype).eval()
-    return module.to(memory_format=torch.channels_last) if layout == "nhwc" else module
+    """The model on ``device`` in ``dtype``: the upscaler's own module when it already is (channels-last inputs
+    alone make the CPU convolutions run NHWC), else a private copy whose tensors are cast straight to their place
+    (the deepcopy memo maps each parameter/buffer to its cast, so no host-side copy of the weights is made);
+    4-D weights channels-last for "nhwc"."""
+    module = upscaler.module
+    params = list(module.parameters())
+    if params and all(p.device == device and p.dtype == dtype for p in params):
+        return module
+    fmt = torch.channels_last if layout == "nhwc" else torch.preserve_format
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        extra = {"memory_format": fmt} if t.ndim == 4 else {}
+        return t.detach().to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, **extra)
+
+    memo = {id(p): torch.nn.Parameter(cast(p), requires_grad=False) for p in params}
+    memo.update({id(b): cast(b) for b in module.buffers()})
+    return copy.deepcopy(module, memo).eval()
 
 
 def _cudnn_benchmark(enabled: bool, device: torch.device):
@@ -136,8 +163,8 @@ class _CpuStager:
     def upload(self, window_chw: torch.Tensor) -> torch.Tensor:
         return window_chw.unsqueeze(0).to(self.device)
 
-    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor) -> None:
-        dst.add_(tile_hwc.to(dst.device))
+    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor, accumulate: bool = True) -> None:
+        (dst.add_ if accumulate else dst.copy_)(tile_hwc.to(dst.device))
 
     def finish(self) -> None:
         pass
@@ -156,9 +183,9 @@ class _CudaStager:
     def _drain(self, slot: int) -> None:
         item = self.pending[slot]
         if item is not None:
-            event, buf, dst = item
+            event, buf, dst, accumulate = item
             event.synchronize()
-            dst.add_(buf)
+            (dst.add_ if accumulate else dst.copy_)(buf)
             self.pending[slot] = None
 
     def upload(self, window_chw: torch.Tensor) -> torch.Tensor:
@@ -167,12 +194,12 @@ class _CudaStager:
         buf.copy_(window_chw)
         return buf.unsqueeze(0).to(self.device, non_blocking=True)
 
-    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor) -> None:
+    def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor, accumulate: bool = True) -> None:
         buf = self.outbufs[self.slot][: tile_hwc.numel()].view(tile_hwc.shape)
         buf.copy_(tile_hwc, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.pending[self.slot] = (event, buf, dst)
+        self.pending[self.slot] = (event, buf, dst, accumulate)
         self.slot ^= 1
         self._drain(self.slot)  # the previous tile, finished before this one started on the GPU
 
@@ -187,12 +214,18 @@ def _crop(t: torch.Tensor, r: Span, c: Span, s: int) -> torch.Tensor:
 
 
 def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                 tile: int, overlap: int, work_bytes: int, on_tile, layout: str = "nchw") -> torch.Tensor:
-    """[C, H, W] host image (aligned to ``multiple_of``) -> [H*s, W*s, C_out] float32 host image."""
+                 tile: int, overlap: int, work_bytes: int, on_tile, layout: str = "nchw",
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[C, H, W] host image (aligned to ``multiple_of``) -> [H*s, W*s, C_out] float32 host image, written into
+    ``out`` when given. One tile is copied in; several are accumulated into a zeroed output."""
     _, h, w = chw.shape
     s = upscaler.scale
     tiles = plan(h, w, tile, overlap, upscaler.multiple_of)
-    out = torch.zeros((h * s, w * s, upscaler.out_channels), dtype=torch.float32)
+    single = len(tiles) == 1
+    if out is None:
+        out = torch.empty((h * s, w * s, upscaler.out_channels), dtype=torch.float32)
+    if not single:
+        out.zero_()
     if device.type == "cuda":
         wh, ww = largest_window(tiles)
         kh, kw = largest_keep(tiles)
@@ -203,14 +236,16 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
         check_interrupted()
         x = stager.upload(chw[:, r.win0:r.win1, c.win0:c.win1]).to(dtype)
         if layout == "nhwc":
-            x = x.contiguous(memory_format=torch.channels_last)
+            # clone, not .contiguous(): a batch-of-1 view with an odd batch stride passes the contiguity check
+            # but not the layout inference of the convolutions, which would then run NCHW
+            x = x.clone(memory_format=torch.channels_last)
         y = _crop(upscaler.call(module, x, work_bytes), r, c, s)[0]
         del x
         y = y.clamp_(0, 1)
         if r.band_lo or r.band_hi or c.band_lo or c.band_hi:
             weight = axis_weights(r, s, y.device)[:, None] * axis_weights(c, s, y.device)[None, :]
             y = y.mul_(weight.to(y.dtype))
-        stager.download(y.permute(1, 2, 0), out[r.keep0 * s:r.keep1 * s, c.keep0 * s:c.keep1 * s])
+        stager.download(y.permute(1, 2, 0), out[r.keep0 * s:r.keep1 * s, c.keep0 * s:c.keep1 * s], not single)
         del y
         on_tile()
     stager.finish()
@@ -218,12 +253,14 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
 
 
 def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                        tile: int, overlap: int, work_bytes: int, on_tile, layout: str) -> torch.Tensor:
+                        tile: int, overlap: int, work_bytes: int, on_tile, layout: str,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     tried = []
     tile = min(tile, max(chw.shape[1:]))
     while True:
         try:
-            return _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, on_tile, layout)
+            return _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, on_tile, layout,
+                                out)
         except torch.OutOfMemoryError as exc:
             tried.append(tile)
             if tile // 2 < MIN_TILE:
@@ -283,18 +320,22 @@ def _validate(upscaler, images, output_scale, tile_size, tile_overlap) -> None:
 
 def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float = 0.0, device: str = "auto",
                    tile_size: int = 0, tile_overlap: int = 32, precision: str = "auto", quiet: bool = False,
-                   work_cap: Optional[int] = None, layout: str = "nchw", cudnn_benchmark: bool = False) -> torch.Tensor:
+                   work_cap: Optional[int] = None, layout: str = "auto",
+                   cudnn_benchmark: Optional[bool] = None) -> torch.Tensor:
     """Upscale a [B, H, W, C] image batch; returns a new [B, H', W', C_out] float32 host tensor in 0..1.
 
     ``tile_size`` is the kept core of a tile (0: the largest that fits the working-memory budget, the whole image
     when it fits); ``tile_overlap`` is the context each tile sees beyond its core on every interior side.
-    ``work_cap`` lowers the activation budget (bytes) used for automatic tiles and tail strips. ``layout`` "nhwc"
-    runs the convolutions channels-last; ``cudnn_benchmark`` autotunes cuDNN for this call only (both are
-    measured in bench/suite_upscale.py before they become defaults).
+    ``work_cap`` lowers the activation budget (bytes) used for automatic tiles and tail strips. ``layout``:
+    "nhwc" runs the convolutions channels-last, "nchw" as written, "auto" (default) channels-last for the
+    built-in networks (same numbers, faster on cuDNN and oneDNN, no transpose workspace). ``cudnn_benchmark``
+    autotunes cuDNN for this call only (``None``: ``CUDNN_BENCHMARK``). Both defaults come from
+    bench/suite_upscale.py measurements.
     """
     _validate(upscaler, images, output_scale, tile_size, tile_overlap)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    layout = resolve_layout(layout, upscaler)
+    if cudnn_benchmark is None:
+        cudnn_benchmark = CUDNN_BENCHMARK
     dev = choose_device(device, upscaler, tile_overlap)
     dtype = choose_dtype(precision, dev, upscaler)
     b, h, w, _ = images.shape
@@ -313,8 +354,8 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
     scale = output_scale or upscaler.native_output_scale
     out_h, out_w = max(1, round(h * scale)), max(1, round(w * scale))
     n_tiles = len(plan(hp, wp, min(tile, max(hp, wp)), tile_overlap, m))
-    logger.info("ESRGAN upscale: %s on %s %s, %dx%d x%d, tile %d + %d context (%d tiles/image)",
-                upscaler.arch, dev, dtype, w, h, b, tile, tile_overlap, n_tiles)
+    logger.info("ESRGAN upscale: %s on %s %s %s, %dx%d x%d, tile %d + %d context (%d tiles/image)",
+                upscaler.arch, dev, dtype, layout, w, h, b, tile, tile_overlap, n_tiles)
     module = _placed_module(upscaler, dev, dtype, layout)
     result = torch.empty((b, out_h, out_w, upscaler.out_channels), dtype=torch.float32)
     try:
@@ -324,9 +365,11 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
                 chw = images[i].permute(2, 0, 1).to(torch.float32)
                 if (hp, wp) != (h, w):
                     chw = F.pad(chw.unsqueeze(0), (0, wp - w, 0, hp - h), mode="reflect")[0]
+                direct = (hp, wp) == (h, w) and (out_h, out_w) == (h * upscaler.scale, w * upscaler.scale)
                 y = _upscale_with_retry(upscaler, module, chw, dev, dtype, tile, tile_overlap, work_bytes,
-                                        lambda: bar.update(1), layout)
-                result[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
+                                        lambda: bar.update(1), layout, result[i] if direct else None)
+                if not direct:  # written in place otherwise
+                    result[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
                 del y
     except BaseException as exc:  # re-raised: only releases GPU memory the traceback would otherwise pin
         module = None

@@ -1,8 +1,8 @@
 """GPU path: pinned double-buffered staging, fp16 accuracy, OOM recovery without leaks, bounded peak memory.
 
 Guards: the CUDA stager (pinned slots, events, host accumulation) gives the CPU result; fp16 stays within the
-tolerance table of the fp32 CPU reference; an injected OOM on the GPU halves the tile and leaves no memory
-behind; a batch peaks no higher than one image; RRDB x4plus on 1024x1024 stays under 2 GB allocated.
+tolerance table of the fp32 CPU reference, in the channels-last default and in NCHW; an injected OOM on the
+GPU halves the tile and leaves no memory behind; a batch peaks no higher than one image; RRDB x4plus on 1024x1024 stays under 2 GB allocated.
 Real weights come from $LEANDIFFUSION_UPSCALE_WEIGHTS (prepare_bench_weights) on the device.
 """
 import gc
@@ -62,11 +62,15 @@ def test_oom_recovers_and_frees_memory():
     base = build_upscaler(H.random_compact(num_feat=16, num_conv=3))
     up = replace(base, module=_OomAbove(base.module, 80 * 80))
     img = _img(1, 128, 128)
+    kw = dict(device="gpu", precision="fp32", tile_size=256, tile_overlap=8, quiet=True)
+    upscale_images(base, img, **kw)  # warm-up: lazily created CUDA/cuDNN state is not a leak
+    gc.collect()
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out = upscale_images(up, img, device="gpu", precision="fp32", tile_size=256, tile_overlap=8, quiet=True)
+    before = torch.cuda.memory_allocated()  # baseline after our own warm-up; the cache state does not enter it
+    out = upscale_images(up, img, **kw)
+    gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.memory_allocated() <= before
     ref = upscale_images(base, img, device="cpu", quiet=True)
     assert (out - ref).abs().max().item() <= TOLERANCE["fp32"][0]
     with pytest.raises(RuntimeError, match="out of memory"):
@@ -74,7 +78,23 @@ def test_oom_recovers_and_frees_memory():
                        quiet=True)
     gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.memory_allocated() <= before
+
+
+def test_nhwc_default_matches_nchw_fp16():
+    """The channels-last default gives the NCHW result within fp16 rounding, and the fp32 CPU result within the
+    fp16 tolerance (random RRDB outputs are nearly constant, so RRDB is checked on real weights below)."""
+    up = build_upscaler(H.random_compact(32, 4))
+    img = _img(1, 150, 131)
+    kw = dict(device="gpu", precision="fp16", tile_size=64, tile_overlap=16, quiet=True)
+    nhwc = upscale_images(up, img, **kw)
+    nchw = upscale_images(up, img, layout="nchw", **kw)
+    ref = upscale_images(up, img, device="cpu", tile_size=64, tile_overlap=16, quiet=True)
+    tmax, tmean = TOLERANCE["fp16"]
+    for out in (nhwc, nchw):
+        diff = (out - ref).abs()
+        assert diff.max().item() <= tmax and diff.mean().item() <= tmean
+    assert (nhwc - nchw).abs().max().item() <= tmax
 
 
 def _peak(fn):
@@ -101,7 +121,21 @@ def test_real_rrdb_1024_peak_under_2gb(bench_weights):
     up = load_upscaler(bench_weights["REALESRGAN_X4PLUS_UP4X"])
     img = _img(1, 1024, 1024)
     peak = _peak(lambda: upscale_images(up, img, device="gpu", precision="fp16", quiet=True))
-    assert peak <= 2 * 2 ** 30, f"{peak / 2 ** 30:.2f} GiB"
+    assert peak <= 2 * 10 ** 9, f"{peak / 2 ** 30:.2f} GiB"  # 2 GB read strictly (1.86 GiB)
+
+
+def test_real_rrdb_nhwc_matches_nchw(bench_weights):
+    if "REALESRGAN_X4PLUS_UP4X" not in bench_weights:
+        pytest.skip("RRDB x4plus weights not in LEANDIFFUSION_UPSCALE_WEIGHTS")
+    up = load_upscaler(bench_weights["REALESRGAN_X4PLUS_UP4X"])
+    img = _img(1, 96, 80)
+    nhwc = upscale_images(up, img, device="gpu", precision="fp16", quiet=True)
+    nchw = upscale_images(up, img, device="gpu", precision="fp16", layout="nchw", quiet=True)
+    ref = upscale_images(up, img, device="cpu", quiet=True)
+    tmax, tmean = TOLERANCE["fp16"]
+    for out in (nhwc, nchw):
+        diff = (out - ref).abs()
+        assert diff.max().item() <= tmax and diff.mean().item() <= tmean, (diff.max().item(), diff.mean().item())
 
 
 def test_real_compact_fp16_close_to_cpu_fp32(bench_weights):

@@ -222,16 +222,52 @@ def test_spandrel_style_upscaler_without_helpers():
     assert out.shape == (1, 160, 144, 3) and 0 <= out.min() and out.max() <= 1
 
 
-def test_nhwc_layout_matches():
-    """channels_last runs the dense blocks through concatenation; same numbers as the buffer path."""
-    for sd in (H.random_rrdb(num_block=1), H.random_compact(num_conv=2)):
-        up = build_upscaler(sd)
-        img = _img(1, 40, 33)
-        a = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True)
-        b = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True, layout="nhwc")
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+@pytest.mark.parametrize("sd", [H.random_rrdb(num_block=1), H.random_rrdb(num_block=1, unshuffle=2),
+                                H.random_compact(num_conv=2)], ids=["rrdb", "rrdb_unshuffle", "compact"])
+def test_nhwc_layout_matches(sd):
+    """channels_last (the default for built-in nets) runs the dense blocks through concatenation; same numbers as
+    NCHW (buffer path) and as the plain reference implementations."""
+    up = build_upscaler(sd)
+    assert runner.resolve_layout("auto", up) == "nhwc"
+    img = _img(1, 40, 34)
+    a = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True, layout="nchw")
+    b = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True, layout="nhwc")
+    c = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(c, b, atol=0, rtol=0)
+    whole = upscale_images(up, img, device="cpu", quiet=True)
+    x = img.permute(0, 3, 1, 2)
+    if "body.1.weight" in sd:
+        ref = H.ref_compact(sd, x)
+    else:
+        ref = H.ref_rrdb(sd, x, 2 if sd["conv_first.weight"].shape[1] == 12 else 1)
+    torch.testing.assert_close(whole, ref.clamp(0, 1).permute(0, 2, 3, 1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tile_size", [0, 32])  # 0: one window = the whole image, a view of the input
+@pytest.mark.parametrize("kind", ["rrdb", "compact"])
+def test_auto_layout_really_runs_channels_last(kind, tile_size):
+    """Every convolution of a built-in net gets and returns NHWC tensors under layout="auto" (a view that merely
+    passes the contiguity check would make the convolutions fall back to NCHW, silently and slower)."""
+    up = build_upscaler(H.random_rrdb(num_block=1) if kind == "rrdb" else H.random_compact(num_conv=2))
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: seen.append(out.is_contiguous(
+        memory_format=torch.channels_last) and not out.is_contiguous() and inp[0].stride(1) == 1))
+        for m in up.module.modules() if isinstance(m, torch.nn.Conv2d)]
+    try:
+        upscale_images(up, _img(1, 36, 40), device="cpu", tile_size=tile_size, tile_overlap=8, quiet=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen and all(seen)
+
+
+def test_layout_argument():
+    up = build_upscaler(H.random_compact(num_conv=1))
+    generic = Upscaler(up.module, "generic", 4)
+    assert runner.resolve_layout("auto", generic) == "nchw" and runner.resolve_layout("nhwc", generic) == "nhwc"
     with pytest.raises(ValueError, match="layout"):
-        upscale_images(up, img, device="cpu", layout="nwhc")
+        upscale_images(up, _img(1, 40, 33), device="cpu", layout="nwhc")
 
 
 def test_error_releases_frame_locals():
@@ -246,3 +282,22 @@ def test_error_releases_frame_locals():
         tb = tb.tb_next
     inner = [f for f in frames if f.f_code.co_name == "_upscale_one"]
     assert inner and all(not f.f_locals for f in inner)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_placed_copy_leaves_the_upscaler_alone(layout):
+    """Moving to another dtype (a device on a GPU) makes a cast copy; the upscaler's module is unchanged."""
+    sd = H.random_rrdb(num_block=1)
+    up = build_upscaler(sd)
+    before = {k: v.clone() for k, v in up.module.state_dict().items()}
+    placed = runner._placed_module(up, torch.device("cpu"), torch.float64, layout)
+    assert placed is not up.module
+    assert all(p.dtype == torch.float64 and not p.requires_grad for p in placed.parameters())
+    conv = placed.conv_first.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) == (layout == "nhwc")
+    for k, v in up.module.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, before[k])
+        torch.testing.assert_close(placed.state_dict()[k], v.double(), atol=0, rtol=0)
+    x = torch.rand(1, 3, 11, 9)
+    with torch.inference_mode():
+        torch.testing.assert_close(placed(x.double()).float(), H.ref_rrdb(sd, x), atol=1e-5, rtol=0)
