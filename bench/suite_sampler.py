@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 SUITE = "sampler"
 SMOKE_BUDGET_S = 60
-QUICK_BUDGET_S = 300
+QUICK_BUDGET_S = 140
 FULL_BUDGET_S = 540
 
 CFG = 7.5

@@ -30,7 +30,7 @@ import torch
 
 SUITE = "stream"
 SMOKE_BUDGET_S = 30
-QUICK_BUDGET_S = 150
+QUICK_BUDGET_S = 90
 FULL_BUDGET_S = 330
 
 NEGATIVE = "blurry, low quality"

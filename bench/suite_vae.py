@@ -23,7 +23,7 @@ from .models import full_vae
 
 SUITE = "vae"
 SMOKE_BUDGET_S = 20
-QUICK_BUDGET_S = 150
+QUICK_BUDGET_S = 130
 FULL_BUDGET_S = 400
 EXACT_BUDGET = {1024: 1.0, 2048: 1.0, 4096: 3.0}  # GiB of activations for exact mode (weights excluded)
 BLEND_TILE = 1024
