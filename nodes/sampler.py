@@ -9,7 +9,8 @@ from ..sampling.settings import ACCELERATIONS, CFG_MODES, MAX_SEED, SamplerSetti
 class LeanFusedDDIMSampler:
     DESCRIPTION = ("DDIM sampling that reproduces diffusers' DDIMScheduler pipelines exactly (same seed, same "
                    "latent), with classifier-free guidance and the DDIM update fused into one kernel and the whole "
-                   "step replayed as a CUDA graph (optionally torch.compile'd). Connect a latent for img2img.")
+                   "step replayed as a CUDA graph (optionally torch.compile'd). Connect a latent for img2img, and "
+                   "CONDITIONING from any text-encode node to replace the prompt strings.")
     CATEGORY = "LeanDiffusion/sampling"
     FUNCTION = "run"
     RETURN_TYPES = ("LATENT",)
@@ -21,9 +22,12 @@ class LeanFusedDDIMSampler:
             "required": {
                 "lean_model": ("LEAN_MODEL", {"tooltip": "The model from the Memory Pool Loader."}),
                 "positive": ("STRING", {"multiline": True, "default": "",
-                                        "tooltip": "What the image should show."}),
+                                        "tooltip": "What the image should show. ComfyUI weights (red cube:1.3), "
+                                                   "((x)), plus [x] = weaker and BREAK (new 77-token chunk); "
+                                                   "embedding:NAME. Ignored when positive_cond is connected."}),
                 "negative": ("STRING", {"multiline": True, "default": "",
-                                        "tooltip": "What the image should avoid (the unconditional prompt of CFG)."}),
+                                        "tooltip": "What the image should avoid (the unconditional prompt of CFG), "
+                                                   "same syntax. Ignored when negative_cond is connected."}),
                 "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "control_after_generate": True,
                                  "tooltip": "Noise seed; noise is drawn on the CPU for the whole batch, as ComfyUI "
                                             "and diffusers do, so a seed gives the same latent everywhere."}),
@@ -59,16 +63,22 @@ class LeanFusedDDIMSampler:
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                       "tooltip": "img2img strength: how much of the schedule runs (1.0 = all). "
                                                  "Below 1 without a latent_image, starts from an empty latent."}),
+                "positive_cond": ("CONDITIONING", {"tooltip": "Optional CONDITIONING (e.g. from CLIPTextEncode); "
+                                                              "when connected it REPLACES the positive text."}),
+                "negative_cond": ("CONDITIONING", {"tooltip": "Optional CONDITIONING (e.g. from CLIPTextEncode); "
+                                                              "when connected it REPLACES the negative text."}),
             },
         }
 
     def run(self, lean_model, positive, negative, seed, steps, cfg, eta, width, height, batch_size,
-            timestep_spacing, cfg_mode, acceleration, latent_image=None, denoise=1.0):
+            timestep_spacing, cfg_mode, acceleration, latent_image=None, denoise=1.0, positive_cond=None,
+            negative_cond=None):
         settings = SamplerSettings(positive=positive, negative=negative, seed=seed, steps=steps, cfg=cfg, eta=eta,
                                    width=width, height=height, batch_size=batch_size,
                                    timestep_spacing=timestep_spacing, cfg_mode=cfg_mode, acceleration=acceleration,
                                    denoise=denoise)
-        return (sample(lean_model, settings, latent_image=latent_image),)
+        return (sample(lean_model, settings, latent_image=latent_image, positive_cond=positive_cond,
+                       negative_cond=negative_cond),)
 
 
 NODE_CLASS_MAPPINGS = {"LeanFusedDDIMSampler": LeanFusedDDIMSampler}

@@ -5,16 +5,22 @@ the UNet sees. Invariants (diffusers' ``StableDiffusionPipeline`` / ``StableDiff
 - each prompt is encoded once and repeated ``batch`` times;
 - batched CFG stacks uncond first: context ``[u..., c...]``, SDXL pooled ``[u..., c...]``, time ids repeated;
 - sequential CFG makes two calls of ``batch`` rows (uncond, then cond); unguided runs one call on cond;
-- SDXL time ids are (height, width, 0, 0, height, width) in pixels, for every row.
+- SDXL time ids are (height, width, 0, 0, height, width) in pixels, for every row, unless a ComfyUI CONDITIONING
+  gives its own size keys; the uncond side then may carry its own (``uncond_time_ids``), as ComfyUI's samplers
+  build the added conditioning per side.
+- every prompt string and CONDITIONING goes through ``prompts.encode_for_sampler`` (weight syntax, long prompts,
+  embeddings, the prompt cache); a prompt without weights, brackets, ``BREAK`` or embeddings within 75 tokens
+  encodes exactly as diffusers' pipelines do.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ..memory.engine import LeanEngine, PromptEmbeds
+from .prompts import SAMPLER_SYNTAX, encode_for_sampler
 from .settings import CfgMode
 
 
@@ -25,6 +31,7 @@ class Conditioning:
     cond: PromptEmbeds
     uncond: Optional[PromptEmbeds]
     time_ids: Optional[torch.Tensor]  # [batch, 6] (SDXL) or None
+    uncond_time_ids: Optional[torch.Tensor] = None  # the uncond side's own time ids; None = same as ``time_ids``
 
     @property
     def guided(self) -> bool:
@@ -61,17 +68,29 @@ def conditioning_from_embeds(engine: LeanEngine, cond: PromptEmbeds, uncond: Opt
 
 
 def encode_conditioning(engine: LeanEngine, positive: str, negative: str, batch: int, guided: bool, height: int,
-                        width: int) -> Conditioning:
-    """Encode the prompts inside ``engine.session("text")`` (negative only when guided)."""
-    with engine.session("text"):
-        cond = engine.encode_prompts([positive])
-        uncond = engine.encode_prompts([negative]) if guided else None
-    return conditioning_from_embeds(engine, cond, uncond, batch, height, width)
+                        width: int, *, positive_cond: Any = None, negative_cond: Any = None,
+                        syntax: str = SAMPLER_SYNTAX) -> Conditioning:
+    """Conditioning for a run: the prompt strings (``syntax``, see ``prompts``) or, where connected, the ComfyUI
+    CONDITIONING of that side; the negative side only when guided. Opens the text session only on a cache miss."""
+    cond, uncond = encode_for_sampler(engine, positive, negative, batch, positive_cond, negative_cond, width=width,
+                                      height=height, syntax=syntax, guided=guided)
+    if engine.parts.is_sdxl:
+        for name, side in (("positive", cond), ("negative", uncond)):
+            if side is not None and (side.pooled is None or side.time_ids is None):
+                raise ValueError(f"{name}: SDXL needs pooled text embeddings and size conditioning; encode the "
+                                 f"prompt with an SDXL CLIP")
+    time_ids = cond.time_ids if engine.parts.is_sdxl else None
+    uncond_ids = None
+    if uncond is not None and time_ids is not None and not torch.equal(uncond.time_ids, time_ids):
+        uncond_ids = uncond.time_ids
+    return Conditioning(PromptEmbeds(cond.context, cond.pooled),
+                        None if uncond is None else PromptEmbeds(uncond.context, uncond.pooled), time_ids, uncond_ids)
 
 
 def unet_calls(conditioning: Conditioning, mode: str) -> tuple[list[UNetCall], int]:
     """The UNet calls of one step and how many copies of the latent the (shared) UNet input holds."""
     c, u, ids = conditioning.cond, conditioning.uncond, conditioning.time_ids
+    u_ids = ids if conditioning.uncond_time_ids is None else conditioning.uncond_time_ids
 
     def added(e: PromptEmbeds, time_ids) -> Optional[dict]:
         return None if time_ids is None else {"text_embeds": e.pooled, "time_ids": time_ids}
@@ -79,9 +98,9 @@ def unet_calls(conditioning: Conditioning, mode: str) -> tuple[list[UNetCall], i
     if u is None:
         return [UNetCall(c.context, added(c, ids))], 1
     if mode == CfgMode.SEQUENTIAL.value:
-        return [UNetCall(u.context, added(u, ids)), UNetCall(c.context, added(c, ids))], 1
+        return [UNetCall(u.context, added(u, u_ids)), UNetCall(c.context, added(c, ids))], 1
     context = torch.cat([u.context, c.context])
     both = None
     if ids is not None:
-        both = {"text_embeds": torch.cat([u.pooled, c.pooled]), "time_ids": torch.cat([ids, ids])}
+        both = {"text_embeds": torch.cat([u.pooled, c.pooled]), "time_ids": torch.cat([u_ids, ids])}
     return [UNetCall(context, both)], 2

@@ -76,8 +76,12 @@ def _batch_latents(samples: torch.Tensor, batch_size: int) -> torch.Tensor:
 
 def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional[dict] = None,
            conditioning: Optional[Conditioning] = None, runner: Optional[GraphRunner] = None,
-           quiet: bool = False) -> dict:
-    """Run the sampler; returns ``{"samples": raw latents [B, C, h, w] float32 on the CPU}``."""
+           quiet: bool = False, positive_cond: Any = None, negative_cond: Any = None) -> dict:
+    """Run the sampler; returns ``{"samples": raw latents [B, C, h, w] float32 on the CPU}``.
+
+    ``positive_cond`` / ``negative_cond``: ComfyUI CONDITIONING that replaces the prompt string of its side
+    (``prompts.encode_for_sampler``); ignored when a precomputed ``conditioning`` is given.
+    """
     if not isinstance(engine, LeanEngine):
         raise TypeError(f"lean_model: expected a LEAN_MODEL from the Memory Pool Loader, got {type(engine).__name__}")
     s = settings.validated()
@@ -104,7 +108,9 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
 
     if conditioning is None:
         bridge.check_interrupted()
-        conditioning = encode_conditioning(engine, s.positive, s.negative, shape[0], s.guided, height, width)
+        conditioning = encode_conditioning(engine, s.positive, s.negative, shape[0], s.guided, height, width,
+                                           positive_cond=positive_cond, negative_cond=negative_cond,
+                                           syntax=s.prompt_syntax)
     elif conditioning.batch != shape[0] or conditioning.guided != s.guided:
         raise ValueError(f"conditioning has batch {conditioning.batch} (guided={conditioning.guided}); this run "
                          f"needs batch {shape[0]} (guided={s.guided})")

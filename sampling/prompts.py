@@ -2,7 +2,10 @@
 
 ``encode_for_sampler`` takes the sampler node's ``positive``/``negative`` strings and its optional
 ``positive_cond``/``negative_cond`` CONDITIONING; a CONDITIONING, when given, replaces the string of its side.
-Strings are encoded with ComfyUI's CLIPTextEncode rules (``prompt_encoder``) through the process-wide prompt cache;
+Strings are encoded with ComfyUI's CLIPTextEncode rules (``prompt_encoder``) through the process-wide prompt cache,
+in the ``"extended"`` syntax by default (``SAMPLER_SYNTAX``: ComfyUI's rules plus ``[x]`` = weight / 1.1 and
+``BREAK``, as the prompt-handling issue specifies for the pack's own prompt strings; a prompt without ``[``, ``]``
+or ``BREAK`` reads identically in both syntaxes);
 CONDITIONING is converted as ComfyUI's samplers read it (``conditioning``). The two sides come back batched to
 ``batch`` and with equal sequence length (lcm repetition, exact for cross-attention), ready for a batched CFG call.
 
@@ -17,7 +20,8 @@ from typing import Any, Optional
 from ..memory.engine import LeanEngine
 from .conditioning import SamplerConditioning, from_conditioning, match_lengths, repeat_to_batch, time_ids_from_sizes
 from .prompt_encoder import PROMPT_CACHE, PromptCache, encode_texts
-from .prompt_parser import DEFAULT_SYNTAX
+
+SAMPLER_SYNTAX = "extended"
 
 
 def _check_size(name: str, value: Optional[int]) -> None:
@@ -27,18 +31,21 @@ def _check_size(name: str, value: Optional[int]) -> None:
 
 def encode_for_sampler(engine: LeanEngine, positive: Optional[str], negative: Optional[str], batch: int,
                        positive_cond: Any = None, negative_cond: Any = None, *, width: Optional[int] = None,
-                       height: Optional[int] = None, syntax: str = DEFAULT_SYNTAX, missing_embedding: str = "error",
-                       cache: Optional[PromptCache] = PROMPT_CACHE
-                       ) -> tuple[SamplerConditioning, SamplerConditioning]:
+                       height: Optional[int] = None, syntax: str = SAMPLER_SYNTAX, missing_embedding: str = "error",
+                       cache: Optional[PromptCache] = PROMPT_CACHE, guided: bool = True
+                       ) -> tuple[SamplerConditioning, Optional[SamplerConditioning]]:
     """(cond, uncond) for ``engine``: ``context`` [batch, L, C] each (same L), SDXL ``pooled`` [batch, P] and
     ``time_ids`` [batch, 6] (from the CONDITIONING's size keys, defaulting to ``width``/``height`` = the image size
     in pixels; ``None`` when neither is known -- then use ``engine.time_ids``). Do not call inside a session.
+    ``guided=False`` (CFG scale 1) leaves the negative side out: nothing is encoded for it and uncond is ``None``.
     """
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"batch={batch!r}: expected a positive int (the sampler's batch_size)")
     _check_size("width", width)
     _check_size("height", height)
-    sides = {"positive": (positive, positive_cond), "negative": (negative, negative_cond)}
+    sides = {"positive": (positive, positive_cond)}
+    if guided:
+        sides["negative"] = (negative, negative_cond)
     texts = []
     for name, (text, cond) in sides.items():
         if cond is None:
@@ -56,6 +63,8 @@ def encode_for_sampler(engine: LeanEngine, positive: Optional[str], negative: Op
         pooled = None if emb.pooled is None else repeat_to_batch(emb.pooled, batch)
         time_ids = time_ids_from_sizes({}, width, height, batch, engine) if engine.parts.is_sdxl else None
         out.append(SamplerConditioning(repeat_to_batch(emb.context, batch), pooled, time_ids))
+    if not guided:
+        return out[0], None
     cond_ctx, uncond_ctx = match_lengths(out[0], out[1])
     return (SamplerConditioning(cond_ctx, out[0].pooled, out[0].time_ids),
             SamplerConditioning(uncond_ctx, out[1].pooled, out[1].time_ids))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from .ddim import SPACINGS
+from .prompt_parser import SYNTAXES
 
 
 class CfgMode(str, Enum):
@@ -61,6 +62,8 @@ class SamplerSettings:
     cfg_mode: str = "batched"
     acceleration: str = "cuda_graph"
     denoise: float = 1.0
+    # how the prompt strings are read: "extended" (ComfyUI's rules + [x] and BREAK) or "comfyui" (docs/prompts.md)
+    prompt_syntax: str = "extended"
 
     @property
     def guided(self) -> bool:
@@ -92,4 +95,6 @@ class SamplerSettings:
             raise ValueError(f"cfg_mode={self.cfg_mode!r}: expected one of {CFG_MODES}")
         if self.acceleration not in ACCELERATIONS:
             raise ValueError(f"acceleration={self.acceleration!r}: expected one of {ACCELERATIONS}")
+        if self.prompt_syntax not in SYNTAXES:
+            raise ValueError(f"prompt_syntax={self.prompt_syntax!r}: expected one of {SYNTAXES}")
         return replace(self, cfg=cfg, eta=eta, denoise=denoise)
