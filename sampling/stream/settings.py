@@ -61,6 +61,7 @@ class StreamSettings:
     images_per_prompt: int = 1
     max_batch: int = 0  # 0 = auto
     decode_tile_size: int = 0  # 0 = auto (untiled when it fits)
+    prompt_syntax: str = "extended"  # as SamplerSettings.prompt_syntax (the samplers' default)
 
     @classmethod
     def from_text(cls, prompts: str, **kwargs) -> "StreamSettings":
@@ -79,7 +80,7 @@ class StreamSettings:
         return SamplerSettings(positive=prompt, negative=self.negative, seed=seed, steps=self.steps, cfg=self.cfg,
                                eta=0.0, width=self.width, height=self.height, batch_size=1,
                                timestep_spacing=self.timestep_spacing, cfg_mode="batched",
-                               acceleration=self.acceleration, denoise=1.0)
+                               acceleration=self.acceleration, denoise=1.0, prompt_syntax=self.prompt_syntax)
 
     def validated(self) -> "StreamSettings":
         if not isinstance(self.prompts, tuple) or not all(isinstance(p, str) for p in self.prompts):

@@ -1,19 +1,29 @@
 """Text stage: each batch's classifier-free-guidance conditioning, encoded ahead of the batch that needs it.
 
 Invariants
-- Every prompt is encoded exactly as the Fused DDIM Sampler encodes it for a run of batch size 1
-  (``engine.encode_prompts([prompt])`` inside ``engine.session("text")``, the negative only when guided), so a
-  row of a batch sees the same context as that image's one-prompt run. Each prompt (and the negative) is encoded
-  once per run; embeddings of prompts no later image needs are dropped.
+- Every prompt is encoded exactly as the Fused DDIM Sampler encodes it for a run of batch size 1: through
+  ``prompts.encode_for_sampler``'s encoder (``prompt_encoder.encode_texts`` with the run's ``prompt_syntax``, so
+  ComfyUI weight syntax, ``[x]``/``BREAK`` in the extended syntax, prompts longer than 75 tokens in 77-token chunks,
+  ``embedding:NAME`` and the process-wide prompt cache), the negative only when guided. ``encode_texts`` encodes
+  each text on its own (one [1, 77*k, C] result per text; batching texts never mixes them), opens the text session
+  only on a cache miss, and is called once per batch for the texts not encoded yet in this run; embeddings of
+  prompts no later image needs are dropped.
+- Lengths: a prompt of k chunks has 77*k tokens. A batch's rows and the negative are repeated along the sequence
+  axis to the least common multiple L of their lengths (``conditioning.match_lengths``'s rule generalised to many
+  rows). Cross-attention over a sequence repeated r times equals attention over the original (each key's softmax
+  weight splits evenly over its r copies), so each row conditions the UNet as in its one-prompt run; for a batch of
+  one image L = lcm(prompt, negative), exactly the Fused DDIM Sampler's context, so ``max_batch`` 1 is bit-identical.
 - A batch's conditioning is the per-image contexts stacked in image order, the negative repeated, SDXL pooled
-  embeddings stacked the same way and the time ids repeated: ``cfg.Conditioning`` as ``conditioning_from_embeds``
-  builds it for one prompt, generalised to one prompt per row.
+  embeddings stacked the same way and the time ids (height, width, 0, 0, height, width) repeated: ``cfg.Conditioning``
+  as ``cfg.encode_conditioning`` builds it for one prompt, generalised to one prompt per row.
 - On CUDA the stage runs on the ``text`` stream and hands its result over with an event recorded after the session
   closed. When the view has adapters, the ``text`` stream first waits for the ``unet`` stream (the session attaches
-  them, which may write weights or strength buffers the UNet's queued steps read). Under ``lowvram`` the encoders run on the CPU (``stage_device``).
+  them, which may write weights or strength buffers the UNet's queued steps read). Under ``lowvram`` the encoders run
+  on the CPU (``stage_device``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,6 +31,7 @@ import torch
 
 from ...memory.engine import LeanEngine, PromptEmbeds
 from ..cfg import Conditioning
+from ..prompt_encoder import PROMPT_CACHE, PromptCache, encode_texts
 from .settings import ImageJob, StreamSettings
 from .streams import StageStreams, Timeline
 
@@ -42,21 +53,27 @@ class BatchConditioning:
         return out
 
 
+def _to_length(context: torch.Tensor, length: int) -> torch.Tensor:
+    """``context`` [1, l, C] repeated along the sequence axis to ``length`` (a multiple of l)."""
+    return context.repeat(1, length // context.shape[1], 1)
+
+
 class TextStage:
     def __init__(self, engine: LeanEngine, settings: StreamSettings, jobs: list[ImageJob], streams: StageStreams,
-                 timeline: Optional[Timeline] = None):
+                 timeline: Optional[Timeline] = None, cache: Optional[PromptCache] = PROMPT_CACHE):
         self.engine = engine
         self.settings = settings
         self.jobs = jobs
         self.streams = streams
         self.timeline = timeline
+        self.cache = cache
         self._embeds: dict[int, PromptEmbeds] = {}
         self._negative: Optional[PromptEmbeds] = None
-        self.encoder_calls = 0
+        self.encoded_texts = 0  # texts handed to the encoder (cache hits included)
 
-    def _encode(self, prompt: str) -> PromptEmbeds:
-        self.encoder_calls += 1
-        return self.engine.encode_prompts([prompt])
+    def _encode(self, texts: list[str]) -> list[PromptEmbeds]:
+        self.encoded_texts += len(texts)
+        return encode_texts(self.engine, texts, syntax=self.settings.prompt_syntax, cache=self.cache)
 
     def release_before(self, index: int) -> None:
         """Drop the embeddings of prompts whose images all come before image ``index`` (finished denoising)."""
@@ -79,23 +96,27 @@ class TextStage:
         if engine.adapters:  # attaching them may write what the UNet reads: wait for the UNet's queued steps
             self.streams.wait_stage("text", "unet")
         with self.streams.use("text"), span:
-            if missing or (guided and self._negative is None):
-                with engine.session("text"):
-                    for p in missing:
-                        self._embeds[p] = self._encode(self.settings.prompts[p])
-                    if guided and self._negative is None:
-                        self._negative = self._encode(self.settings.negative)
+            want_negative = guided and self._negative is None
+            texts = [self.settings.prompts[p] for p in missing] + ([self.settings.negative] if want_negative else [])
+            if texts:
+                encoded = self._encode(texts)
+                for p, e in zip(missing, encoded):
+                    self._embeds[p] = e
+                if want_negative:
+                    self._negative = encoded[-1]
             rows = [self._embeds[j.prompt_index] for j in jobs]
+            neg = self._negative if guided else None
+            lengths = {r.context.shape[1] for r in rows} | ({neg.context.shape[1]} if neg is not None else set())
+            length = math.lcm(*lengths)
             b = len(rows)
-            cond = PromptEmbeds(torch.cat([r.context for r in rows]),
+            cond = PromptEmbeds(torch.cat([_to_length(r.context, length) for r in rows]),
                                 None if rows[0].pooled is None else torch.cat([r.pooled for r in rows]))
             uncond = None
-            if guided:
-                neg = self._negative
-                uncond = PromptEmbeds(neg.context.repeat(b, 1, 1),
+            if neg is not None:
+                uncond = PromptEmbeds(_to_length(neg.context, length).repeat(b, 1, 1),
                                       None if neg.pooled is None else neg.pooled.repeat(b, 1))
             if engine.parts.is_sdxl and (cond.pooled is None or (uncond is not None and uncond.pooled is None)):
-                raise ValueError("SDXL needs pooled text embeddings for every prompt (PromptEmbeds.pooled)")
+                raise ValueError("SDXL needs pooled text embeddings for every prompt; encode with an SDXL model")
             time_ids = engine.time_ids(self.settings.height, self.settings.width, b) if engine.parts.is_sdxl \
                 else None
             conditioning = Conditioning(cond, uncond, time_ids)

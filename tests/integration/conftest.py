@@ -50,3 +50,12 @@ def comfyui(tmp_path_factory):
     finally:
         server.stop()
     assert pid not in comfyui_server_pids(), f"ComfyUI (pid {pid}) is still running after stop()"
+
+
+@pytest.fixture(scope="session")
+def clip_l_model_files(comfyui):
+    """The server's models folder with a random full-size CLIP-L (``text_encoders/``) and an SD1 checkpoint holding
+    the same CLIP-L that ComfyUI's CheckpointLoaderSimple accepts (``tests/kit/clip_l.py``); written once."""
+    from leandiffusion.tests.kit.clip_l import write_clip_l_model_files
+
+    return write_clip_l_model_files(comfyui.models_dir)

@@ -18,6 +18,7 @@ from leandiffusion.runner.client import ComfyClient
 from leandiffusion.runner.convert import input_names, load_workflow, ui_to_api
 from leandiffusion.runner.errors import EXIT_EXECUTION, EXIT_INVALID, EXIT_OK
 from leandiffusion.runner.local import PACK_LINK_NAME, PACK_ROOT
+from leandiffusion.tests.kit.clip_l import CLIP_L_FILE, SD1_CLIP_L_CHECKPOINT
 
 pytestmark = pytest.mark.comfyui
 
@@ -50,11 +51,10 @@ TINY_OVERRIDES = {
 }
 # Workflows that need more than the tiny model: ComfyUI's CLIP loader builds a full-size CLIP-L whatever the file,
 # so comfy_conditioning runs on a random full-size CLIP-L (text_encoders/) and a checkpoint holding the same CLIP-L
-# with a tiny UNet of 768-wide cross-attention (``clip_l_model_files``). Applied after TINY_OVERRIDES.
-CLIP_L_FILE = "clip_l_random.safetensors"
-CTX768_CHECKPOINT = "tiny_sd1_ctx768.safetensors"
+# with a small UNet of 768-wide cross-attention (``clip_l_model_files`` in conftest.py, ``tests/kit/clip_l.py``).
+# Applied after TINY_OVERRIDES.
 WORKFLOW_OVERRIDES = {
-    "comfy_conditioning.api.json": {("LeanModelLoader", "model"): CTX768_CHECKPOINT,
+    "comfy_conditioning.api.json": {("LeanModelLoader", "model"): SD1_CLIP_L_CHECKPOINT,
                                     ("CLIPLoader", "clip_name"): CLIP_L_FILE},
 }
 WORKFLOW_FIXTURES = {"comfy_conditioning.api.json": "clip_l_model_files"}
@@ -168,36 +168,6 @@ def tiny_model_files(comfyui):
                                       {"unet": lorafiles.ATTN_FF, "text_encoder": lorafiles.TE_LINEARS})
     lorafiles.write(lora, comfyui.models_dir / "loras" / TINY_LORA)
     save_file(random_compact(), str(comfyui.models_dir / "upscale_models" / TINY_UPSCALER))
-    return comfyui.models_dir
-
-
-@pytest.fixture(scope="module")
-def clip_l_model_files(comfyui):
-    """A random full-size CLIP-L in ``text_encoders/`` and an SD1 checkpoint with the same CLIP-L, the tiny VAE and a
-    tiny UNet whose cross-attention takes CLIP-L's 768-wide states (fp16 files, ~250 MB each). No tokenizer folder:
-    inside ComfyUI the loader uses ComfyUI's bundled CLIP tokenizer, as for any real single-file checkpoint."""
-    import torch
-    from diffusers import UNet2DConditionModel
-    from safetensors.torch import load_file, save_file
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    from leandiffusion.memory.tiny import unet_config
-    from leandiffusion.tests.kit import tiny_components
-    from leandiffusion.tests.kit.ldm import save_ldm_checkpoint
-
-    torch.manual_seed(0)  # the random CLIP-L's initialisation
-    config = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                            num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
-                            projection_dim=768, bos_token_id=49406, eos_token_id=49407, pad_token_id=49407)
-    components = tiny_components("sd1")
-    components["unet"] = UNet2DConditionModel(**{**unet_config("sd1"), "cross_attention_dim": 768})
-    components["text_encoder"] = CLIPTextModel(config).eval()
-    checkpoint = save_ldm_checkpoint(components, comfyui.models_dir / "checkpoints" / CTX768_CHECKPOINT,
-                                     tokenizer=False, dtype=torch.float16)
-    prefix = "cond_stage_model.transformer."
-    clip_l = {k[len(prefix):]: v for k, v in load_file(str(checkpoint)).items() if k.startswith(prefix)}
-    (comfyui.models_dir / "text_encoders").mkdir(exist_ok=True)
-    save_file(clip_l, str(comfyui.models_dir / "text_encoders" / CLIP_L_FILE))
     return comfyui.models_dir
 
 
