@@ -249,22 +249,23 @@ def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerat
         # compare with the fastest peer seen so far (conservative: never a slow peer)
         peer_times.append(time_ms(peer_fn, warmup=0, repeat=repeat, device=dev))
         peer_ms = min(peer_times)
+        acc_case = f"{case}/{acc}"  # one case per acceleration: (case, metric) keys stay unique
         target = TARGETS.get(kind, {}).get(acc)
-        ctx.record(case, "loop_ms", ms, peer_ms, peer_name, target, "ratio>=" if target else "",
+        ctx.record(acc_case, "loop_ms", ms, peer_ms, peer_name, target, "ratio>=" if target else "",
                    lower_is_better=True, unit="ms", notes=f"acceleration={acc}; " + notes)
         scaled_out = out  # scaled latents, like the peer's
-        ctx.record(case, "rel_diff_vs_diffusers", _rel(scaled_out, peer_out), target=5e-3, target_kind="ours<=",
+        ctx.record(acc_case, "rel_diff_vs_diffusers", _rel(scaled_out, peer_out), target=5e-3, target_kind="ours<=",
                    notes=f"acceleration={acc}: ||ours - diffusers|| / ||diffusers|| over the final latents "
                          f"(ours keeps a float32 latent state, diffusers fp16)")
         if acc == "none":
             eager_out = scaled_out
         elif eager_out is not None:
-            ctx.record(case, "rel_diff_vs_eager", _rel(scaled_out, eager_out), target=5e-3, target_kind="ours<=",
+            ctx.record(acc_case, "rel_diff_vs_eager", _rel(scaled_out, eager_out), target=5e-3, target_kind="ours<=",
                        notes=f"acceleration={acc} vs acceleration=none, same run")
-        ctx.record(case, "first_run_s", first_s, unit="s",
+        ctx.record(acc_case, "first_run_s", first_s, unit="s",
                    notes=f"acceleration={acc}: first loop incl. capture/compile (once per process)")
         if dev.type == "cuda":
-            ctx.record(case, "peak_reserved_gb", peak["reserved_gb"], unit="GB",
+            ctx.record(acc_case, "peak_reserved_gb", peak["reserved_gb"], unit="GB",
                        notes=f"acceleration={acc}: max_memory_reserved during the first run (CUDA context excluded)")
     runner.clear()
     ctx.record(case, "peer_spread", max(peer_times) / min(peer_times), unit="x",

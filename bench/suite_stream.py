@@ -133,10 +133,16 @@ def _diffusers_one_by_one(pipe, settings, limit=None):
     s = settings.validated()
     out = []
     for job in s.jobs()[:limit]:
+        # Denoise in the pipeline, decode with its VAE in the VAE's own dtype: what diffusers' SDXL pipeline does
+        # for an fp16 VAE with force_upcast, written out because our shared VAE is already fp32 (the pipeline
+        # would hand it fp16 latents) and the same for SD1.5. Postprocessing to 0..1 as output_type="pt" does.
         res = pipe(s.prompts[job.prompt_index], negative_prompt=s.negative, num_inference_steps=s.steps,
-                   guidance_scale=s.cfg, height=s.height, width=s.width, output_type="pt",
+                   guidance_scale=s.cfg, height=s.height, width=s.width, output_type="latent",
                    generator=torch.Generator("cpu").manual_seed(job.seed))
-        out.append(res.images)
+        vae = pipe.vae
+        with torch.no_grad():
+            image = vae.decode(res.images.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        out.append((image.float() / 2 + 0.5).clamp(0, 1))
     return out
 
 
