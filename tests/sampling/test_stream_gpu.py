@@ -6,8 +6,6 @@ of one must replay the Fused DDIM Sampler's own cached graph (bit-identical); un
 text encoders and the VAE move to the device on their side streams while the UNet runs; the timeline shows the
 three stages on three streams.
 """
-import contextlib
-
 import pytest
 import torch
 
@@ -73,30 +71,16 @@ def test_balanced_policy_moves_stages_on_side_streams():
     assert torch.cuda.memory_allocated() < 2 ** 30
 
 
-@contextlib.contextmanager
-def _ieee_fp32():
-    """TF32 off for cuBLAS matmuls and cuDNN convolutions inside the block; the process flags are restored.
-
-    With TF32 (cuDNN's default for convolutions) the tiled and untiled decodes pick different algorithms for their
-    different shapes and differ by ~2e-3 from rounding alone; in IEEE fp32 the exact tiles must agree to ~1e-5.
-    """
-    matmul = torch.backends.cuda.matmul.allow_tf32
-    cudnn = torch.backends.cudnn
-    try:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
-                         allow_tf32=False):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = matmul
-
-
 def test_decode_tiles_on_gpu(engine):
-    """The stream's tiled decode (exact tiles, 128 px) equals the engine's untiled decode of the same latents."""
+    """The stream's tiled decode (exact tiles, 128 px) equals the engine's untiled decode of the same latents.
+
+    The fixture's VAE runs in fp16, so tiles and the whole image round differently: measured 2.08e-3 max (about four
+    fp16 ulps near 0.5) on an H200. The bound is issue 11's for exact fp16 tiles, 2/255; a misplaced tile or a
+    wrong GroupNorm statistic shows up at 1e-1 and above.
+    """
     s = _settings(prompts="a red boat", images_per_prompt=2, max_batch=2, decode_tile_size=128, width=256,
                   height=256, steps=2)
-    with _ieee_fp32():
-        result = run_stream(engine, s, quiet=True)
-        with engine.session("vae"):
-            want = engine.vae_decode(result.latents)
-    assert (result.images - want).abs().max().item() <= 1e-4
+    result = run_stream(engine, s, quiet=True)
+    with engine.session("vae"):
+        want = engine.vae_decode(result.latents)
+    assert (result.images - want).abs().max().item() <= 2 / 255
