@@ -17,10 +17,11 @@ Design (the view does not own a merged copy; it merges on attach and restores on
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 
+from .binding import RefCountedBinding
 from .keymap import Target
 from .unmerged import refuse_inside_capture
 
@@ -45,10 +46,11 @@ def _save_copy(w: torch.Tensor) -> torch.Tensor:
         return out.copy_(w)
 
 
-class MergedBinding:
+class MergedBinding(RefCountedBinding):
     """A loaded LoRA bound to a model's modules, merged into the weights while attached."""
 
     mode = "merged"
+    verb = "merged into"
 
     def __init__(self, key: tuple, targets: Iterable[Target], label: str = ""):
         self.key = key
@@ -56,8 +58,7 @@ class MergedBinding:
         self.targets = list(targets)
         self.components = sorted({t.component for t in self.targets})
         self._saved: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {c: [] for c in self.components}
-        self._depth: dict[str, int] = {c: 0 for c in self.components}
-        self._strength: dict[str, float] = {c: 0.0 for c in self.components}
+        self._init_refcounts(self.components)
 
     @torch.no_grad()
     def _merge(self, comp: str, strength: float) -> None:
@@ -82,35 +83,10 @@ class MergedBinding:
             w, backup = saved.pop()
             w.copy_(backup)
 
-    def attach(self, strengths: Mapping[str, float]) -> None:
-        done = []
-        try:
-            for comp, s in strengths.items():
-                if comp not in self._depth:
-                    continue
-                if self._depth[comp] > 0:
-                    if self._strength[comp] != s:
-                        raise RuntimeError(
-                            f"LoRA {self.label!r} is already merged into the {comp} with strength "
-                            f"{self._strength[comp]}; two views of one LoRA cannot run at once with different "
-                            f"strengths (finish one session before starting the other)")
-                    self._depth[comp] += 1
-                    done.append(comp)
-                    continue
-                if s != 0.0:
-                    refuse_inside_capture(self.label, comp)
-                    self._merge(comp, s)
-                self._strength[comp] = s
-                self._depth[comp] = 1
-                done.append(comp)
-        except BaseException:
-            self.detach({c: 0.0 for c in done})
-            raise
+    def _activate(self, comp: str, strength: float) -> None:
+        if strength != 0.0:
+            refuse_inside_capture(self.label, comp)
+            self._merge(comp, strength)
 
-    def detach(self, strengths: Mapping[str, float]) -> None:
-        for comp in strengths:
-            if self._depth.get(comp, 0) == 0:
-                continue
-            self._depth[comp] -= 1
-            if self._depth[comp] == 0:
-                self._restore(comp)
+    def _deactivate(self, comp: str) -> None:
+        self._restore(comp)

@@ -27,12 +27,13 @@ written at attach. Two views of one binding cannot be attached at the same time 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
+from .binding import RefCountedBinding
 from .keymap import Target
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ def _share_downs(targets: list[Target]) -> dict[int, tuple[_SharedDown, slice]]:
     return out
 
 
-class UnmergedBinding:
+class UnmergedBinding(RefCountedBinding):
     """A loaded LoRA bound to a model's modules, injected by hooks. See the module docstring."""
 
     mode = "unmerged"
@@ -197,7 +198,7 @@ class UnmergedBinding:
             self._up[t.component].append(up)
             self._up_s[t.component].append(up_s)
         self._written: dict[str, float] = {c: 0.0 for c in self.components}  # buffers start zeroed
-        self._depth: dict[str, int] = {c: 0 for c in self.components}
+        self._init_refcounts(self.components)
 
     @property
     def nbytes(self) -> int:
@@ -217,38 +218,13 @@ class UnmergedBinding:
                 torch._foreach_mul_(bufs, float(strength))
         self._written[component] = strength
 
-    def attach(self, strengths: Mapping[str, float]) -> None:
-        """Install the hooks of ``strengths``' components with those strengths (atomic: all or nothing)."""
-        done = []
-        try:
-            for comp, s in strengths.items():
-                if comp not in self._depth:
-                    continue
-                if self._depth[comp] > 0:
-                    if self._written[comp] != s:
-                        raise RuntimeError(
-                            f"LoRA {self.label!r} is already attached to the {comp} with strength "
-                            f"{self._written[comp]}; two views of one LoRA cannot run at once with different "
-                            f"strengths (finish one session before starting the other)")
-                    self._depth[comp] += 1
-                    done.append(comp)
-                    continue
-                self.write_strength(comp, s)
-                for hooks, hook_id, hook in self._hooks[comp]:
-                    hooks[hook_id] = hook
-                self._depth[comp] = 1
-                done.append(comp)
-        except BaseException:
-            self.detach({c: 0.0 for c in done})
-            raise
+    def _activate(self, comp: str, strength: float) -> None:
+        self.write_strength(comp, strength)
+        for hooks, hook_id, hook in self._hooks[comp]:
+            hooks[hook_id] = hook
 
-    def detach(self, strengths: Mapping[str, float]) -> None:
-        for comp in strengths:
-            if self._depth.get(comp, 0) == 0:
-                continue
-            self._depth[comp] -= 1
-            if self._depth[comp] == 0:
-                for hooks, hook_id, _ in self._hooks[comp]:
-                    hooks.pop(hook_id, None)
-                for group in self._shared:
-                    group.clear()
+    def _deactivate(self, comp: str) -> None:
+        for hooks, hook_id, _ in self._hooks[comp]:
+            hooks.pop(hook_id, None)
+        for group in self._shared:
+            group.clear()
