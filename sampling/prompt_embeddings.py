@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Optional
 
 import torch
