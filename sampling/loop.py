@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -152,25 +153,49 @@ def _allocator(engine: LeanEngine):
     return plain_allocator(engine.device)
 
 
-@torch.no_grad()
-def denoise(engine: LeanEngine, conditioning: Conditioning, x_init: torch.Tensor, schedule: ddim.DDIMSchedule,
-            cfg: float, cfg_mode: str = "batched", acceleration: str = "none",
-            generator: Optional[torch.Generator] = None, runner: Optional[GraphRunner] = None,
-            quiet: bool = False) -> torch.Tensor:
-    """The denoising loop over ``schedule`` from ``x_init`` (scaled latents); call inside ``session("unet")``.
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without blocking the host: a pageable copy would first wait for the stream's queued steps."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
-    Returns the final scaled latents (float32, on ``engine.device``). ``generator`` (CPU) supplies the eta noise.
+
+def program_key(shape: tuple, dtype: torch.dtype, copies: int, conditioning: Conditioning, has_noise: bool,
+                prediction: str, calls) -> tuple:
+    """The graph-cache key of one step program: every shape, dtype and flag its captured graph depends on."""
+    return (shape, dtype, copies, conditioning.guided, has_noise, prediction,
+            tuple((tuple(c.context.shape), c.context.dtype,
+                   None if c.added is None else tuple((k, tuple(v.shape), v.dtype) for k, v in c.added.items()))
+                  for c in calls))
+
+
+@dataclass
+class PreparedSteps:
+    """A step program ready to run a schedule: its buffers loaded, its per-step tables on the device."""
+
+    program: StepProgram
+    advance: Callable[[], None]  # run one step eagerly, or replay the captured graph
+    unet_fn: Callable
+    t_table: torch.Tensor
+    table: torch.Tensor
+    has_noise: bool
+    shape: tuple
+
+
+def prepare_steps(engine: LeanEngine, conditioning: Conditioning, x_init: torch.Tensor, schedule: ddim.DDIMSchedule,
+                  cfg: float, cfg_mode: str, acceleration: str, runner: Optional[GraphRunner] = None) -> PreparedSteps:
+    """Build (or fetch the cached, captured) step program for this run; call inside ``session("unet")``.
+
+    Every sampler goes through here, so equal shapes share one cached CUDA graph. A capture that runs out of GPU
+    memory drops this model's cached graphs and falls back to eager steps.
     """
     device = engine.device
-    n = len(schedule)
-    if schedule.eta > 0 and generator is None:
-        raise ValueError("eta > 0 needs a CPU generator for the per-step noise")
     calls, copies = unet_calls(conditioning, cfg_mode)
-    table = torch.empty(n, 6, dtype=torch.float32)
+    table = torch.empty(len(schedule), 6, dtype=torch.float32)
     table[:, 0] = float(cfg)
     table[:, 1:] = schedule.coefficients
-    table = table.to(device)
-    t_table = torch.tensor(schedule.timesteps, dtype=torch.int64).to(device)
+    table = upload(table, device)
+    t_table = upload(torch.tensor(schedule.timesteps, dtype=torch.int64), device)
     has_noise = schedule.eta > 0
     shape = tuple(x_init.shape)
     model_dtype = engine.dtype
@@ -191,50 +216,66 @@ def denoise(engine: LeanEngine, conditioning: Conditioning, x_init: torch.Tensor
         runner = runner if runner is not None else default_runner()
         compiled = mode == Acceleration.COMPILE.value
         graph_fn = compiled_unet_fn(engine) if compiled else unet_fn
-        key = (shape, model_dtype, copies, conditioning.guided, has_noise, schedule.prediction_type,
-               tuple((tuple(c.context.shape), c.context.dtype,
-                      None if c.added is None else tuple((k, tuple(v.shape), v.dtype) for k, v in c.added.items()))
-                     for c in calls))
+        key = program_key(shape, model_dtype, copies, conditioning, has_noise, schedule.prediction_type, calls)
         try:
             captured = runner.step_for(engine, key, lambda: build(graph_fn), prepare, compiled=compiled)
             program, advance, unet_fn = captured.program, captured.replay, graph_fn
         except torch.cuda.OutOfMemoryError as exc:
             runner.clear(engine)
-            logger.warning("capturing the %s step ran out of GPU memory (%s); dropped this model's cached graphs "
-                           "and running eagerly", mode, exc)
+            logger.warning("capturing the %s step (batch %d) ran out of GPU memory (%s); dropped this model's "
+                           "cached graphs and running eagerly", mode, shape[0], exc)
     if program is None:
         program = build(unet_fn)
         prepare(program)
         advance = program.step
-
-    # A cached program must not keep this engine alive (the cache is weak in the model): the UNet call is bound
-    # for this run only. A real CUDA graph replays without calling it; stand-in backends call it per replay.
-    program.unet_fn = unet_fn
-    try:
-        _run_steps(program, advance, t_table, table, shape, has_noise, generator, device, quiet)
-    finally:
-        program.unet_fn = None
-    return program.sample.clone()
+    return PreparedSteps(program, advance, unet_fn, t_table, table, has_noise, shape)
 
 
-def _run_steps(program: StepProgram, advance, t_table: torch.Tensor, table: torch.Tensor, shape: tuple,
-               has_noise: bool, generator: Optional[torch.Generator], device: torch.device, quiet: bool) -> None:
-    """Per step: interruption check, next step's values into the buffers, run/replay, bounded run-ahead, progress."""
-    n = t_table.shape[0]
+def run_steps(prepared: PreparedSteps, generator: Optional[torch.Generator],
+              on_step: Callable[[int], None]) -> torch.Tensor:
+    """Run the schedule; returns the final scaled latents (float32, on the device, a new tensor).
+
+    Per step: interruption check, the next step's values into the buffers, run or replay, bounded run-ahead (the
+    host enqueues at most ``_RUN_AHEAD`` steps ahead of the device), then ``on_step(i)``. ``generator`` (CPU)
+    supplies the eta noise. A cached program must not keep its engine alive (the cache is weak in the model), so
+    the UNet call is bound for this run only; a real CUDA graph replays without calling it.
+    """
+    program, shape = prepared.program, prepared.shape
+    device = prepared.table.device
     cuda = device.type == "cuda"
     in_flight: collections.deque = collections.deque()
-    with bridge.ProgressBar(n, desc="Fused DDIM", quiet=quiet) as bar:
-        for i in range(n):
+    program.unet_fn = prepared.unet_fn
+    try:
+        for i in range(prepared.t_table.shape[0]):
             bridge.check_interrupted()
-            noise = torch.randn(shape, generator=generator, dtype=STATE_DTYPE) if has_noise else None
+            noise = torch.randn(shape, generator=generator, dtype=STATE_DTYPE) if prepared.has_noise else None
             if noise is not None and cuda:
                 noise = noise.pin_memory()  # async upload; the host allocator keeps it until the copy is done
-            program.set_step(t_table[i], table[i], noise)
-            advance()
+            program.set_step(prepared.t_table[i], prepared.table[i], noise)
+            prepared.advance()
             if cuda:
                 event = torch.cuda.Event()
                 event.record()
                 in_flight.append(event)
                 if len(in_flight) > _RUN_AHEAD:
                     in_flight.popleft().synchronize()
-            bar.update(1)
+            on_step(i)
+    finally:
+        program.unet_fn = None
+    return program.sample.clone()
+
+
+@torch.no_grad()
+def denoise(engine: LeanEngine, conditioning: Conditioning, x_init: torch.Tensor, schedule: ddim.DDIMSchedule,
+            cfg: float, cfg_mode: str = "batched", acceleration: str = "none",
+            generator: Optional[torch.Generator] = None, runner: Optional[GraphRunner] = None,
+            quiet: bool = False) -> torch.Tensor:
+    """The denoising loop over ``schedule`` from ``x_init`` (scaled latents); call inside ``session("unet")``.
+
+    Returns the final scaled latents (float32, on ``engine.device``). ``generator`` (CPU) supplies the eta noise.
+    """
+    if schedule.eta > 0 and generator is None:
+        raise ValueError("eta > 0 needs a CPU generator for the per-step noise")
+    prepared = prepare_steps(engine, conditioning, x_init, schedule, cfg, cfg_mode, acceleration, runner)
+    with bridge.ProgressBar(len(schedule), desc="Fused DDIM", quiet=quiet) as bar:
+        return run_steps(prepared, generator, lambda i: bar.update(1))

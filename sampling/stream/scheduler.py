@@ -44,7 +44,8 @@ from ..graph_runner import GraphRunner
 from ..loop import vae_scale_factor
 from .batching import auto_batch, available_bytes, decode_reserve, per_image_bytes, saturating_batch, shrink
 from .decode import DecodeStage, needs_tiles, untiled_decode_bytes
-from .denoise import denoise_batch, to_device
+from ..loop import upload
+from .denoise import denoise_batch
 from .settings import ImageJob, StreamSettings
 from .streams import StageStreams, Timeline
 from .text import TextStage
@@ -134,7 +135,7 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
                 nxt = min(n, stop + batch)
                 upcoming = text.prepare(stop, nxt) if stop < n else None
                 # DDIM's init_noise_sigma is 1: the noise is the start; moved without blocking the host
-                x_init = to_device(initial_noise(jobs[start:stop], latent_shape), engine.device)
+                x_init = upload(initial_noise(jobs[start:stop], latent_shape), engine.device)
                 oom = None
                 try:
                     streams.hand_over(current.event, current.tensors(), "unet")
