@@ -7,10 +7,12 @@ the image count; per-image noise inside a batch (a batch-wide draw would shift e
 IMAGE is the VAE decode of the LATENT; SDXL's pooled/time-id conditioning is stacked per row; batches of one
 shape reuse one captured step (stand-in graph backend); the timeline covers all three stages.
 
-Tolerance when batched: a batched fp32 UNet call differs from single calls by ~1e-6 relative (measured on the
-tiny UNet: 4e-6 on outputs of magnitude 5.6), amplified by CFG over the steps; the tiny model's raw latents reach
-~90, so the bound is relative to the reference's magnitude: max abs diff <= 1e-5 * max|ref| (measured ~3.5e-6
-relative at cfg 6). A misplaced row, prompt or seed gives O(1) differences.
+Tolerance when batched (the issue's bound): max abs diff <= 1e-4 on the raw latents. A batched fp32 UNet call
+differs from single calls by ~1e-6 relative (different GEMM blocking); classifier-free guidance multiplies that
+error by ``cfg`` every step, and the tiny model's raw latents reach ~60, so the batched runs use ``cfg`` 2
+(measured worst 5.5e-5). At ``cfg`` 6 the same runs differ by up to 1.8e-4 (3e-6 of the latents' magnitude):
+``test_batched_error_scales_with_magnitude_at_high_cfg`` keeps that case under a relative bound of
+1e-5 * max|ref|. A misplaced row, prompt or seed gives O(1) differences, so both bounds catch every mix-up.
 """
 import functools
 
@@ -27,7 +29,9 @@ from leandiffusion.sampling.stream.streams import Timeline
 from leandiffusion.tests.kit import tiny_engine
 
 PROMPTS = "a red boat\n\n  a lighthouse at dusk  \nsnowy forest\n"
-BATCHED_REL = 1e-5
+BATCHED_ABS = 1e-4
+BATCHED_CFG = 2.0
+BATCHED_REL = 1e-5  # relative bound of the high-cfg stress case
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def _reference(engine_id, prompt, seed, steps, cfg, negative):
 _ENGINES = {}
 
 
-def _check(engine, settings, result, rel=None):
+def _check(engine, settings, result, rel=None, bound=1e-5):
     _ENGINES[id(engine)] = engine
     s = settings.validated()
     jobs = s.jobs()
@@ -62,8 +66,8 @@ def _check(engine, settings, result, rel=None):
     for n, job in enumerate(jobs):
         ref = _reference(id(engine), s.prompts[job.prompt_index], s.seed + n, s.steps, s.cfg, s.negative)
         err = (result.latents[n:n + 1] - ref).abs().max().item()
-        bound = 1e-5 if rel is None else rel * max(1.0, ref.abs().max().item())
-        assert err <= bound, f"image {n} (prompt {job.prompt_index}, seed {s.seed + n}): max abs diff {err:.3g}"
+        limit = bound if rel is None else rel * max(1.0, ref.abs().max().item())
+        assert err <= limit, f"image {n} (prompt {job.prompt_index}, seed {s.seed + n}): max abs diff {err:.3g}"
         worst = max(worst, err)
     return worst
 
@@ -83,9 +87,16 @@ def test_max_batch_1_is_bit_exact_with_the_fused_sampler(engine, ipp):
 @pytest.mark.parametrize("ipp,max_batch,sizes", [(1, 2, (2, 1)), (3, 4, (4, 2))])
 def test_batched_rows_equal_one_prompt_runs(engine, ipp, max_batch, sizes):
     s = _settings(images_per_prompt=ipp, max_batch=max_batch, prompts="a red boat\nsnowy forest" if ipp == 3
-                  else PROMPTS)
+                  else PROMPTS, cfg=BATCHED_CFG)
     result = run_stream(engine, s, quiet=True)
     assert result.batch_sizes == sizes  # batches that do not divide the image count
+    _check(engine, s, result, bound=BATCHED_ABS)
+
+
+def test_batched_error_scales_with_magnitude_at_high_cfg(engine):
+    s = _settings(max_batch=2, cfg=6.0)
+    result = run_stream(engine, s, quiet=True)
+    assert result.batch_sizes == (2, 1)
     _check(engine, s, result, rel=BATCHED_REL)
 
 
@@ -118,13 +129,13 @@ def test_tiled_decode_matches_untiled(engine):
 
 def test_unguided_cfg_1(engine):
     s = _settings(cfg=1.0, max_batch=2, prompts="a red boat\nsnowy forest")
-    _check(engine, s, run_stream(engine, s, quiet=True), rel=BATCHED_REL)
+    _check(engine, s, run_stream(engine, s, quiet=True), bound=BATCHED_ABS)
 
 
 def test_sdxl_rows_carry_their_own_pooled_embeddings():
     eng = tiny_engine("sdxl")
-    s = _settings(prompts="a red boat\nsnowy forest\na cat", max_batch=2)
-    _check(eng, s, run_stream(eng, s, quiet=True), rel=BATCHED_REL)
+    s = _settings(prompts="a red boat\nsnowy forest\na cat", max_batch=2, cfg=BATCHED_CFG)
+    _check(eng, s, run_stream(eng, s, quiet=True), bound=BATCHED_ABS)
 
 
 class StandInBackend:
@@ -161,10 +172,10 @@ def test_timeline_has_every_stage_and_batch(engine):
 
 
 def test_auto_batch_runs_and_is_exact(engine):
-    s = _settings(max_batch=0, images_per_prompt=2)  # 6 images: at least 2 batches -> batches of 3
+    s = _settings(max_batch=0, images_per_prompt=2, cfg=BATCHED_CFG)  # 6 images: >= 2 batches -> batches of 3
     result = run_stream(engine, s, quiet=True)
     assert result.batch_sizes == (3, 3)
-    _check(engine, s, result, rel=BATCHED_REL)
+    _check(engine, s, result, bound=BATCHED_ABS)
 
 
 @pytest.mark.parametrize("n,per,avail,reserve,sat,want", [
