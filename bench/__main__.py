@@ -47,7 +47,7 @@ from typing import Optional
 
 PKG = __package__ or "leandiffusion.bench"
 BENCH_DIR = Path(__file__).parent
-DEFAULT_BUDGET_S = {"smoke": 100.0, "quick": 500.0, "full": 540.0}
+DEFAULT_BUDGET_S = {"smoke": 100.0, "quick": 540.0, "full": 540.0}
 DEFAULT_WEIGHT_S = {"smoke": 10.0, "quick": 60.0, "full": 240.0}
 WEIGHT_CONST = {"smoke": "SMOKE_BUDGET_S", "quick": "QUICK_BUDGET_S", "full": "FULL_BUDGET_S"}
 SOFT_FRACTION = 0.85  # the suite's own budget (ctx.time_budget_s), as a fraction of its share

@@ -20,7 +20,8 @@ CUDA events (``harness.time_ms``); the peer is re-timed after every acceleration
 is the denominator (``peer_spread`` records the drift).
 
 Modes: smoke = CPU tiny SD1/SDXL, 1 step (plumbing only; accelerations fall back to eager on the CPU);
-quick = SD1.5 every acceleration + SDXL none/cuda_graph; full = both cases, every acceleration.
+quick = SD1.5 every acceleration + SDXL none/cuda_graph (compiling the SDXL UNet alone takes ~105 s, more
+than a quick call can spare; its target is measured by the full run); full = both cases, every acceleration.
 ``LEANDIFFUSION_BENCH_SAMPLER_CASES`` (comma list of ``sd15``, ``sdxl``) restricts the cases, e.g. to give SDXL's
 compile its own device call.
 """
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 SUITE = "sampler"
 SMOKE_BUDGET_S = 60
-QUICK_BUDGET_S = 140
+QUICK_BUDGET_S = 190
 FULL_BUDGET_S = 540
 
 CFG = 7.5
@@ -47,6 +48,7 @@ TARGETS = {"sd15": {"cuda_graph": 2.0, "compile+cuda_graph": 3.0},
            "sdxl": {"cuda_graph": 1.4, "compile+cuda_graph": 1.8}}
 # rough seconds a case needs (first run included), to skip instead of overrunning the suite's budget
 # measured on an H200 (2026-11, torch 2.11): SD1.5 compile+capture 48-51 s, SDXL 100-104 s; suite 130 s quick
+# without SDXL; SDXL none + cuda_graph add ~55 s
 COST_S = {("sd15", "none"): 15, ("sd15", "cuda_graph"): 15, ("sd15", "compile+cuda_graph"): 80,
           ("sdxl", "none"): 40, ("sdxl", "cuda_graph"): 40, ("sdxl", "compile+cuda_graph"): 160}
 
@@ -286,6 +288,9 @@ def run(ctx: BenchContext) -> None:
     wanted = os.environ.get("LEANDIFFUSION_BENCH_SAMPLER_CASES", "sd15,sdxl").replace(" ", "").split(",")
     plan = [("sd15", 512, 20, ("none", "cuda_graph", "compile+cuda_graph")),
             ("sdxl", 1024, 30, ("none", "cuda_graph") if ctx.quick else ("none", "cuda_graph", "compile+cuda_graph"))]
+    if ctx.quick and "sdxl" in wanted:
+        _skip(ctx, "sdxl-1024/compile+cuda_graph", "quick mode: compiling the SDXL UNet takes ~105 s; its 1.8x "
+                                                  "target is measured by the full run")
     for kind, size, steps, accelerations in plan:
         if kind not in wanted:
             _skip(ctx, f"{kind}-{size}", "not in LEANDIFFUSION_BENCH_SAMPLER_CASES")
