@@ -10,7 +10,8 @@ from ..sampling.stream.settings import MAX_BATCH, MAX_IMAGES_PER_PROMPT, StreamS
 class LeanStreamSampler:
     DESCRIPTION = ("Samples many prompts in one go: text encoding, DDIM denoising and VAE decoding of successive "
                    "batches overlap on separate CUDA streams. Image n (prompt-major order) is exactly the Fused "
-                   "DDIM Sampler's image for its prompt with seed + n and batch size 1.")
+                   "DDIM Sampler's image for its prompt with seed + n and batch size 1. Connect CONDITIONING to "
+                   "replace the prompt lines (one prompt per batch row) and the negative text.")
     CATEGORY = "LeanDiffusion/sampling"
     FUNCTION = "run"
     RETURN_TYPES = ("IMAGE", "LATENT")
@@ -23,10 +24,11 @@ class LeanStreamSampler:
         return {"required": {
             "lean_model": ("LEAN_MODEL", {"tooltip": "The model from the Memory Pool Loader."}),
             "prompts": ("STRING", {"multiline": True, "default": "",
-                                   "tooltip": "One prompt per line; empty lines are skipped."}),
+                                   "tooltip": "One prompt per line; empty lines are skipped. Ignored (may be "
+                                              "empty) when positive_cond is connected."}),
             "negative": ("STRING", {"multiline": True, "default": "",
                                     "tooltip": "Negative prompt shared by every image (the unconditional prompt "
-                                               "of CFG)."}),
+                                               "of CFG). Ignored when negative_cond is connected."}),
             "seed": ("INT", {"default": 0, "min": 0, "max": MAX_SEED, "control_after_generate": True,
                              "tooltip": "Image n (prompt-major order) is sampled with seed + n, its noise drawn "
                                         "on the CPU as the Fused DDIM Sampler draws it for batch size 1."}),
@@ -54,15 +56,23 @@ class LeanStreamSampler:
                                          "tooltip": "0 = decode untiled when it fits, else in exact tiles (auto "
                                                     "size). 128-4096 = always decode in exact tiles of this many "
                                                     "pixels."}),
+        }, "optional": {
+            "positive_cond": ("CONDITIONING", {"tooltip": "Optional CONDITIONING (e.g. from CLIPTextEncode); when "
+                                                          "connected it REPLACES the prompts lines: each batch row "
+                                                          "is one prompt, in row order (one CLIPTextEncode = one "
+                                                          "prompt)."}),
+            "negative_cond": ("CONDITIONING", {"tooltip": "Optional CONDITIONING; when connected it REPLACES the "
+                                                          "negative text: 1 row = shared by every prompt, one row "
+                                                          "per prompt = row i is prompt i's negative."}),
         }}
 
     def run(self, lean_model, prompts, negative, seed, steps, cfg, width, height, timestep_spacing, acceleration,
-            images_per_prompt, max_batch, decode_tile_size):
+            images_per_prompt, max_batch, decode_tile_size, positive_cond=None, negative_cond=None):
         settings = StreamSettings.from_text(prompts, negative=negative, seed=seed, steps=steps, cfg=cfg,
                                             width=width, height=height, timestep_spacing=timestep_spacing,
                                             acceleration=acceleration, images_per_prompt=images_per_prompt,
                                             max_batch=max_batch, decode_tile_size=decode_tile_size)
-        result = run_stream(lean_model, settings)
+        result = run_stream(lean_model, settings, positive_cond=positive_cond, negative_cond=negative_cond)
         return (result.images, {"samples": result.latents})
 
 

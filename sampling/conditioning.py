@@ -89,9 +89,9 @@ def time_ids_from_sizes(values: dict, width: Optional[int], height: Optional[int
     return ids.repeat(batch, 1)
 
 
-def from_conditioning(conditioning: Any, engine: LeanEngine, batch: int, *, width: Optional[int] = None,
-                      height: Optional[int] = None, input_name: str = "positive_cond") -> SamplerConditioning:
-    """One CONDITIONING -> :class:`SamplerConditioning` for ``engine`` with ``batch`` rows."""
+def single_pair(conditioning: Any, input_name: str = "positive_cond") -> tuple[torch.Tensor, dict]:
+    """The one ``[cond [B, L, C], extras]`` pair of a CONDITIONING; ``TypeError``/``ValueError`` naming
+    ``input_name`` for anything else (not a list, several entries, a malformed entry, a cond that is not 3-D)."""
     if not isinstance(conditioning, (list, tuple)) or not conditioning:
         raise TypeError(f"{input_name}: expected a CONDITIONING (a list of [tensor, dict] pairs), "
                         f"got {type(conditioning).__name__}")
@@ -105,6 +105,17 @@ def from_conditioning(conditioning: Any, engine: LeanEngine, batch: int, *, widt
             or not isinstance(entry[1], dict):
         raise TypeError(f"{input_name}: each CONDITIONING entry must be [tensor, dict], got {entry!r:.80}")
     cond, extras = entry
+    if cond.dim() != 3:
+        raise ValueError(f"{input_name}: the conditioning tensor must be [batch, tokens, channels], "
+                         f"got shape {tuple(cond.shape)}")
+    return cond, extras
+
+
+def from_conditioning(conditioning: Any, engine: LeanEngine, batch: int, *, width: Optional[int] = None,
+                      height: Optional[int] = None, input_name: str = "positive_cond") -> SamplerConditioning:
+    """One CONDITIONING -> :class:`SamplerConditioning` for ``engine`` with ``batch`` rows (the pair's rows tiled or
+    cut to ``batch``, as ComfyUI's ``repeat_to_batch_size``)."""
+    cond, extras = single_pair(conditioning, input_name)
     for key, value in extras.items():
         if key in SIZE_KEYS or key == "pooled_output":
             continue
@@ -114,9 +125,6 @@ def from_conditioning(conditioning: Any, engine: LeanEngine, batch: int, *, widt
             f"{input_name}: the CONDITIONING carries {key!r}={value!r:.60}, which LeanDiffusion samplers do not "
             f"support (areas, masks, ControlNet, GLIGEN, hooks, timestep ranges, strength); use ComfyUI's KSampler "
             f"for it, or remove that node")
-    if cond.dim() != 3:
-        raise ValueError(f"{input_name}: the conditioning tensor must be [batch, tokens, channels], "
-                         f"got shape {tuple(cond.shape)}")
     cross, pooled_dim = _expected_dims(engine)
     if cross is not None and cond.shape[-1] != cross:
         raise ValueError(

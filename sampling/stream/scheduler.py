@@ -1,6 +1,7 @@
 """Stream Scheduler Sampler: text encoding of batch k+1, denoising of batch k and decoding of batch k-1, overlapped.
 
-The run (prompt-major images ``n = p * images_per_prompt + i``, image n seeded ``seed + n``) is cut into
+The run (prompt-major images ``n = p * images_per_prompt + i``, image n seeded ``seed + n``; the prompts are the
+``prompts`` lines or the rows of a connected ``positive_cond``, ``stream.conditioning``) is cut into
 consecutive batches. Each cycle k the host, on one thread, enqueues:
   1. the decode of batch k-1 on the ``vae`` stream (after the decode of batch k-2 was finished and its rows
      written: the decode queue holds one batch),
@@ -32,8 +33,8 @@ Invariants
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 
@@ -43,6 +44,7 @@ from .. import ddim
 from ..graph_runner import GraphRunner
 from ..loop import vae_scale_factor
 from .batching import auto_batch, available_bytes, decode_reserve, per_image_bytes, saturating_batch, shrink
+from .conditioning import conditioning_rows, read_conditioning_inputs
 from .decode import DecodeStage, needs_tiles, untiled_decode_bytes
 from ..loop import upload
 from .denoise import denoise_batch
@@ -96,13 +98,19 @@ def choose_batch(engine: LeanEngine, s: StreamSettings, tiled: bool, latent_hw: 
 
 @torch.no_grad()
 def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[GraphRunner] = None,
-               timeline: Optional[Timeline] = None, quiet: bool = False) -> StreamResult:
-    """Sample every prompt's images through the three-stage pipeline (module docstring)."""
+               timeline: Optional[Timeline] = None, quiet: bool = False, positive_cond: Any = None,
+               negative_cond: Any = None) -> StreamResult:
+    """Sample every prompt's images through the three-stage pipeline (module docstring).
+
+    ``positive_cond`` / ``negative_cond``: ComfyUI CONDITIONING that replaces the ``prompts`` lines (one prompt per
+    row) / the ``negative`` text (1 row shared, or one row per prompt); see ``stream.conditioning``.
+    """
     if not isinstance(engine, LeanEngine):
         raise TypeError(f"lean_model: expected a LEAN_MODEL from the Memory Pool Loader, got {type(engine).__name__}")
     if not isinstance(settings, StreamSettings):
         raise TypeError(f"settings: expected a StreamSettings, got {type(settings).__name__}")
-    s = settings.validated()
+    rows = 0 if positive_cond is None else conditioning_rows(positive_cond, "positive_cond")
+    s = replace(settings, positive_rows=rows).validated()
     parts = engine.parts
     factor = vae_scale_factor(engine)
     latent_shape = (parts.latent_channels, s.height // factor, s.width // factor)
@@ -111,6 +119,9 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     jobs = s.jobs()
     n = len(jobs)
     streams = StageStreams(engine.device)
+    with streams.use("text"):  # read (and refused) before any model runs; the text stage reads them on this stream
+        given = read_conditioning_inputs(engine, positive_cond, negative_cond, s.n_prompts, width=s.width,
+                                         height=s.height, guided=s.guided)
     if timeline is not None:
         timeline.begin(streams)
     tiled = bool(s.decode_tile_size) or needs_tiles(
@@ -118,7 +129,7 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     batch = choose_batch(engine, s, tiled, latent_shape[1:])
     images = torch.empty((n, s.height, s.width, 3), dtype=torch.float32)
     latents = torch.empty((n,) + latent_shape, dtype=torch.float32)
-    text = TextStage(engine, s, jobs, streams, timeline)
+    text = TextStage(engine, s, jobs, streams, timeline, given=given)
     decoder = DecodeStage(engine, s.decode_tile_size, tiled, streams, images, latents, timeline)
     used, tried, retries = [], [], 0
     start = 0

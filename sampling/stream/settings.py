@@ -4,7 +4,9 @@ Invariants
 - ``StreamSettings.validated()`` checks every input once, at the public entry point, with the Fused DDIM
   Sampler's own rules for the inputs the two nodes share (``SamplerSettings.validated``), so a value one node
   accepts the other accepts too.
-- Prompts: one per non-empty line of the ``prompts`` text, surrounding whitespace stripped.
+- Prompts: one per non-empty line of the ``prompts`` text, surrounding whitespace stripped -- or, when
+  ``positive_rows`` > 0 (set by ``run_stream`` from a connected ``positive_cond``), that CONDITIONING's rows, one
+  prompt per row (``stream.conditioning``); ``prompts`` is then ignored and may be empty.
 - Image order is prompt-major: image ``n`` is copy ``i`` of prompt ``p`` with ``n = p * images_per_prompt + i``,
   and it is sampled with seed ``seed + n`` -- exactly the Fused DDIM Sampler's run for that prompt with that
   seed and ``batch_size`` 1 (eta 0, batched CFG, denoise 1). ``seed + n`` must stay within the seed range.
@@ -62,14 +64,19 @@ class StreamSettings:
     max_batch: int = 0  # 0 = auto
     decode_tile_size: int = 0  # 0 = auto (untiled when it fits)
     prompt_syntax: str = "extended"  # as SamplerSettings.prompt_syntax (the samplers' default)
+    positive_rows: int = 0  # > 0: the prompts are positive_cond's rows (run_stream sets it); 0: the prompts lines
 
     @classmethod
     def from_text(cls, prompts: str, **kwargs) -> "StreamSettings":
         return cls(prompts=split_prompts(prompts), **kwargs)
 
     @property
+    def n_prompts(self) -> int:
+        return self.positive_rows or len(self.prompts)
+
+    @property
     def n_images(self) -> int:
-        return len(self.prompts) * self.images_per_prompt
+        return self.n_prompts * self.images_per_prompt
 
     @property
     def guided(self) -> bool:
@@ -86,15 +93,17 @@ class StreamSettings:
         if not isinstance(self.prompts, tuple) or not all(isinstance(p, str) for p in self.prompts):
             raise TypeError("prompts: expected a tuple of prompt strings (use StreamSettings.from_text for the "
                             "node's one-prompt-per-line text)")
-        if not self.prompts or not all(p.strip() for p in self.prompts):
+        _int("positive_rows", self.positive_rows, 0, MAX_SEED, "0 = prompts from the text, else the number of "
+             "rows of positive_cond")
+        if not self.positive_rows and (not self.prompts or not all(p.strip() for p in self.prompts)):
             raise ValueError("prompts: no prompt given (the text is empty or only blank lines); write one prompt "
-                             "per line")
+                             "per line, or connect positive_cond")
         _int("images_per_prompt", self.images_per_prompt, 1, MAX_IMAGES_PER_PROMPT, "images sampled per prompt")
         _int("max_batch", self.max_batch, 0, MAX_BATCH, "0 = automatic from free VRAM, else images per UNet batch")
         if isinstance(self.decode_tile_size, bool) or not isinstance(self.decode_tile_size, int):
             raise TypeError(f"decode_tile_size={self.decode_tile_size!r}: expected an int (0 = auto, else pixels)")
         validate_tiling(self.decode_tile_size, 0, "exact")
-        base = self.sampler_settings(self.prompts[0], 0)
+        base = self.sampler_settings(self.prompts[0] if self.prompts else "", 0)
         base = replace(base, seed=self.seed).validated()
         last = self.seed + self.n_images - 1
         if last > MAX_SEED:
