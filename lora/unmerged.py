@@ -178,32 +178,39 @@ def _no_grad_needed(*tensors: torch.Tensor) -> bool:
 class _Override:
     """The one instance-level ``forward`` of a module while any binding has a term on it (``module.__dict__``)."""
 
-    __slots__ = ("module", "terms", "__weakref__")
+    __slots__ = ("module", "terms", "attrs", "__weakref__")
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.terms: list[_LinearTerm] = []
+        self.attrs = module.__dict__  # the module's instance dict (kept: attach/detach touch it 700 times)
 
     def add(self, term: _LinearTerm) -> bool:
         """Append ``term``, installing the override on the first one. False (nothing changed) when another
         ``forward`` already sits in the module's ``__dict__`` (the caller then hooks instead)."""
-        d = self.module.__dict__
-        cur = d.get("forward")
-        if cur is not self:
-            if cur is not None or self.terms:
+        attrs = self.attrs
+        if self.terms:
+            if attrs.get("forward") is not self:  # displaced by another library since: leave it alone
                 return False
-            d["forward"] = self
+        elif "forward" in attrs:
+            return False
+        else:
+            attrs["forward"] = self
         self.terms.append(term)
         return True
 
     def remove(self, term: _LinearTerm) -> None:
         """Drop ``term`` (by identity; absent = no-op); the last one removes the override from the module."""
-        for i, t in enumerate(self.terms):
-            if t is term:
-                del self.terms[i]
-                break
-        if not self.terms and self.module.__dict__.get("forward") is self:
-            del self.module.__dict__["forward"]
+        terms = self.terms
+        if terms and terms[-1] is term:  # the usual case: one term, or bindings leaving in reverse order
+            terms.pop()
+        else:
+            for i, t in enumerate(terms):
+                if t is term:
+                    del terms[i]
+                    break
+        if not terms and self.attrs.get("forward") is self:
+            del self.attrs["forward"]
 
 
 class _LinearForward(_Override):
@@ -414,16 +421,32 @@ class UnmergedBinding(RefCountedBinding):
 
     def _activate(self, comp: str, strength: float) -> None:
         self.write_strength(comp, strength)
-        try:
+        try:  # ``_Override.add`` / ``remove`` inlined: this loop runs per module per session (700 for SDXL)
             for hooks, hook_id, term, override in self._slots[comp]:
-                if override is None or not override.add(term):
-                    hooks[hook_id] = term
+                if override is not None:
+                    terms, attrs = override.terms, override.attrs
+                    if not terms:
+                        if "forward" not in attrs:
+                            attrs["forward"] = override
+                            terms.append(term)
+                            continue
+                    elif attrs.get("forward") is override:
+                        terms.append(term)
+                        continue
+                hooks[hook_id] = term  # the hook path, or the fallback when another forward sits there
         except BaseException:
             self._deactivate(comp)
             raise
 
     def _deactivate(self, comp: str) -> None:
         for hooks, hook_id, term, override in self._slots[comp]:
+            if override is not None:
+                terms = override.terms
+                if terms and terms[-1] is term:
+                    terms.pop()
+                    if not terms and override.attrs.get("forward") is override:
+                        del override.attrs["forward"]
+                    continue
             if hooks.pop(hook_id, None) is None and override is not None:
                 override.remove(term)
         for group in self._shared:

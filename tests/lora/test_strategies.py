@@ -168,31 +168,22 @@ def test_slow_paths_grad_mode_and_foreign_dtype(strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_attach_failing_midway_leaves_nothing(strategy, monkeypatch):
+def test_attach_failing_midway_leaves_nothing(strategy):
     block = _block()
     b = _binding(block, strategy)
     before = lf.snapshot(block)
-    calls = {"n": 0}
-    real_add, real_setitem = unmerged._Override.add, dict.__setitem__
+    fail_at = 3  # the 4th slot fails to install; the three before it must be undone
 
-    def failing_add(self, term):
-        calls["n"] += 1
-        if calls["n"] == 4:
+    class Failing(dict):
+        def __setitem__(self, k, v):
             raise RuntimeError("injected failure")
-        return real_add(self, term)
 
-    monkeypatch.setattr(unmerged._Override, "add", failing_add)
-    if strategy == "hook":  # no override: fail on the 4th hook insert instead
-        class FailingDict(dict):
-            def __setitem__(self, k, v):
-                calls["n"] += 1
-                if calls["n"] == 4:
-                    raise RuntimeError("injected failure")
-                real_setitem(self, k, v)
-
-        slots = b._slots["unet"]
-        for i, (hooks, hid, term, ov) in enumerate(slots):
-            slots[i] = (FailingDict(), hid, term, ov)
+    slots = b._slots["unet"]
+    hooks, hid, term, ov = slots[fail_at]
+    if ov is None:  # hook path: the hook insert fails
+        slots[fail_at] = (Failing(), hid, term, ov)
+    else:  # override path: installing the override into the module's __dict__ fails
+        ov.attrs = Failing()
     with pytest.raises(RuntimeError, match="injected failure"):
         b.attach({"unet": 1.0})
     lf.assert_untouched(before, block)
