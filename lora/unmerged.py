@@ -176,7 +176,11 @@ def _no_grad_needed(*tensors: torch.Tensor) -> bool:
 
 
 class _Override:
-    """The one instance-level ``forward`` of a module while any binding has a term on it (``module.__dict__``)."""
+    """The one instance-level ``forward`` of a module while any binding has a term on it (``module.__dict__``).
+
+    Installed with the first term, removed with the last. ``UnmergedBinding._activate`` / ``_deactivate`` do the
+    common cases inline (they run per module per session); a ``forward`` that another library put in the module's
+    ``__dict__`` is never replaced (that binding hooks instead) nor removed."""
 
     __slots__ = ("module", "terms", "attrs", "__weakref__")
 
@@ -184,20 +188,6 @@ class _Override:
         self.module = module
         self.terms: list[_LinearTerm] = []
         self.attrs = module.__dict__  # the module's instance dict (kept: attach/detach touch it 700 times)
-
-    def add(self, term: _LinearTerm) -> bool:
-        """Append ``term``, installing the override on the first one. False (nothing changed) when another
-        ``forward`` already sits in the module's ``__dict__`` (the caller then hooks instead)."""
-        attrs = self.attrs
-        if self.terms:
-            if attrs.get("forward") is not self:  # displaced by another library since: leave it alone
-                return False
-        elif "forward" in attrs:
-            return False
-        else:
-            attrs["forward"] = self
-        self.terms.append(term)
-        return True
 
     def remove(self, term: _LinearTerm) -> None:
         """Drop ``term`` (by identity; absent = no-op); the last one removes the override from the module."""
