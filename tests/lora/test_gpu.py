@@ -136,7 +136,15 @@ def test_strategy_matches_hook_path_under_graph_replay(tmp_path, strategy, monke
         assert _rel(outs[strat], eager) <= FP16_REL
     with engine.session("unet"):
         base = _call(engine, inputs)
-    assert _rel(outs["hook"], base) > 1e-2
-    assert _rel(outs[strategy], outs["hook"]) <= FP16_REL
+    # yardstick: the same LoRA on the same (fp32, CPU) weights through the hook path. The strategies sum the terms
+    # in another order, so in fp16 they may differ from the hook path by rounding; each must be no further from the
+    # fp32 result than the fp16 hook path is (x2, or 2e-3). A dropped or doubled term is O(LoRA effect) away.
+    ref_engine = engine_from_parts(parts_from_components(tiny_components("sdxl")))
+    with inject_lora(ref_engine, path, 0.8, 1.0, strategy="hook").session("unet"):
+        ref = lf.run_unet(ref_engine.parts.unet, lf.unet_inputs("sdxl")).cuda()
+    err = {s: _rel(o, ref) for s, o in outs.items()}
+    print(f"fp16 vs fp32 hook reference: {err}; hook vs base {_rel(outs['hook'], base):.3g}")
+    assert _rel(outs["hook"], base) > 1e-2 and _rel(ref, base) > 1e-2
+    assert err[strategy] <= max(2 * err["hook"], 2e-3)
     assert bool(launches) == (strategy == "preadd_geglu")
     assert all("forward" not in m.__dict__ for m in engine.parts.unet.modules())
