@@ -5,6 +5,9 @@ Cases (ours and peers in the same process, GUIDE section 5):
 - per-step ms, no LoRA / unmerged / merged, eager and replaying a plain ``torch.cuda.CUDAGraph`` of one UNet call
   captured inside the view's ``session("unet")``; peer for unmerged: PEFT's LoRA layers (what diffusers'
   ``load_lora_weights`` installs), same weights, same capture. Target: unmerged <= 10% over no LoRA under graphs.
+  Each unmerged injection strategy (``lora.unmerged.STRATEGIES``: hook, preadd, preadd_geglu) is timed side by
+  side (``step_ms_unmerged_<strategy>``, eager and graph, peer no LoRA) with its replay checked against the hook
+  path's (rel diff); ``step_ms_unmerged`` / ``unmerged_overhead_pct`` are the default strategy's.
 - strength change: the synchronized wall time of a session of a view with another strength (attach rewrites the
   scaled up-buffers, detach), after which the *same* graph replays (same graph_key, recorded); peer: recapturing
   the graph. Target: < 1 ms, no recapture. The replay time after the change is recorded next to the replay time
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SUITE = "lora"
 SMOKE_BUDGET_S = 30
-QUICK_BUDGET_S = 45
+QUICK_BUDGET_S = 60
 FULL_BUDGET_S = 240
 ATTN_FF = re.compile(r"(attn[12]\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))$")
 TE_LINEARS = re.compile(r"(self_attn\.(q_proj|k_proj|v_proj|out_proj)|mlp\.(fc1|fc2))$")
@@ -160,7 +163,11 @@ def run(ctx) -> None:
     n_layers = len(unet_sd) // 3
     shape = f"rank {rank}, {n_layers} Linear layers (attention + feed-forward)"
 
-    unmerged = inject_lora(engine, unet_file, 1.0, 0.0, mode="unmerged")
+    from ..lora.unmerged import STRATEGIES, resolve_strategy
+
+    default = resolve_strategy("auto")
+    per_strategy = {s: inject_lora(engine, unet_file, 1.0, 0.0, mode="unmerged", strategy=s) for s in STRATEGIES}
+    unmerged = per_strategy[default]
     merged = inject_lora(engine, unet_file, 1.0, 0.0, mode="merged")
     ptrs = [p.data_ptr() for p in unet.parameters()]
 
@@ -172,7 +179,25 @@ def run(ctx) -> None:
             eager[label] = time_ms(lambda: _call(unet, inputs), warmup=warm, repeat=repeat, device=dev)
             outs[label] = _call(unet, inputs).clone()
     ctx.record("sdxl_eager", "step_ms_unmerged", eager["unmerged"], eager["none"], "no LoRA", unit="ms",
-               notes=shape)
+               notes=f"{shape}; strategy {default}")
+    for strat, view in per_strategy.items():
+        with view.session("unet"):
+            if strat == default:
+                ms, out = eager["unmerged"], outs["unmerged"]
+            elif ctx.smoke:  # one timed call (smoke numbers are plumbing only)
+                t0 = time.perf_counter()
+                out = _call(unet, inputs).clone()
+                ms = (time.perf_counter() - t0) * 1e3
+            else:
+                ms = time_ms(lambda: _call(unet, inputs), warmup=warm, repeat=repeat, device=dev)
+                out = _call(unet, inputs).clone()
+        outs[f"unmerged_{strat}"] = out
+        ctx.record("sdxl_eager", f"step_ms_unmerged_{strat}", ms, eager["none"], "no LoRA", unit="ms", notes=shape)
+    for strat in per_strategy:
+        if strat != "hook":
+            ctx.record("sdxl_eager", f"{strat}_vs_hook_rel_diff",
+                       _rel_diff(outs[f"unmerged_{strat}"], outs["unmerged_hook"]), target=1e-2 if gpu else 1e-5,
+                       target_kind="ours<=", unit="rel", notes="eager output of this strategy vs the hook path's")
     ctx.record("sdxl_eager", "step_ms_merged", eager["merged"], eager["none"], "no LoRA", unit="ms", notes=shape)
     ctx.record("sdxl_eager", "merged_vs_unmerged_rel_diff", _rel_diff(outs["merged"], outs["unmerged"]),
                target=2e-2 if gpu else 1e-4, target_kind="ours<=", unit="rel",
@@ -193,10 +218,13 @@ def run(ctx) -> None:
                                target=1e-2, target_kind="ours<=", unit="rel", notes="graph replay vs eager, unmerged")
         base = eager["graph_none"]
         ctx.record("sdxl_cuda_graph", "step_ms_unmerged", eager["graph_unmerged"], base, "no LoRA", unit="ms",
-                   notes=shape)
+                   notes=f"{shape}; strategy {default}")
         ctx.record("sdxl_cuda_graph", "unmerged_overhead_pct", 100 * (eager["graph_unmerged"] / base - 1),
-                   target=10.0, target_kind="ours<=", unit="%", notes="unmerged step vs no-LoRA step, both graphs")
+                   target=10.0, target_kind="ours<=", unit="%",
+                   notes=f"unmerged step vs no-LoRA step, both graphs; strategy {default}")
         ctx.record("sdxl_cuda_graph", "step_ms_merged", eager["graph_merged"], base, "no LoRA", unit="ms", notes=shape)
+        _strategies_under_graphs(ctx, unet, inputs, per_strategy, default, graphs["unmerged"], eager, outs, base,
+                                 repeat, shape)
 
         # ------------------------------------------------------------ strength change on the captured graph
         graph, out = graphs["unmerged"]
@@ -286,6 +314,36 @@ def run(ctx) -> None:
     for f in tmp.iterdir():
         f.unlink()
     tmp.rmdir()
+
+
+def _strategies_under_graphs(ctx, unet, inputs, per_strategy, default, default_graph, eager, outs, base, repeat,
+                             shape) -> None:
+    """One graph per unmerged strategy (the default's is reused), timed like the others; each replay is checked
+    against the hook path's replay and against its own eager output. Graphs are freed one by one (SDXL memory)."""
+    dev = ctx.device
+    replayed = {}
+    for strat, view in per_strategy.items():
+        with view.session("unet"):
+            if strat == default:
+                graph, out = default_graph
+                ms = eager["graph_unmerged"]
+            else:
+                graph, out = _capture(unet, inputs)
+                ms = time_ms(graph.replay, warmup=3, repeat=repeat * 2, device=dev)
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed[strat] = out.clone()
+        del graph, out
+        ctx.record("sdxl_cuda_graph", f"step_ms_unmerged_{strat}", ms, base, "no LoRA", unit="ms",
+                   notes=f"{shape}; overhead {100 * (ms / base - 1):.1f}%" + ("; default" if strat == default else ""))
+        ctx.record("sdxl_cuda_graph", f"replay_vs_eager_rel_diff_{strat}",
+                   _rel_diff(replayed[strat], outs[f"unmerged_{strat}"]), target=1e-2, target_kind="ours<=",
+                   unit="rel", notes=f"strategy {strat}: graph replay vs its eager run")
+    for strat, out in replayed.items():
+        if strat != "hook" and "hook" in replayed:
+            ctx.record("sdxl_cuda_graph", f"{strat}_vs_hook_rel_diff", _rel_diff(out, replayed["hook"]),
+                       target=1e-2, target_kind="ours<=", unit="rel",
+                       notes="replayed output of this strategy vs the hook path's (same LoRA, fp16 summation order)")
 
 
 def _peft_peer(ctx, unet, inputs, unet_file, ours_out, eager, repeat, shape) -> None:

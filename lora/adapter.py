@@ -26,7 +26,7 @@ from .keymap import Target, resolve
 from .loader import load_lora
 from .merged import MergedBinding
 from .targets import filter_targets
-from .unmerged import UnmergedBinding
+from .unmerged import UnmergedBinding, resolve_strategy
 
 MODES = ("unmerged", "merged")
 STAGE_COMPONENTS = {"text": ("text_encoder", "text_encoder_2"), "unet": ("unet",), "vae": ()}
@@ -106,28 +106,34 @@ def _targets_digest(targets: list[Target]) -> str:
     return hashlib.sha1(names.encode()).hexdigest()[:16]
 
 
-def _binding(parts, key: tuple, mode: str, targets: list[Target], label: str):
+def _binding(parts, key: tuple, mode: str, targets: list[Target], label: str, strategy: str, roots: dict):
     with _BINDINGS_LOCK:
         table = _BINDINGS.setdefault(parts, weakref.WeakValueDictionary())
         binding = table.get(key)
         if binding is None:
-            binding = (UnmergedBinding if mode == "unmerged" else MergedBinding)(key, targets, label)
+            if mode == "unmerged":
+                binding = UnmergedBinding(key, targets, label, strategy=strategy, roots=roots)
+            else:
+                binding = MergedBinding(key, targets, label)
             table[key] = binding
         return binding
 
 
 def inject_lora(engine, lora_path: str | Path, strength: float = 1.0, strength_text_encoder: float = 1.0,
-                target_blocks: str = "", mode: str = "unmerged", name: Optional[str] = None):
+                target_blocks: str = "", mode: str = "unmerged", name: Optional[str] = None, strategy: str = "auto"):
     """A new view of ``engine`` with the LoRA at ``lora_path`` (see the module docstring).
 
     ``strength`` scales the UNet layers, ``strength_text_encoder`` the text-encoder layers (both encoders on
     SDXL); ``target_blocks`` restricts the LoRA to module prefixes (``lora.targets``); ``mode`` is
-    ``"unmerged"`` (hooks, strength in device buffers) or ``"merged"`` (weights merged per session).
+    ``"unmerged"`` (computed at forward time, strength in device buffers) or ``"merged"`` (weights merged per
+    session). ``strategy`` picks how ``unmerged`` injects (``lora.unmerged.STRATEGIES``; "auto" =
+    ``$LEANDIFFUSION_LORA_STRATEGY`` or the default); it is part of the graph key (another strategy is another graph).
     """
     strength = _check_strength("strength", strength)
     strength_text_encoder = _check_strength("strength_text_encoder", strength_text_encoder)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
+    strategy = resolve_strategy(strategy)
     if not isinstance(target_blocks, str):
         raise TypeError(f"target_blocks: expected a string, got {type(target_blocks).__name__}")
     if mode == "merged" and _streams_unet(engine):
@@ -156,7 +162,8 @@ def inject_lora(engine, lora_path: str | Path, strength: float = 1.0, strength_t
     base_key = (file_key, mode, _targets_digest(targets))
     occurrence = sum(1 for a in engine.adapters
                      if isinstance(a, LoraAdapter) and a.binding.key[:3] == base_key)
-    binding = _binding(parts, base_key + (occurrence,), mode, targets, name or path.name)
+    key = base_key + (occurrence,) + ((strategy,) if mode == "unmerged" else ())
+    binding = _binding(parts, key, mode, targets, name or path.name, strategy, roots)
     strengths = tuple((c, strength if c == "unet" else strength_text_encoder) for c in binding.components)
     adapter = LoraAdapter(binding, strengths, name or path.name, weakref.ref(parts))
     return engine.with_adapter(adapter)

@@ -1,42 +1,85 @@
-"""Unmerged LoRA: ``y = W x + b + strength * up(down(x))`` computed at forward time by removable forward hooks.
+"""Unmerged LoRA: ``y = W x + b + strength * up(down(x))`` computed at forward time, base weights never written.
+
+Three injection strategies (``STRATEGIES``; chosen per binding by ``inject_lora(strategy=...)``, else
+``$LEANDIFFUSION_LORA_STRATEGY``, else ``DEFAULT_STRATEGY``; part of the binding key, hence of ``graph_key``):
+
+- ``hook``: a forward hook per module adds the term after the base op: ``out.addmm_(down(x), up_s.T)``. Cost floor
+  (why it is ~+20% under CUDA graphs, not +10%): each ``up`` GEMM (K = rank) re-reads and re-writes the full base
+  output, ~16 GB of extra traffic per SDXL-1024 step for a LoRA on every attention/FF Linear.
+- ``preadd`` (Linear): an instance-level ``forward`` (``module.__dict__["forward"]``, a ``_LinearForward``) computes
+  the LoRA terms *first* into a fresh buffer, ``z = addmm(bias, h, up_s.T)`` (``mm`` without bias; further
+  stacked terms ``z.addmm_(h_i, up_i.T)``), then the base GEMM accumulates into it, ``z.addmm_(x, W.T)``: the
+  base GEMM's beta=1 epilogue reads ``z`` under its compute-bound main loop instead of a separate memory-bound
+  read+write of the output. ``W``/``b`` are read at call time (the loader's placement pre-hooks may swap them).
+- ``preadd_geglu``: ``preadd``, and a LoRA on the ``proj`` of a diffusers ``GEGLU`` (``ff.net.0``) goes into the
+  GEGLU instead (``_GegluForward``): ``p = proj(x)`` without this term, then ``kernels.geglu_lora`` computes
+  ``(a + h @ up_a.T) * gelu(g + h @ up_g.T)`` in one pass (``p = [a | g]``); ``proj`` gets no term (no double
+  count).
+
+The hook path remains the fallback everywhere the others do not apply: Conv2d layers, Linear subclasses, a module
+whose ``forward`` another library already overrides; and at call time the overrides compute the plain
+``F.linear(x, W, b) + terms`` (out of place) when the input, weight or LoRA factors differ in device/dtype (a
+placement ran the module elsewhere) or autograd needs the graph.
 
 Invariants
-- Base weights are never written: the hooks only read the module's output and add the low-rank term to it.
-  ``detach`` removes every hook it installed, leaving each module exactly as before (its hook dict as it was).
-  Hooks are ordinary forward hooks; their ids are reserved once per binding (``RemovableHandle``), so attach and
-  detach are one dict insert / pop per module instead of a ``register_forward_hook`` call (~2 us each).
+- Base weights are never written. ``detach`` removes exactly what ``attach`` installed: hooks by their reserved
+  id (one dict insert / pop per module, no ``register_forward_hook`` call, ~2 us each), override terms from the
+  module's one override object; the override leaves ``module.__dict__`` when its last term goes, so the module
+  is left bit-for-bit as before (no ``forward`` key, hook dicts as they were).
+- Stacking: one override object per module (``_override_for``, shared by every binding) holds the ordered list of
+  active terms; each binding appends / removes its own. Hooks of several bindings run in registration order.
 - Strength is data, not structure. Each layer owns a persistent buffer ``up_s = strength * up`` (``up`` already
   carries ``alpha / rank``); ``attach`` rewrites those buffers in place with two multi-tensor kernels
   (``_foreach_copy_`` + ``_foreach_mul_``, no allocation) only when the strength changed. A CUDA graph captured
   while the binding was attached reads ``up_s`` on replay, so a strength change costs the rewrite (~0.1 ms for a
   rank-32 SDXL LoRA), never a recapture, recompile or base-weight copy.
-- The hook adds in place into the module's fresh output with one GEMM (``out.addmm_(down(x), up_s.T)``): no
-  Python-side tensor creation (nothing host->device, so hooks are CUDA-graph capture safe), no separate strength
-  multiply. Siblings reading one input (``to_q/to_k/to_v``...) share one ``down`` GEMM (``_SharedDown``).
+- No Python-side tensor creation in any forward (nothing host->device: capture safe). Siblings reading one input
+  (``to_q/to_k/to_v``...) share one ``down`` GEMM (``_SharedDown``) under every strategy.
 - Strength writes happen at attach, never inside a CUDA-graph capture (``refuse_inside_capture`` raises): a
   write captured into a graph would replay the old value. The sampler enters the session, then captures.
-- Cost floor of this design (why it is not at +10% under graphs): each ``up`` GEMM reads and writes the base
-  output once more, ~16 GB of extra traffic per SDXL-1024 step (~4 ms at 4 TB/s) for a LoRA on every
-  attention/FF Linear; going lower needs the delta fused into the base GEMM or GEGLU epilogue.
-- Several bindings stack: each registers its own hooks; hooks run in registration order and each adds its term.
+- ``torch.compile`` traces the overrides like the hooks (plain attribute reads and torch ops; the shared-down
+  cache and the Triton dispatch are bypassed while compiling: inductor fuses the reference math itself).
 
-A binding is shared by every view of the same (loaded LoRA, targets); the views differ only in the strength
-written at attach. Two views of one binding cannot be attached at the same time with different strengths
+Why hand-written: PEFT's LoRA layers replace modules (``W x + up(down(x))`` as a separate GEMM pair plus an add,
+the same traffic as ``hook``, and a changed model structure); no library pre-accumulates the low-rank term into
+the base GEMM's epilogue or fuses it into GEGLU, and none keeps strength in capture-stable device buffers.
+
+A binding is shared by every view of the same (loaded LoRA, targets, strategy); the views differ only in the
+strength written at attach. Two views of one binding cannot be attached at the same time with different strengths
 (ComfyUI runs nodes one at a time; a nested attach with the same strength is counted and allowed).
 """
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
+from ..kernels.geglu_lora import geglu_lora
 from .binding import RefCountedBinding
 from .keymap import Target
 
 logger = logging.getLogger(__name__)
+
+STRATEGIES = ("hook", "preadd", "preadd_geglu")
+DEFAULT_STRATEGY = "preadd_geglu"
+ENV_STRATEGY = "LEANDIFFUSION_LORA_STRATEGY"
+
+
+def resolve_strategy(strategy: str = "auto") -> str:
+    """``strategy`` unless "auto", else ``$LEANDIFFUSION_LORA_STRATEGY``, else ``DEFAULT_STRATEGY``."""
+    if strategy not in STRATEGIES + ("auto",):
+        raise ValueError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES + ('auto',))}")
+    if strategy != "auto":
+        return strategy
+    env = os.environ.get(ENV_STRATEGY, "").strip().lower() or "auto"
+    if env not in STRATEGIES + ("auto",):
+        raise ValueError(f"{ENV_STRATEGY}={env!r}: expected one of {', '.join(STRATEGIES + ('auto',))}")
+    return DEFAULT_STRATEGY if env == "auto" else env
 
 
 def _shaped(target: Target, tensor: torch.Tensor, role: str) -> torch.Tensor:
@@ -90,8 +133,9 @@ class _SharedDown:
         self.x = self.h = None
 
 
-class _LinearLoraHook:
-    """Forward hook of one Linear: ``out += down(x) @ up_s.T`` (``down(x)`` possibly shared with its siblings)."""
+class _LinearTerm:
+    """One LoRA term of one Linear: ``down(x) @ up_s.T`` (``down(x)`` possibly shared with its siblings). Used as
+    the forward hook itself (``hook`` strategy, or fallback) and as a term of a module's forward override."""
 
     __slots__ = ("down", "up_s", "shared", "rows", "__weakref__")
 
@@ -99,20 +143,145 @@ class _LinearLoraHook:
                  rows: slice = slice(None)):
         self.down, self.up_s, self.shared, self.rows = down, up_s, shared, rows
 
-    def __call__(self, module, args, output):
-        x = args[0]
-        down, up_s = self.down, self.up_s
-        if x.device != down.device or x.dtype != down.dtype:  # a placement ran this module elsewhere
-            h = F.linear(x.to(down.device, down.dtype), down)
-            return output + F.linear(h, up_s).to(output.device, output.dtype)
+    def fits(self, x: torch.Tensor) -> bool:
+        """True when ``x`` is on the factors' device and dtype (the fast paths' precondition)."""
+        return x.dtype == self.up_s.dtype and x.device == self.up_s.device
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(x)`` for an ``x`` that ``fits``."""
         if self.shared is not None and not torch.compiler.is_compiling():
-            h = self.shared.get(x, self.rows)
-        else:
-            h = F.linear(x, down)
-        if _can_add_in_place(output, up_s.dtype):
-            output.view(-1, output.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), up_s.t())
+            return self.shared.get(x, self.rows)
+        return F.linear(x, self.down)
+
+    def added(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out + term`` out of place, for any placement of ``x``/``out``."""
+        if not self.fits(x):  # a placement ran this module elsewhere
+            h = F.linear(x.to(self.down.device, self.down.dtype), self.down)
+            return out + F.linear(h, self.up_s).to(out.device, out.dtype)
+        return out + F.linear(self.hidden(x), self.up_s)
+
+    def __call__(self, module, args, output):  # forward hook
+        x = args[0]
+        if not self.fits(x):
+            return self.added(x, output)
+        h = self.hidden(x)
+        if _can_add_in_place(output, self.up_s.dtype):
+            output.view(-1, output.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), self.up_s.t())
             return None
-        return output + F.linear(h, up_s)
+        return output + F.linear(h, self.up_s)
+
+
+def _no_grad_needed(*tensors: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+class _Override:
+    """The one instance-level ``forward`` of a module while any binding has a term on it (``module.__dict__``).
+
+    Installed with the first term, removed with the last. ``UnmergedBinding._activate`` / ``_deactivate`` do the
+    common cases inline (they run per module per session); a ``forward`` that another library put in the module's
+    ``__dict__`` is never replaced (that binding hooks instead) nor removed."""
+
+    __slots__ = ("module", "terms", "attrs", "__weakref__")
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.terms: list[_LinearTerm] = []
+        self.attrs = module.__dict__  # the module's instance dict (kept: attach/detach touch it 700 times)
+
+    def remove(self, term: _LinearTerm) -> None:
+        """Drop ``term`` (by identity; absent = no-op); the last one removes the override from the module."""
+        terms = self.terms
+        if terms and terms[-1] is term:  # the usual case: one term, or bindings leaving in reverse order
+            terms.pop()
+        else:
+            for i, t in enumerate(terms):
+                if t is term:
+                    del terms[i]
+                    break
+        if not terms and self.attrs.get("forward") is self:
+            del self.attrs["forward"]
+
+
+class _LinearForward(_Override):
+    """``Linear.forward`` with the terms pre-added: ``z = bias + sum_i h_i up_i.T``, then ``z += x W.T``."""
+
+    __slots__ = ()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        w, b = m.weight, m.bias
+        terms = self.terms
+        fast = (bool(terms) and x.dtype == w.dtype and x.device == w.device and all(t.fits(x) for t in terms)
+                and (b is None or b.dtype == x.dtype) and _no_grad_needed(x, w))
+        if not fast:
+            out = F.linear(x, w, b)
+            for t in terms:
+                out = t.added(x, out)
+            return out
+        t0 = terms[0]
+        h = t0.hidden(x)
+        h = h.reshape(-1, h.shape[-1])
+        z = torch.mm(h, t0.up_s.t()) if b is None else torch.addmm(b, h, t0.up_s.t())
+        for t in terms[1:]:
+            h = t.hidden(x)
+            z.addmm_(h.reshape(-1, h.shape[-1]), t.up_s.t())
+        z.addmm_(x.reshape(-1, x.shape[-1]), w.t())
+        return z.view(*x.shape[:-1], w.shape[0])
+
+
+class _GegluForward(_Override):
+    """diffusers ``GEGLU.forward`` with the LoRA terms of its ``proj`` fused into the gating (``kernels.geglu_lora``)."""
+
+    __slots__ = ()
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        m = self.module
+        x = hidden_states
+        p = m.proj(x)  # without these terms (the proj carries none of them); other bindings' terms included
+        terms = self.terms
+        fast = (bool(terms) and p.dtype == x.dtype and p.device == x.device and all(t.fits(x) for t in terms)
+                and p.is_contiguous() and _no_grad_needed(x, p))
+        if not fast:
+            for t in terms:
+                p = t.added(x, p)
+            a, gate = p.chunk(2, dim=-1)
+            return a * m.gelu(gate)
+        hs = [t.hidden(x) for t in terms]
+        hs = [h.reshape(-1, h.shape[-1]) for h in hs]
+        if len(terms) == 1:
+            h, up = hs[0], terms[0].up_s
+        else:  # stacked LoRAs: one rank-(sum r_i) term
+            h, up = torch.cat(hs, dim=1), torch.cat([t.up_s for t in terms], dim=1)
+        out = geglu_lora(p.reshape(-1, p.shape[-1]), h, up)
+        return out.view(*p.shape[:-1], out.shape[-1])
+
+
+_OVERRIDES: "weakref.WeakValueDictionary[int, _Override]" = weakref.WeakValueDictionary()
+
+
+def _override_for(module: torch.nn.Module, cls: type) -> _Override:
+    """The module's one override object, shared by every binding (kept alive by the bindings that use it; it holds
+    the module, so the ``id`` key cannot be reused while the entry lives)."""
+    ov = _OVERRIDES.get(id(module))
+    if ov is None or ov.module is not module:
+        ov = cls(module)
+        _OVERRIDES[id(module)] = ov
+    return ov
+
+
+def _geglu_parent(target: Target, roots) -> "torch.nn.Module | None":
+    """The diffusers ``GEGLU`` (exact gelu) whose ``proj`` is ``target``'s module, else None."""
+    if roots is None or not target.module_name.endswith(".proj") or roots.get(target.component) is None:
+        return None
+    try:
+        from diffusers.models.activations import GEGLU
+    except ImportError:  # pragma: no cover - diffusers is a dependency of the pack
+        return None
+    parent = roots[target.component].get_submodule(target.module_name[:-len(".proj")])
+    if type(parent) is GEGLU and parent.proj is target.module and getattr(parent, "approximate", "none") == "none":
+        return parent
+    return None
 
 
 class _ConvLoraHook:
@@ -168,16 +337,20 @@ def _share_downs(targets: list[Target]) -> dict[int, tuple[_SharedDown, slice]]:
 
 
 class UnmergedBinding(RefCountedBinding):
-    """A loaded LoRA bound to a model's modules, injected by hooks. See the module docstring."""
+    """A loaded LoRA bound to a model's modules, injected per ``strategy``. See the module docstring."""
 
     mode = "unmerged"
 
-    def __init__(self, key: tuple, targets: Iterable[Target], label: str = ""):
+    def __init__(self, key: tuple, targets: Iterable[Target], label: str = "", strategy: str = "auto",
+                 roots: "dict[str, torch.nn.Module] | None" = None):
+        """``roots`` (component -> root module) lets ``preadd_geglu`` find GEGLU parents; without it the GEGLU
+        projections get the ``preadd`` term."""
         self.key = key
         self.label = label
+        self.strategy = resolve_strategy(strategy)
         self.targets = list(targets)
         self.components = sorted({t.component for t in self.targets})
-        self._hooks: dict[str, list] = {c: [] for c in self.components}
+        self._slots: dict[str, list] = {c: [] for c in self.components}
         self._up: dict[str, list[torch.Tensor]] = {c: [] for c in self.components}
         self._up_s: dict[str, list[torch.Tensor]] = {c: [] for c in self.components}
         shared = _share_downs(self.targets)
@@ -186,15 +359,21 @@ class UnmergedBinding(RefCountedBinding):
             down = _shaped(t, t.layer.down, "down")
             up = _shaped(t, t.layer.up, "up")
             up_s = torch.zeros_like(up)  # persistent strength-scaled buffer (written at attach)
+            override = None
             if isinstance(t.module, torch.nn.Linear):
                 group, rows = shared.get(id(t), (None, slice(None)))
-                hook = _LinearLoraHook(group.down[rows] if group is not None else down, up_s, group, rows)
+                term = _LinearTerm(group.down[rows] if group is not None else down, up_s, group, rows)
+                parent = _geglu_parent(t, roots) if self.strategy == "preadd_geglu" else None
+                if parent is not None:
+                    override = _override_for(parent, _GegluForward)
+                elif self.strategy != "hook" and type(t.module) is torch.nn.Linear:
+                    override = _override_for(t.module, _LinearForward)
             else:
-                hook = _ConvLoraHook(down, up_s, t.module)
-            # A hook id reserved once per (binding, module): attach is one dict insert per module, detach one pop
-            # (``register_forward_hook`` costs ~2 us per module per session, 1.5 ms for 700 SDXL layers).
+                term = _ConvLoraHook(down, up_s, t.module)
+            # A hook id reserved once per (binding, module) for the hook path: attach is one dict insert per module,
+            # detach one pop (``register_forward_hook`` costs ~2 us per module per session).
             slot = RemovableHandle(t.module._forward_hooks)
-            self._hooks[t.component].append((t.module._forward_hooks, slot.id, hook))
+            self._slots[t.component].append((t.module._forward_hooks, slot.id, term, override))
             self._up[t.component].append(up)
             self._up_s[t.component].append(up_s)
         self._written: dict[str, float] = {c: 0.0 for c in self.components}  # buffers start zeroed
@@ -218,13 +397,47 @@ class UnmergedBinding(RefCountedBinding):
                 torch._foreach_mul_(bufs, float(strength))
         self._written[component] = strength
 
+    def installed(self, comp: str) -> list[str]:
+        """Where each term of ``comp`` sits now ("hook" | "override" | "off"), in target order (for tests)."""
+        out = []
+        for hooks, hook_id, term, override in self._slots[comp]:
+            if hooks.get(hook_id) is term:
+                out.append("hook")
+            elif override is not None and any(t is term for t in override.terms):
+                out.append("override")
+            else:
+                out.append("off")
+        return out
+
     def _activate(self, comp: str, strength: float) -> None:
         self.write_strength(comp, strength)
-        for hooks, hook_id, hook in self._hooks[comp]:
-            hooks[hook_id] = hook
+        try:  # ``_Override.add`` / ``remove`` inlined: this loop runs per module per session (700 for SDXL)
+            for hooks, hook_id, term, override in self._slots[comp]:
+                if override is not None:
+                    terms, attrs = override.terms, override.attrs
+                    if not terms:
+                        if "forward" not in attrs:
+                            attrs["forward"] = override
+                            terms.append(term)
+                            continue
+                    elif attrs.get("forward") is override:
+                        terms.append(term)
+                        continue
+                hooks[hook_id] = term  # the hook path, or the fallback when another forward sits there
+        except BaseException:
+            self._deactivate(comp)
+            raise
 
     def _deactivate(self, comp: str) -> None:
-        for hooks, hook_id, _ in self._hooks[comp]:
-            hooks.pop(hook_id, None)
+        for hooks, hook_id, term, override in self._slots[comp]:
+            if override is not None:
+                terms = override.terms
+                if terms and terms[-1] is term:
+                    terms.pop()
+                    if not terms and override.attrs.get("forward") is override:
+                        del override.attrs["forward"]
+                    continue
+            if hooks.pop(hook_id, None) is None and override is not None:
+                override.remove(term)
         for group in self._shared:
             group.clear()

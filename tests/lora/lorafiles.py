@@ -177,8 +177,21 @@ def run_text(parts, prompts=("a photo of a cat", "x")) -> list[torch.Tensor]:
 
 
 def _hooks(m: torch.nn.Module) -> dict:
-    return {n: (tuple(sub._forward_hooks.values()), tuple(sub._forward_pre_hooks.values()))
+    """Per module: its forward hooks, pre-hooks and the names in its instance ``__dict__`` (an instance-level
+    ``forward`` override left behind shows up as a ``forward`` key)."""
+    return {n: (tuple(sub._forward_hooks.values()), tuple(sub._forward_pre_hooks.values()), tuple(sorted(sub.__dict__)))
             for n, sub in m.named_modules()}
+
+
+def injected(root: torch.nn.Module, own: dict | None = None) -> int:
+    """How many LoRA terms are injected under ``root`` now: forward hooks (minus ``own[id(module)]``, hooks the
+    model keeps itself) plus the terms of instance-level ``forward`` overrides."""
+    own = own or {}
+    n = 0
+    for sub in root.modules():
+        n += len(sub._forward_hooks) - own.get(id(sub), 0)
+        n += len(getattr(sub.__dict__.get("forward"), "terms", ()))
+    return n
 
 
 def snapshot(*modules: torch.nn.Module) -> list:

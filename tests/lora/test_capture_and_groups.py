@@ -44,13 +44,14 @@ def _plain(attn, targets, s, x, context=None):
             for n, t in zip(("to_q", "to_k", "to_v", "to_out"), targets)]
 
 
+@pytest.mark.parametrize("strategy", ["hook", "preadd"])
 @pytest.mark.parametrize("cross", [False, True])
 @torch.no_grad()
-def test_shared_down_is_exact_and_leaves_no_cache(cross):
+def test_shared_down_is_exact_and_leaves_no_cache(cross, strategy):
     torch.manual_seed(0)
     attn = _Attn()
     targets = _targets(attn)
-    binding = UnmergedBinding(("k",), targets, "t")
+    binding = UnmergedBinding(("k",), targets, "t", strategy=strategy)
     assert len(binding._shared) == 1 and binding._shared[0].size == 3  # to_q/k/v share one down GEMM
     x, ctx = torch.randn(2, 7, 24), torch.randn(2, 5, 24)
     binding.attach({"unet": 0.7})
@@ -81,13 +82,14 @@ class _HostTensors(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("strategy", ["hook", "preadd", "preadd_geglu"])
 @torch.no_grad()
-def test_lora_forward_builds_no_host_tensor(tmp_path):
+def test_lora_forward_builds_no_host_tensor(tmp_path, strategy):
     """The hooks add only device-side GEMMs: the UNet issues the same host-built tensors with and without them."""
     c = tiny_components("sdxl")
     engine = engine_from_parts(parts_from_components(c))
     sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=4)
-    view = inject_lora(engine, lf.write(sd, tmp_path / "a.safetensors"), 0.8, 1.0)
+    view = inject_lora(engine, lf.write(sd, tmp_path / "a.safetensors"), 0.8, 1.0, strategy=strategy)
     inputs = lf.unet_inputs("sdxl")
     inputs["timestep"] = torch.tensor(10)  # a device tensor in the sampler (StepProgram.timestep)
     seen = {}
@@ -100,20 +102,21 @@ def test_lora_forward_builds_no_host_tensor(tmp_path):
     assert seen["lora"] == seen["base"]
 
 
-@pytest.mark.parametrize("mode", ["unmerged", "merged"])
-def test_strength_write_refused_while_capturing(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("mode,strategy", [("unmerged", "hook"), ("unmerged", "preadd"), ("unmerged", "preadd_geglu"),
+                                           ("merged", "hook")])
+def test_strength_write_refused_while_capturing(tmp_path, monkeypatch, mode, strategy):
     c = tiny_components("sd1")
     engine = engine_from_parts(parts_from_components(c))
     sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=4)
     path = lf.write(sd, tmp_path / "a.safetensors")
-    view = inject_lora(engine, path, 0.5, 1.0, mode=mode)
+    view = inject_lora(engine, path, 0.5, 1.0, mode=mode, strategy=strategy)
     before = lf.snapshot(engine.parts.unet)
     monkeypatch.setattr(unmerged.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(unmerged.torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="captur"):
         with view.session("unet"):
             pass
-    assert all(not m._forward_hooks for m in engine.parts.unet.modules())  # nothing half-attached
+    assert lf.injected(engine.parts.unet) == 0  # nothing half-attached (no hook, no forward override)
     lf.assert_untouched(before, engine.parts.unet)
     monkeypatch.undo()
     with view.session("unet"):  # entered outside a capture it works, and a capture inside it writes nothing

@@ -127,6 +127,7 @@ def test_target_blocks_errors(sd1, sd1_lora, tmp_path):
     ({"strength_text_encoder": 11.0}, ValueError, "strength_text_encoder=11.0"),
     ({"mode": "fused"}, ValueError, "mode='fused'"),
     ({"target_blocks": None}, TypeError, "target_blocks"),
+    ({"strategy": "fused"}, ValueError, "strategy='fused'"),
 ])
 def test_bad_arguments(sd1, sd1_lora, tmp_path, kwargs, exc, match):
     path = lf.write(sd1_lora, tmp_path / "ok.safetensors")

@@ -39,9 +39,10 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
-@pytest.mark.parametrize("mode", ["unmerged", "merged"])
+@pytest.mark.parametrize("mode,strategy", [("unmerged", "hook"), ("unmerged", "preadd"), ("unmerged", "preadd_geglu"),
+                                           ("merged", "auto")])
 @torch.no_grad()
-def test_graph_replay_follows_strength(tmp_path, family, mode):
+def test_graph_replay_follows_strength(tmp_path, family, mode, strategy):
     c = tiny_components(family)
     engine = engine_from_parts(parts_from_components(c), device="cuda", dtype=torch.float16,
                                vae_dtype=torch.float16)
@@ -49,7 +50,7 @@ def test_graph_replay_follows_strength(tmp_path, family, mode):
     sd = lf.kohya_state_dict(roots, {"unet": re.compile(lf.ATTN_FF.pattern + "|" + lf.LOCON.pattern)}, rank=4)
     path = lf.write(sd, tmp_path / "g.safetensors")
     inputs = _cuda_inputs(family)
-    views = [inject_lora(engine, path, s, 1.0, mode=mode) for s in (1.0, -0.7, 0.0)]
+    views = [inject_lora(engine, path, s, 1.0, mode=mode, strategy=strategy) for s in (1.0, -0.7, 0.0)]
     assert len({v.adapters[0].graph_key for v in views}) == 1
     ptrs = [p.data_ptr() for p in engine.parts.unet.parameters()]
     static = {}
@@ -97,3 +98,53 @@ def test_strength_write_inside_capture_is_refused(tmp_path, mode):
                 pass
     with view.session("unet"):  # nothing left half-attached
         pass
+
+
+@pytest.mark.parametrize("strategy", ["preadd", "preadd_geglu"])
+@torch.no_grad()
+def test_strategy_matches_hook_path_under_graph_replay(tmp_path, strategy, monkeypatch):
+    """fp16, tiny SDXL-like UNet, LoRA on every attention/FF Linear and LoCon conv: the graph of each strategy
+    replays what the hook path's graph replays (within fp16 rounding: the terms are summed in another order), and
+    the GEGLU strategy really runs the Triton kernel (counted)."""
+    from leandiffusion.kernels import geglu_lora as gl
+
+    c = tiny_components("sdxl")
+    engine = engine_from_parts(parts_from_components(c), device="cuda", dtype=torch.float16,
+                               vae_dtype=torch.float16)
+    pattern = re.compile(lf.ATTN_FF.pattern + "|" + lf.LOCON.pattern)
+    path = lf.write(lf.kohya_state_dict({"unet": c["unet"]}, {"unet": pattern}, rank=8), tmp_path / "s.safetensors")
+    inputs = _cuda_inputs("sdxl")
+    launches = []
+    real = gl.geglu_lora_triton
+    monkeypatch.setattr(gl, "geglu_lora_triton", lambda *a, **k: launches.append(1) or real(*a, **k))
+    outs = {}
+    for strat in ("hook", strategy):
+        view = inject_lora(engine, path, 0.8, 1.0, strategy=strat)
+        static = {}
+
+        def step():
+            static["out"] = _call(view, inputs)
+
+        with view.session("unet"):
+            where = set(view.adapters[0].binding.installed("unet"))
+            assert where == ({"hook"} if strat == "hook" else {"hook", "override"})  # convs keep hooks
+            replay = CudaGraphBackend(warmup=2).capture(step, torch.device("cuda"))
+            replay()
+            torch.cuda.synchronize()
+            outs[strat] = static["out"].clone()
+            eager = _call(view, inputs)
+        assert _rel(outs[strat], eager) <= FP16_REL
+    with engine.session("unet"):
+        base = _call(engine, inputs)
+    # yardstick: the same LoRA on the same (fp32, CPU) weights through the hook path. The strategies sum the terms
+    # in another order, so in fp16 they may differ from the hook path by rounding; each must be no further from the
+    # fp32 result than the fp16 hook path is (x2, or 2e-3). A dropped or doubled term is O(LoRA effect) away.
+    ref_engine = engine_from_parts(parts_from_components(tiny_components("sdxl")))
+    with inject_lora(ref_engine, path, 0.8, 1.0, strategy="hook").session("unet"):
+        ref = lf.run_unet(ref_engine.parts.unet, lf.unet_inputs("sdxl")).cuda()
+    err = {s: _rel(o, ref) for s, o in outs.items()}
+    print(f"fp16 vs fp32 hook reference: {err}; hook vs base {_rel(outs['hook'], base):.3g}")
+    assert _rel(outs["hook"], base) > 1e-2 and _rel(ref, base) > 1e-2
+    assert err[strategy] <= max(2 * err["hook"], 2e-3)
+    assert bool(launches) == (strategy == "preadd_geglu")
+    assert all("forward" not in m.__dict__ for m in engine.parts.unet.modules())

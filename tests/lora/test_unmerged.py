@@ -9,6 +9,8 @@ import re
 import pytest
 import torch
 
+from diffusers.models.activations import GEGLU
+
 from leandiffusion.lora import inject_lora
 from leandiffusion.memory.engine import engine_from_parts, parts_from_components
 from leandiffusion.tests.kit import tiny_components
@@ -61,7 +63,7 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def test_per_layer_alphas_and_separate_strengths_match_plain_math(tmp_path):
+def test_per_layer_alphas_and_separate_strengths_match_plain_math(tmp_path, strategy):
     engine, sd, path = _setup(tmp_path)
     view = inject_lora(engine, path, strength=0.7, strength_text_encoder=-0.4)
     ref = _reference_engine([(sd, 0.7, -0.4)])
@@ -70,7 +72,7 @@ def test_per_layer_alphas_and_separate_strengths_match_plain_math(tmp_path):
 
 
 @pytest.mark.parametrize("strength", [1.0, -1.3])
-def test_merged_equals_unmerged_and_restores_bit_exactly(tmp_path, strength):
+def test_merged_equals_unmerged_and_restores_bit_exactly(tmp_path, strength, strategy):
     engine, sd, path = _setup(tmp_path)
     before = lf.snapshot(engine.parts.unet, engine.parts.text_encoder)
     unmerged = inject_lora(engine, path, strength, 0.5, mode="unmerged")
@@ -80,7 +82,7 @@ def test_merged_equals_unmerged_and_restores_bit_exactly(tmp_path, strength):
 
 
 @pytest.mark.parametrize("mode", ["unmerged", "merged"])
-def test_strength_zero_is_base_bit_exact(tmp_path, mode):
+def test_strength_zero_is_base_bit_exact(tmp_path, mode, strategy):
     engine, _, path = _setup(tmp_path)
     base = _outputs(engine)
     view = inject_lora(engine, path, 0.0, 0.0, mode=mode)
@@ -88,16 +90,19 @@ def test_strength_zero_is_base_bit_exact(tmp_path, mode):
         assert torch.equal(a, b)
 
 
-def test_target_blocks_leave_every_other_module_bit_identical(tmp_path):
+def test_target_blocks_leave_every_other_module_bit_identical(tmp_path, strategy):
     engine, _, path = _setup(tmp_path)
     view = inject_lora(engine, path, 1.0, 1.0, target_blocks="mid_block, up_blocks.1.attentions.0")
     chosen = lambda n: n.startswith("mid_block.") or n.startswith("up_blocks.1.attentions.0.")
     covered = {n for n in lf.module_names(engine.parts.unet, UNET_ALL)}
+    gegl = {n for n, m in engine.parts.unet.named_modules() if type(m) is GEGLU}
     g = torch.Generator().manual_seed(0)
     probes = {}
     for name, m in engine.parts.unet.named_modules():
         if isinstance(m, torch.nn.Linear):
             probes[name] = torch.randn(3, m.in_features, generator=g)
+        elif name in gegl:
+            probes[name] = torch.randn(3, m.proj.in_features, generator=g)
         elif isinstance(m, torch.nn.Conv2d):
             probes[name] = torch.randn(1, m.in_channels, 6, 6, generator=g)
     te_probe = engine.tokenize(["a cat"])
@@ -108,7 +113,14 @@ def test_target_blocks_leave_every_other_module_bit_identical(tmp_path):
             ours = {n: view.parts.unet.get_submodule(n)(x) for n, x in probes.items()}
             ours_te = view.parts.text_encoder(te_probe)[0]
     changed = {n for n in probes if not torch.equal(base[n], ours[n])}
-    assert changed == {n for n in covered if chosen(n)}
+    want = {n for n in covered if chosen(n)}
+    parents = {n[:-len(".proj")] for n in want if n[:-len(".proj")] in gegl}
+    assert parents  # the chosen blocks hold GEGLU feed-forwards
+    if strategy == "preadd_geglu":  # the term lives in the GEGLU; its proj alone computes the base projection
+        want = (want - {p + ".proj" for p in parents}) | parents
+    else:
+        want |= parents
+    assert changed == want
     assert torch.equal(base_te, ours_te)  # the text encoder is not listed, so it is untouched
     # the whole UNet: every module before the first targeted block sees the same input, so the same output
     outs = {}
@@ -128,7 +140,7 @@ def test_target_blocks_leave_every_other_module_bit_identical(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["unmerged", "merged"])
-def test_strength_change_moves_no_weight_and_keeps_graph_key(tmp_path, mode):
+def test_strength_change_moves_no_weight_and_keeps_graph_key(tmp_path, mode, strategy):
     engine, _, path = _setup(tmp_path)
     before = lf.snapshot(engine.parts.unet, engine.parts.text_encoder)
     views = [inject_lora(engine, path, s, s, mode=mode) for s in (0.5, 1.5, -2.0)]
@@ -150,7 +162,7 @@ def test_strength_change_moves_no_weight_and_keeps_graph_key(tmp_path, mode):
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
 
 
-def test_stacking_two_files_and_the_same_file_twice(tmp_path):
+def test_stacking_two_files_and_the_same_file_twice(tmp_path, strategy):
     engine, sd_a, path_a = _setup(tmp_path, seed=1)
     _, sd_b, path_b = _setup(tmp_path, seed=2)
     stacked = inject_lora(inject_lora(engine, path_a, 0.6, 0.3), path_b, -0.8, 0.9)
@@ -165,7 +177,7 @@ def test_stacking_two_files_and_the_same_file_twice(tmp_path):
     assert _max_diff(_outputs(same_twice), _outputs(once)) <= TOL
 
 
-def test_input_view_and_modules_untouched(tmp_path):
+def test_input_view_and_modules_untouched(tmp_path, strategy):
     engine, _, path = _setup(tmp_path)
     before = lf.snapshot(engine.parts.unet, engine.parts.text_encoder)
     base = _outputs(engine)
@@ -178,11 +190,11 @@ def test_input_view_and_modules_untouched(tmp_path):
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
 
 
-def test_sessions_attach_only_their_stage_and_nest(tmp_path):
+def test_sessions_attach_only_their_stage_and_nest(tmp_path, strategy):
     engine, _, path = _setup(tmp_path)
     view = inject_lora(engine, path, 1.0, 1.0)
     own = {id(m): len(m._forward_hooks) for m in engine.parts.text_encoder.modules()}  # transformers' hooks
-    hooked = lambda root: sum(len(m._forward_hooks) - own.get(id(m), 0) for m in root.modules())
+    hooked = lambda root: lf.injected(root, own)
     n_unet = len(lf.module_names(engine.parts.unet, UNET_ALL))
     n_te = len(lf.module_names(engine.parts.text_encoder, lf.TE_LINEARS))
     with view.session("unet"):

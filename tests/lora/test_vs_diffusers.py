@@ -53,7 +53,7 @@ def _compare(family, path, scale, diffusers_kwargs=None):
 
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
-def test_kohya_matches_diffusers(tmp_path, family):
+def test_kohya_matches_diffusers(tmp_path, family, strategy):
     """SD1: kohya diffusers-style names; SDXL: kohya LDM-style (sgm) names, as kohya's SDXL trainer writes."""
     c = tiny_components(family)
     roots = {k: c[k] for k in ("unet", "text_encoder", "text_encoder_2") if k in c}
@@ -69,7 +69,7 @@ def test_kohya_matches_diffusers(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
-def test_peft_matches_diffusers(tmp_path, family):
+def test_peft_matches_diffusers(tmp_path, family, strategy):
     """diffusers/PEFT lora_A/lora_B with the metadata header diffusers writes (lora_alpha + alpha_pattern)."""
     c = tiny_components(family)
     roots = {k: c[k] for k in ("unet", "text_encoder", "text_encoder_2") if k in c}

@@ -1,0 +1,133 @@
+"""The fused GEGLU + LoRA-delta kernel equals its plain-torch reference (the unfused path) over odd shapes, ranks
+and dtypes; the reference equals an fp64 formula.
+
+Runs the Triton kernel on CPU tensors under ``TRITON_INTERPRET=1``; the ``gpu`` test repeats it on the device.
+Guards: tail masks (M and N not multiples of the 64x64 tile), rank padding (4, 8 -> 16; 33 -> 64), the [a | g]
+split and the [up_a ; up_g] row split (an off-by-N swaps gate and value: O(1) error), a strided ``h`` (a column
+slice of a shared down projection), the rounding order (delta added before the gelu, in the activation dtype).
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from leandiffusion.kernels import geglu_lora as gl
+from leandiffusion.kernels.geglu_lora import geglu_lora, geglu_lora_reference, geglu_lora_triton, resolve_impl
+
+interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or gl.triton is None,
+                               reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
+
+# dtype -> (atol, rtol) of kernel vs reference. Both accumulate the delta in fp32 and round a, g, gelu and the
+# product at the same points; they differ by the delta's summation order, which can flip one rounding of a' or g'
+# (1 ulp: 2^-11 relative in fp16, 2^-8 in bf16) and so the product by ~2 ulp.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+SHAPES = [(1, 1), (37, 50), (70, 65), (128, 64), (5, 130)]  # (M, N half); the tile is 64 x 64
+RANKS = [4, 8, 32, 64]
+# Triton 3.9's CPU interpreter converts fp32 -> bfloat16 by truncation (measured: half of 1024 random values differ
+# from torch's round-to-nearest, ``fp_downcast_rounding="rtne"`` does not help), so under the interpreter a bf16
+# result can be up to one truncation per rounding point (4) away: a wider bound there, the table's on the GPU.
+INTERPRETER_BF16 = (6e-2, 3e-2)
+
+
+def _inputs(m, n, r, dtype, device="cpu", seed=0, strided_h=False):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(m, 2 * n, generator=g)
+    h = torch.randn(m, r + 3 if strided_h else r, generator=g) / math.sqrt(r)
+    up = torch.randn(2 * n, r, generator=g)
+    p, h, up = (t.to(device, dtype) for t in (p, h, up))
+    return p, (h[:, 1:r + 1] if strided_h else h), up
+
+
+def _ref64(p, h, up):
+    z = p.double() + h.double() @ up.double().t()
+    a, gate = z.chunk(2, dim=-1)
+    return a * 0.5 * gate * (1 + torch.erf(gate / math.sqrt(2)))
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("m,n", SHAPES[:3])
+def test_reference_matches_float64_formula(m, n, dtype):
+    p, h, up = _inputs(m, n, 8, dtype)
+    got = geglu_lora_reference(p, h, up)
+    assert got.dtype == dtype and got.shape == (m, n)
+    atol, rtol = TOLERANCE[dtype]
+    # the reference rounds a', g', gelu and the product: 4 roundings of O(1) values
+    torch.testing.assert_close(got.double(), _ref64(p, h, up), atol=atol * 20, rtol=rtol * 4)
+
+
+@interpret
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("r", RANKS)
+@pytest.mark.parametrize("m,n", SHAPES)
+def test_triton_matches_reference(m, n, r, dtype):
+    p, h, up = _inputs(m, n, r, dtype, strided_h=r == 8)
+    ref = geglu_lora_reference(p, h, up)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    tri = geglu_lora_triton(p, h, up, out=out)
+    assert tri.data_ptr() == out.data_ptr() and not torch.isnan(out).any()  # every element written
+    atol, rtol = INTERPRETER_BF16 if dtype == torch.bfloat16 else TOLERANCE[dtype]
+    torch.testing.assert_close(tri, ref, atol=atol, rtol=rtol)
+
+
+@interpret
+def test_triton_odd_rank_and_strided_p():
+    """Rank 33 pads to 64; ``p`` a column slice of a wider buffer (any strides)."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(19, 2 * 40 + 6, generator=g)
+    p = wide[:, 3:83]
+    h, up = torch.randn(19, 33, generator=g) / 6, torch.randn(80, 33, generator=g)
+    torch.testing.assert_close(geglu_lora_triton(p, h, up), geglu_lora_reference(p, h, up), atol=1e-5, rtol=1e-5)
+
+
+@interpret
+def test_delta_split_is_value_then_gate():
+    """up_a only moves the value half, up_g only the gate: zeroing one half of ``up`` must change the output the
+    way the formula says (a swap of the halves would not)."""
+    p, h, up = _inputs(9, 20, 4, torch.float32)
+    up_a_only = up.clone()
+    up_a_only[20:] = 0
+    want = (p[:, :20] + h @ up[:20].t()) * torch.nn.functional.gelu(p[:, 20:])
+    torch.testing.assert_close(geglu_lora_triton(p, h, up_a_only), want, atol=1e-5, rtol=1e-5)
+
+
+def test_validation_errors():
+    p, h, up = _inputs(4, 6, 4, torch.float32)
+    with pytest.raises(ValueError, match="odd last dimension"):
+        geglu_lora_reference(p[:, :11], h, up[:11])
+    with pytest.raises(ValueError, match="do not chain"):
+        geglu_lora_reference(p, h[:3], up)
+    with pytest.raises(ValueError, match="dtype"):
+        geglu_lora_reference(p, h.double(), up)
+    with pytest.raises(ValueError, match="out"):
+        geglu_lora_reference(p, h, up, out=torch.empty(4, 5))
+    with pytest.raises(ValueError, match="2-D"):
+        geglu_lora_reference(p[None], h, up)
+    with pytest.raises(ValueError, match="impl"):
+        geglu_lora(p, h, up, impl="cuda")
+
+
+def test_dispatcher_uses_reference_on_cpu_and_env_override(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gl, "geglu_lora_triton", lambda *a, **k: calls.append("triton"))
+    p, h, up = _inputs(4, 6, 4, torch.float32)
+    monkeypatch.setenv(gl.ENV_IMPL, "auto")
+    torch.testing.assert_close(geglu_lora(p, h, up), geglu_lora_reference(p, h, up), atol=0, rtol=0)
+    assert calls == []  # CPU tensors -> reference
+    monkeypatch.setenv(gl.ENV_IMPL, "triton")
+    geglu_lora(p, h, up)
+    assert calls == ["triton"]
+    monkeypatch.setenv(gl.ENV_IMPL, "bogus")
+    with pytest.raises(ValueError, match=gl.ENV_IMPL):
+        resolve_impl()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("m,n,r", [(37, 50, 4), (70, 65, 33), (8192, 640, 32), (2048, 1280, 64)])
+def test_gpu_kernel_matches_reference(m, n, r, dtype):
+    p, h, up = _inputs(m, n, r, dtype, device="cuda", strided_h=True)
+    ref = geglu_lora_reference(p, h, up)
+    got = geglu_lora(p, h, up)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)

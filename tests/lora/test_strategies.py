@@ -1,0 +1,214 @@
+"""The unmerged injection strategies (``hook``, ``preadd``, ``preadd_geglu``) on small diffusers blocks, fp32 CPU.
+
+Guards: where each term lands (override vs hook; a GEGLU proj's term in the GEGLU, not also on the proj); stacking
+several bindings on one module (one override, ordered terms, removed with the last); the module left bit-for-bit
+as before (no ``forward`` key in ``__dict__``); a foreign ``forward`` override is respected (hook fallback); the
+slow paths (grad mode, foreign dtype) compute the same math; an attach failing midway leaves nothing installed;
+``torch.compile(fullgraph=True)`` traces every strategy without a graph break and follows attach/detach.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers.models.activations import GEGLU
+from diffusers.models.attention import BasicTransformerBlock
+
+from leandiffusion.lora import unmerged
+from leandiffusion.lora.formats import LoraLayer
+from leandiffusion.lora.keymap import Target
+from leandiffusion.lora.unmerged import STRATEGIES, UnmergedBinding
+from leandiffusion.tests.lora import lorafiles as lf
+
+TOL = 1e-5
+DIM, CTX = 32, 24
+
+
+def _block(seed=0):
+    torch.manual_seed(seed)
+    return BasicTransformerBlock(DIM, 2, DIM // 2, cross_attention_dim=CTX).eval().requires_grad_(False)
+
+
+def _targets(block, rank=4, seed=0, scale=0.3):
+    """A LoRA on every attention / feed-forward Linear of ``block`` (``up`` carries the scale, as the loader's)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name in lf.module_names(block, lf.ATTN_FF):
+        m = block.get_submodule(name)
+        down = torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5
+        up = scale * torch.randn(m.out_features, rank, generator=g) / rank ** 0.5
+        out.append(Target("unet", name, m, LoraLayer("unet", name, "dotted", down, up, 1.0, name)))
+    return out
+
+
+def _binding(block, strategy, seed=0, key="k"):
+    return UnmergedBinding((key, strategy), _targets(block, seed=seed), "t", strategy=strategy, roots={"unet": block})
+
+
+def _inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 7, DIM, generator=g), torch.randn(2, 5, CTX, generator=g)
+
+
+def _merged_reference(block, target_sets, strengths):
+    """The same block with W + s * up @ down written in (fp64 math), a separate copy."""
+    ref = _block()
+    ref.load_state_dict(block.state_dict())
+    with torch.no_grad():
+        for targets, s in zip(target_sets, strengths):
+            for t in targets:
+                w = ref.get_submodule(t.module_name).weight
+                w.copy_((w.double() + s * t.layer.up.double() @ t.layer.down.double()).float())
+    return ref
+
+
+def _run(block, x, ctx):
+    return block(x, encoder_hidden_states=ctx)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@torch.no_grad()
+def test_placement_of_terms(strategy):
+    block = _block()
+    b = _binding(block, strategy)
+    names = [t.module_name for t in b.targets]
+    before = lf.snapshot(block)
+    b.attach({"unet": 1.0})
+    where = dict(zip(names, b.installed("unet")))
+    geglu_proj = "ff.net.0.proj"
+    assert type(block.ff.net[0]) is GEGLU
+    if strategy == "hook":
+        assert set(where.values()) == {"hook"} and "forward" not in block.ff.net[0].__dict__
+    else:
+        assert set(where.values()) == {"override"}
+        on_proj = block.ff.net[0].proj.__dict__.get("forward")
+        on_geglu = block.ff.net[0].__dict__.get("forward")
+        if strategy == "preadd_geglu":  # the proj term lives in the GEGLU only (no double count)
+            assert on_proj is None and len(on_geglu.terms) == 1
+        else:
+            assert len(on_proj.terms) == 1 and on_geglu is None
+        assert all(not m._forward_hooks for m in block.modules())
+    assert geglu_proj in where
+    x, ctx = _inputs()
+    got = _run(block, x, ctx)
+    b.detach({"unet": 1.0})
+    lf.assert_untouched(before, block)
+    assert (got - _run(_merged_reference(block, [b.targets], [1.0]), x, ctx)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("first,second", [("preadd", "preadd"), ("preadd_geglu", "preadd_geglu"),
+                                          ("preadd_geglu", "hook"), ("hook", "preadd")])
+@torch.no_grad()
+def test_stacking_on_one_module_and_exact_restore(first, second):
+    block = _block()
+    x, ctx = _inputs()
+    base = _run(block, x, ctx)
+    before = lf.snapshot(block)
+    a, b = _binding(block, first, seed=1, key="a"), _binding(block, second, seed=2, key="b")
+    a.attach({"unet": 0.7})
+    b.attach({"unet": -1.1})
+    if first == second != "hook":
+        ov = block.attn1.to_q.__dict__["forward"]
+        assert len(ov.terms) == 2 and ov.terms[0] in [s[2] for s in a._slots["unet"]]  # one override, in order
+    got = _run(block, x, ctx)
+    want = _run(_merged_reference(block, [a.targets, b.targets], [0.7, -1.1]), x, ctx)
+    assert (got - want).abs().max().item() <= TOL
+    a.detach({"unet": 0.7})  # the first one leaves first: the second keeps working alone
+    alone = _run(_merged_reference(block, [b.targets], [-1.1]), x, ctx)
+    assert (_run(block, x, ctx) - alone).abs().max().item() <= TOL
+    b.detach({"unet": -1.1})
+    lf.assert_untouched(before, block)
+    assert all("forward" not in m.__dict__ for m in block.modules())
+    assert torch.equal(_run(block, x, ctx), base)
+
+
+@pytest.mark.parametrize("strategy", ["preadd", "preadd_geglu"])
+@torch.no_grad()
+def test_foreign_forward_override_falls_back_to_a_hook(strategy):
+    """Another library's instance ``forward`` (accelerate's hooks set one) is never replaced nor removed."""
+    block = _block()
+    x, ctx = _inputs()
+    q, geglu = block.attn1.to_q, block.ff.net[0]
+    foreign_q = lambda inp: F.linear(inp, q.weight, q.bias)  # noqa: E731
+    foreign_g = lambda inp: GEGLU.forward(geglu, inp)  # noqa: E731
+    q.__dict__["forward"], geglu.__dict__["forward"] = foreign_q, foreign_g
+    b = _binding(block, strategy)
+    b.attach({"unet": 0.8})
+    where = dict(zip([t.module_name for t in b.targets], b.installed("unet")))
+    assert where["attn1.to_q"] == "hook"
+    assert where["ff.net.0.proj"] == ("hook" if strategy == "preadd_geglu" else "override")
+    got = _run(block, x, ctx)
+    b.detach({"unet": 0.8})
+    want = _run(_merged_reference(block, [b.targets], [0.8]), x, ctx)
+    assert (got - want).abs().max().item() <= TOL
+    assert q.__dict__["forward"] is foreign_q and geglu.__dict__["forward"] is foreign_g
+    assert not q._forward_hooks and not geglu.proj._forward_hooks
+
+
+@pytest.mark.parametrize("strategy", ["preadd", "preadd_geglu"])
+def test_slow_paths_grad_mode_and_foreign_dtype(strategy):
+    """With autograd recording (input requires grad) and with the module run in another dtype than the factors (a
+    placement), the overrides compute the plain out-of-place math; gradients flow."""
+    block = _block()
+    x, ctx = _inputs()
+    b = _binding(block, strategy)
+    want = _run(_merged_reference(block, [b.targets], [0.9]), x, ctx)
+    b.attach({"unet": 0.9})
+    try:
+        xg = x.clone().requires_grad_(True)
+        got = _run(block, xg, ctx)
+        assert got.requires_grad and (got.detach() - want).abs().max().item() <= TOL
+        got.sum().backward()
+        assert xg.grad is not None and torch.isfinite(xg.grad).all()
+        with torch.no_grad():
+            block.double()
+            got64 = _run(block, x.double(), ctx.double())
+            block.float()
+        assert got64.dtype == torch.float64 and (got64.float() - want).abs().max().item() <= 1e-4
+    finally:
+        b.detach({"unet": 0.9})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_attach_failing_midway_leaves_nothing(strategy):
+    block = _block()
+    b = _binding(block, strategy)
+    before = lf.snapshot(block)
+    fail_at = 3  # the 4th slot fails to install; the three before it must be undone
+
+    class Failing(dict):
+        def __setitem__(self, k, v):
+            raise RuntimeError("injected failure")
+
+    slots = b._slots["unet"]
+    hooks, hid, term, ov = slots[fail_at]
+    if ov is None:  # hook path: the hook insert fails
+        slots[fail_at] = (Failing(), hid, term, ov)
+    else:  # override path: installing the override into the module's __dict__ fails
+        ov.attrs = Failing()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        b.attach({"unet": 1.0})
+    lf.assert_untouched(before, block)
+    assert b.installed("unet") == ["off"] * len(b.targets)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@torch.no_grad()
+def test_torch_compile_fullgraph_follows_attach_and_detach(strategy):
+    """Dynamo traces the overrides (and hooks) without a graph break (``fullgraph=True``), the compiled block equals
+    eager with the LoRA, and after detach it recompiles to the base block (guards see the module change)."""
+    torch._dynamo.reset()
+    block = _block()
+    x, ctx = _inputs()
+    base = _run(block, x, ctx)
+    b = _binding(block, strategy)
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    b.attach({"unet": 0.6})
+    try:
+        eager = _run(block, x, ctx)
+        got = compiled(x, encoder_hidden_states=ctx)
+    finally:
+        b.detach({"unet": 0.6})
+    assert (eager - base).abs().max() > 1e-2
+    assert (got - eager).abs().max().item() <= TOL
+    assert (got - _run(_merged_reference(block, [b.targets], [0.6]), x, ctx)).abs().max().item() <= TOL
+    assert (compiled(x, encoder_hidden_states=ctx) - base).abs().max().item() <= TOL
+    torch._dynamo.reset()
