@@ -221,11 +221,19 @@ WORKFLOWS = [
                                                "negative_cond": (4, 0)}),
         _decode(6, 3, (5, 0), (1, 0)),
         _save(7, 4, (6, 0), "leandiffusion_comfy_conditioning"),
-    ], [("ComfyUI text encoding", [2, 3, 4], "#3f789e"), ("Sample", [5], "#8A8"),
-        ("Decode and save", [6, 7], "#b58b2a")],
+        N(8, "LeanStreamSampler", 2, 1, values={
+            "prompts": "", "negative": "", "seed": 11, "steps": 30, "cfg": 7.5, "width": 512, "height": 512,
+            "timestep_spacing": "leading", "acceleration": "cuda_graph", "images_per_prompt": 2, "max_batch": 0,
+            "decode_tile_size": 0}, links={"lean_model": (1, 0), "positive_cond": (3, 0), "negative_cond": (4, 0)},
+          width=400),
+        _save(9, 4, (8, 0), "leandiffusion_comfy_conditioning_stream", row=1),
+    ], [("ComfyUI text encoding", [2, 3, 4], "#3f789e"), ("Sample", [5, 8], "#8A8"),
+        ("Decode and save", [6, 7, 9], "#b58b2a")],
         "Any node that makes a CONDITIONING can drive the pack's samplers: here ComfyUI's own CLIP Text Encode "
-        "(clip_l.safetensors is SD1.5's text encoder, in models/text_encoders). A connected positive_cond / "
-        "negative_cond replaces the sampler's prompt text, which is left empty."),
+        "(clip_l.safetensors is SD1.5's text encoder, in models/text_encoders) feeds the Fused DDIM Sampler and "
+        "the Stream Scheduler Sampler. A connected positive_cond / negative_cond replaces the sampler's prompt "
+        "text, which is left empty; in the Stream Scheduler Sampler each row of the CONDITIONING is one prompt "
+        "(one CLIP Text Encode = one prompt, here 2 images of it, seeds 11 and 12)."),
 ]
 
 
