@@ -5,9 +5,10 @@ Cases (ours and peers in the same process, GUIDE section 5):
 - per-step ms, no LoRA / unmerged / merged, eager and replaying a plain ``torch.cuda.CUDAGraph`` of one UNet call
   captured inside the view's ``session("unet")``; peer for unmerged: PEFT's LoRA layers (what diffusers'
   ``load_lora_weights`` installs), same weights, same capture. Target: unmerged <= 10% over no LoRA under graphs.
-  Each unmerged injection strategy (``lora.unmerged.STRATEGIES``: hook, preadd, preadd_geglu) is timed side by
-  side (``step_ms_unmerged_<strategy>``, eager and graph, peer no LoRA) with its replay checked against the hook
-  path's (rel diff); ``step_ms_unmerged`` / ``unmerged_overhead_pct`` are the default strategy's.
+  Each unmerged injection strategy (``lora.unmerged.STRATEGIES``: hook, geglu) is timed side by side
+  (``step_ms_unmerged_hook`` / ``step_ms_unmerged_geglu``, eager and graph, peer no LoRA) with its replay checked
+  against the hook path's (``geglu_vs_hook_rel_diff``); ``step_ms_unmerged`` / ``unmerged_overhead_pct`` are the
+  default strategy's (``geglu`` unless ``$LEANDIFFUSION_LORA_STRATEGY`` says otherwise).
 - strength change: the synchronized wall time of a session of a view with another strength (attach rewrites the
   scaled up-buffers, detach), after which the *same* graph replays (same graph_key, recorded); peer: recapturing
   the graph. Target: < 1 ms, no recapture. The replay time after the change is recorded next to the replay time

@@ -1,48 +1,55 @@
 """Unmerged LoRA: ``y = W x + b + strength * up(down(x))`` computed at forward time, base weights never written.
 
-Three injection strategies (``STRATEGIES``; chosen per binding by ``inject_lora(strategy=...)``, else
-``$LEANDIFFUSION_LORA_STRATEGY``, else ``DEFAULT_STRATEGY``; part of the binding key, hence of ``graph_key``):
+Two injection strategies (``STRATEGIES``; chosen per binding by ``inject_lora(strategy=...)``, else
+``$LEANDIFFUSION_LORA_STRATEGY`` = ``hook`` | ``geglu`` | ``auto``, else ``DEFAULT_STRATEGY`` = ``geglu``; part of
+the binding key, hence of ``graph_key``):
 
-- ``hook``: a forward hook per module adds the term after the base op: ``out.addmm_(down(x), up_s.T)``. Cost floor
-  (why it is ~+20% under CUDA graphs, not +10%): each ``up`` GEMM (K = rank) re-reads and re-writes the full base
-  output, ~16 GB of extra traffic per SDXL-1024 step for a LoRA on every attention/FF Linear.
-- ``preadd`` (Linear): an instance-level ``forward`` (``module.__dict__["forward"]``, a ``_LinearForward``) computes
-  the LoRA terms *first* into a fresh buffer, ``z = addmm(bias, h, up_s.T)`` (``mm`` without bias; further
-  stacked terms ``z.addmm_(h_i, up_i.T)``), then the base GEMM accumulates into it, ``z.addmm_(x, W.T)``: the
-  base GEMM's beta=1 epilogue reads ``z`` under its compute-bound main loop instead of a separate memory-bound
-  read+write of the output. ``W``/``b`` are read at call time (the loader's placement pre-hooks may swap them).
-- ``preadd_geglu``: ``preadd``, and a LoRA on the ``proj`` of a diffusers ``GEGLU`` (``ff.net.0``) goes into the
-  GEGLU instead (``_GegluForward``): ``p = proj(x)`` without this term, then ``kernels.geglu_lora`` computes
-  ``(a + h @ up_a.T) * gelu(g + h @ up_g.T)`` in one pass (``p = [a | g]``); ``proj`` gets no term (no double
-  count).
+- ``hook``: a forward hook per module adds the term after the base op: ``out.addmm_(down(x), up_s.T)``. At
+  strength 0 the base op runs untouched and the term adds exact zeros, so the output is the base bit-for-bit.
+- ``geglu`` (default): the same hooks on every layer, except the ``proj`` of a diffusers ``GEGLU`` (``ff.net.0``):
+  its term goes into the GEGLU (an instance-level ``forward``, ``_GegluForward``): ``p = proj(x)`` without this
+  term, then ``kernels.geglu_lora`` computes ``(a + h @ up_a.T) * gelu(g + h @ up_g.T)`` in one pass
+  (``p = [a | g]``), instead of a hook re-reading and re-writing the widest output of the block (the [M, 2N]
+  projection) and the GEGLU reading it again; ``proj`` gets no term (no double count). At strength 0 it is the
+  base bit-for-bit on the CPU (the reference path); on the GPU the kernel's fp32 gelu may round differently from
+  torch's by an fp16 ulp.
 
-The hook path remains the fallback everywhere the others do not apply: Conv2d layers, Linear subclasses, a module
-whose ``forward`` another library already overrides; and at call time the overrides compute the plain
-``F.linear(x, W, b) + terms`` (out of place) when the input, weight or LoRA factors differ in device/dtype (a
-placement ran the module elsewhere) or autograd needs the graph.
+Why these two (H200, SDXL 1024x1024 fp16, rank-32 LoRA on the 700 attention + feed-forward Linears, one UNet call
+replayed from a CUDA graph; no LoRA 41.78 ms): ``hook`` 50.07 ms; ``geglu`` (then named ``preadd_geglu``) 44.98 ms,
++7.7%. A third strategy that pre-added every Linear's term into the base GEMM's ``beta=1`` epilogue (an instance
+``forward`` per Linear) measured 49.84 ms alone, and post-hooks + fused GEGLU vs pre-add + fused GEGLU measured
+46.7 vs 47.0 ms: nothing measurable, so it was removed; it also broke strength-0 exactness on the GPU (the base
+GEMM then takes another cuBLAS path). The whole gain is the fused GEGLU epilogue.
+
+The hook path is the fallback wherever the GEGLU override does not apply: a GEGLU with the tanh approximation or
+a subclass, a ``proj`` found without ``roots``, a GEGLU whose ``forward`` another library already overrides. At
+call time the override computes the plain ``proj(x) + terms``, then ``a * gelu(g)`` (out of place), when the
+input or LoRA factors differ in device/dtype (a placement ran the module elsewhere) or autograd needs the graph.
 
 Invariants
 - Base weights are never written. ``detach`` removes exactly what ``attach`` installed: hooks by their reserved
-  id (one dict insert / pop per module, no ``register_forward_hook`` call, ~2 us each), override terms from the
-  module's one override object; the override leaves ``module.__dict__`` when its last term goes, so the module
-  is left bit-for-bit as before (no ``forward`` key, hook dicts as they were).
-- Stacking: one override object per module (``_override_for``, shared by every binding) holds the ordered list of
-  active terms; each binding appends / removes its own. Hooks of several bindings run in registration order.
+  id (one dict insert / pop per module, no ``register_forward_hook`` call, ~2 us each), GEGLU terms from the
+  GEGLU's one override object; the override leaves ``module.__dict__`` when its last term goes, so the module is
+  left bit-for-bit as before (no ``forward`` key, hook dicts as they were). An attach failing midway undoes what
+  it installed.
+- Stacking: one override object per GEGLU (``_geglu_forward_for``, shared by every binding through a weak
+  registry) holds the ordered list of active terms; each binding appends / removes its own (stacked terms are
+  fused as one rank-(sum r_i) term). Hooks of several bindings run in registration order.
 - Strength is data, not structure. Each layer owns a persistent buffer ``up_s = strength * up`` (``up`` already
   carries ``alpha / rank``); ``attach`` rewrites those buffers in place with two multi-tensor kernels
   (``_foreach_copy_`` + ``_foreach_mul_``, no allocation) only when the strength changed. A CUDA graph captured
   while the binding was attached reads ``up_s`` on replay, so a strength change costs the rewrite (~0.1 ms for a
   rank-32 SDXL LoRA), never a recapture, recompile or base-weight copy.
 - No Python-side tensor creation in any forward (nothing host->device: capture safe). Siblings reading one input
-  (``to_q/to_k/to_v``...) share one ``down`` GEMM (``_SharedDown``) under every strategy.
+  (``to_q/to_k/to_v``...) share one ``down`` GEMM (``_SharedDown``).
 - Strength writes happen at attach, never inside a CUDA-graph capture (``refuse_inside_capture`` raises): a
   write captured into a graph would replay the old value. The sampler enters the session, then captures.
-- ``torch.compile`` traces the overrides like the hooks (plain attribute reads and torch ops; the shared-down
+- ``torch.compile`` traces the GEGLU override like the hooks (plain attribute reads and torch ops; the shared-down
   cache and the Triton dispatch are bypassed while compiling: inductor fuses the reference math itself).
 
 Why hand-written: PEFT's LoRA layers replace modules (``W x + up(down(x))`` as a separate GEMM pair plus an add,
-the same traffic as ``hook``, and a changed model structure); no library pre-accumulates the low-rank term into
-the base GEMM's epilogue or fuses it into GEGLU, and none keeps strength in capture-stable device buffers.
+the same traffic as ``hook``, and a changed model structure); no library fuses the low-rank term into GEGLU, and
+none keeps strength in capture-stable device buffers.
 
 A binding is shared by every view of the same (loaded LoRA, targets, strategy); the views differ only in the
 strength written at attach. Two views of one binding cannot be attached at the same time with different strengths
@@ -65,8 +72,8 @@ from .keymap import Target
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("hook", "preadd", "preadd_geglu")
-DEFAULT_STRATEGY = "preadd_geglu"
+STRATEGIES = ("hook", "geglu")
+DEFAULT_STRATEGY = "geglu"
 ENV_STRATEGY = "LEANDIFFUSION_LORA_STRATEGY"
 
 
@@ -135,7 +142,7 @@ class _SharedDown:
 
 class _LinearTerm:
     """One LoRA term of one Linear: ``down(x) @ up_s.T`` (``down(x)`` possibly shared with its siblings). Used as
-    the forward hook itself (``hook`` strategy, or fallback) and as a term of a module's forward override."""
+    the forward hook itself, or (a GEGLU ``proj`` under ``geglu``) as a term of the GEGLU's override."""
 
     __slots__ = ("down", "up_s", "shared", "rows", "__weakref__")
 
@@ -175,70 +182,48 @@ def _no_grad_needed(*tensors: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
 
 
-class _Override:
-    """The one instance-level ``forward`` of a module while any binding has a term on it (``module.__dict__``).
+class _GegluForward:
+    """The one instance-level ``forward`` of a diffusers ``GEGLU`` (in ``module.__dict__``) while any binding has a
+    term on its ``proj``: ``GEGLU.forward`` with those terms fused into the gating (``kernels.geglu_lora``).
 
-    Installed with the first term, removed with the last. ``UnmergedBinding._activate`` / ``_deactivate`` do the
-    common cases inline (they run per module per session); a ``forward`` that another library put in the module's
-    ``__dict__`` is never replaced (that binding hooks instead) nor removed."""
+    Installed with the first term, removed with the last; a ``forward`` that another library put in the module's
+    ``__dict__`` is never replaced (that binding hooks the ``proj`` instead) nor removed."""
 
     __slots__ = ("module", "terms", "attrs", "__weakref__")
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.terms: list[_LinearTerm] = []
-        self.attrs = module.__dict__  # the module's instance dict (kept: attach/detach touch it 700 times)
+        self.attrs = module.__dict__  # the module's instance dict
+
+    def add(self, term: _LinearTerm) -> bool:
+        """Append ``term``, installing the override with the first one; False (nothing changed) when another
+        ``forward`` sits in the module's ``__dict__`` (the caller hooks the ``proj`` instead)."""
+        attrs = self.attrs
+        if not self.terms:
+            if "forward" in attrs:
+                return False
+            attrs["forward"] = self  # first, so a failing write leaves the term list empty
+        elif attrs.get("forward") is not self:
+            return False
+        self.terms.append(term)
+        return True
 
     def remove(self, term: _LinearTerm) -> None:
-        """Drop ``term`` (by identity; absent = no-op); the last one removes the override from the module."""
+        """Drop ``term`` (by identity, last match first; absent = no-op); the last one removes the override from
+        the module."""
         terms = self.terms
-        if terms and terms[-1] is term:  # the usual case: one term, or bindings leaving in reverse order
-            terms.pop()
-        else:
-            for i, t in enumerate(terms):
-                if t is term:
-                    del terms[i]
-                    break
+        for i in range(len(terms) - 1, -1, -1):
+            if terms[i] is term:
+                del terms[i]
+                break
         if not terms and self.attrs.get("forward") is self:
             del self.attrs["forward"]
-
-
-class _LinearForward(_Override):
-    """``Linear.forward`` with the terms pre-added: ``z = bias + sum_i h_i up_i.T``, then ``z += x W.T``."""
-
-    __slots__ = ()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.module
-        w, b = m.weight, m.bias
-        terms = self.terms
-        fast = (bool(terms) and x.dtype == w.dtype and x.device == w.device and all(t.fits(x) for t in terms)
-                and (b is None or b.dtype == x.dtype) and _no_grad_needed(x, w))
-        if not fast:
-            out = F.linear(x, w, b)
-            for t in terms:
-                out = t.added(x, out)
-            return out
-        t0 = terms[0]
-        h = t0.hidden(x)
-        h = h.reshape(-1, h.shape[-1])
-        z = torch.mm(h, t0.up_s.t()) if b is None else torch.addmm(b, h, t0.up_s.t())
-        for t in terms[1:]:
-            h = t.hidden(x)
-            z.addmm_(h.reshape(-1, h.shape[-1]), t.up_s.t())
-        z.addmm_(x.reshape(-1, x.shape[-1]), w.t())
-        return z.view(*x.shape[:-1], w.shape[0])
-
-
-class _GegluForward(_Override):
-    """diffusers ``GEGLU.forward`` with the LoRA terms of its ``proj`` fused into the gating (``kernels.geglu_lora``)."""
-
-    __slots__ = ()
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         m = self.module
         x = hidden_states
-        p = m.proj(x)  # without these terms (the proj carries none of them); other bindings' terms included
+        p = m.proj(x)  # without these terms (the proj carries none of them); hooks of hook-path bindings included
         terms = self.terms
         fast = (bool(terms) and p.dtype == x.dtype and p.device == x.device and all(t.fits(x) for t in terms)
                 and p.is_contiguous() and _no_grad_needed(x, p))
@@ -257,16 +242,16 @@ class _GegluForward(_Override):
         return out.view(*p.shape[:-1], out.shape[-1])
 
 
-_OVERRIDES: "weakref.WeakValueDictionary[int, _Override]" = weakref.WeakValueDictionary()
+_GEGLU_FORWARDS: "weakref.WeakValueDictionary[int, _GegluForward]" = weakref.WeakValueDictionary()
 
 
-def _override_for(module: torch.nn.Module, cls: type) -> _Override:
-    """The module's one override object, shared by every binding (kept alive by the bindings that use it; it holds
+def _geglu_forward_for(module: torch.nn.Module) -> _GegluForward:
+    """The GEGLU's one override object, shared by every binding (kept alive by the bindings that use it; it holds
     the module, so the ``id`` key cannot be reused while the entry lives)."""
-    ov = _OVERRIDES.get(id(module))
+    ov = _GEGLU_FORWARDS.get(id(module))
     if ov is None or ov.module is not module:
-        ov = cls(module)
-        _OVERRIDES[id(module)] = ov
+        ov = _GegluForward(module)
+        _GEGLU_FORWARDS[id(module)] = ov
     return ov
 
 
@@ -343,8 +328,7 @@ class UnmergedBinding(RefCountedBinding):
 
     def __init__(self, key: tuple, targets: Iterable[Target], label: str = "", strategy: str = "auto",
                  roots: "dict[str, torch.nn.Module] | None" = None):
-        """``roots`` (component -> root module) lets ``preadd_geglu`` find GEGLU parents; without it the GEGLU
-        projections get the ``preadd`` term."""
+        """``roots`` (component -> root module) lets ``geglu`` find GEGLU parents; without it every layer hooks."""
         self.key = key
         self.label = label
         self.strategy = resolve_strategy(strategy)
@@ -363,15 +347,13 @@ class UnmergedBinding(RefCountedBinding):
             if isinstance(t.module, torch.nn.Linear):
                 group, rows = shared.get(id(t), (None, slice(None)))
                 term = _LinearTerm(group.down[rows] if group is not None else down, up_s, group, rows)
-                parent = _geglu_parent(t, roots) if self.strategy == "preadd_geglu" else None
+                parent = _geglu_parent(t, roots) if self.strategy == "geglu" else None
                 if parent is not None:
-                    override = _override_for(parent, _GegluForward)
-                elif self.strategy != "hook" and type(t.module) is torch.nn.Linear:
-                    override = _override_for(t.module, _LinearForward)
+                    override = _geglu_forward_for(parent)
             else:
                 term = _ConvLoraHook(down, up_s, t.module)
-            # A hook id reserved once per (binding, module) for the hook path: attach is one dict insert per module,
-            # detach one pop (``register_forward_hook`` costs ~2 us per module per session).
+            # A hook id reserved once per (binding, module) for the hook path (also the GEGLU term's fallback): attach
+            # is one dict insert per module, detach one pop (``register_forward_hook`` costs ~2 us per module).
             slot = RemovableHandle(t.module._forward_hooks)
             self._slots[t.component].append((t.module._forward_hooks, slot.id, term, override))
             self._up[t.component].append(up)
@@ -411,32 +393,16 @@ class UnmergedBinding(RefCountedBinding):
 
     def _activate(self, comp: str, strength: float) -> None:
         self.write_strength(comp, strength)
-        try:  # ``_Override.add`` / ``remove`` inlined: this loop runs per module per session (700 for SDXL)
+        try:
             for hooks, hook_id, term, override in self._slots[comp]:
-                if override is not None:
-                    terms, attrs = override.terms, override.attrs
-                    if not terms:
-                        if "forward" not in attrs:
-                            attrs["forward"] = override
-                            terms.append(term)
-                            continue
-                    elif attrs.get("forward") is override:
-                        terms.append(term)
-                        continue
-                hooks[hook_id] = term  # the hook path, or the fallback when another forward sits there
+                if override is None or not override.add(term):
+                    hooks[hook_id] = term  # the hook path, or the fallback when another forward sits on the GEGLU
         except BaseException:
             self._deactivate(comp)
             raise
 
     def _deactivate(self, comp: str) -> None:
         for hooks, hook_id, term, override in self._slots[comp]:
-            if override is not None:
-                terms = override.terms
-                if terms and terms[-1] is term:
-                    terms.pop()
-                    if not terms and override.attrs.get("forward") is override:
-                        del override.attrs["forward"]
-                    continue
             if hooks.pop(hook_id, None) is None and override is not None:
                 override.remove(term)
         for group in self._shared:

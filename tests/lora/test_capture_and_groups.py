@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from leandiffusion.lora import inject_lora, unmerged
 from leandiffusion.lora.formats import LoraLayer
 from leandiffusion.lora.keymap import Target
-from leandiffusion.lora.unmerged import UnmergedBinding
+from leandiffusion.lora.unmerged import STRATEGIES, UnmergedBinding
 from leandiffusion.memory.engine import engine_from_parts, parts_from_components
 from leandiffusion.tests.kit import tiny_components
 from leandiffusion.tests.lora import lorafiles as lf
@@ -44,7 +44,7 @@ def _plain(attn, targets, s, x, context=None):
             for n, t in zip(("to_q", "to_k", "to_v", "to_out"), targets)]
 
 
-@pytest.mark.parametrize("strategy", ["hook", "preadd"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("cross", [False, True])
 @torch.no_grad()
 def test_shared_down_is_exact_and_leaves_no_cache(cross, strategy):
@@ -82,7 +82,7 @@ class _HostTensors(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("strategy", ["hook", "preadd", "preadd_geglu"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @torch.no_grad()
 def test_lora_forward_builds_no_host_tensor(tmp_path, strategy):
     """The hooks add only device-side GEMMs: the UNet issues the same host-built tensors with and without them."""
@@ -102,8 +102,7 @@ def test_lora_forward_builds_no_host_tensor(tmp_path, strategy):
     assert seen["lora"] == seen["base"]
 
 
-@pytest.mark.parametrize("mode,strategy", [("unmerged", "hook"), ("unmerged", "preadd"), ("unmerged", "preadd_geglu"),
-                                           ("merged", "hook")])
+@pytest.mark.parametrize("mode,strategy", [("unmerged", "hook"), ("unmerged", "geglu"), ("merged", "hook")])
 def test_strength_write_refused_while_capturing(tmp_path, monkeypatch, mode, strategy):
     c = tiny_components("sd1")
     engine = engine_from_parts(parts_from_components(c))

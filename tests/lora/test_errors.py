@@ -128,6 +128,7 @@ def test_target_blocks_errors(sd1, sd1_lora, tmp_path):
     ({"mode": "fused"}, ValueError, "mode='fused'"),
     ({"target_blocks": None}, TypeError, "target_blocks"),
     ({"strategy": "fused"}, ValueError, "strategy='fused'"),
+    ({"strategy": "preadd"}, ValueError, "expected one of hook, geglu, auto"),  # removed strategy: refused
 ])
 def test_bad_arguments(sd1, sd1_lora, tmp_path, kwargs, exc, match):
     path = lf.write(sd1_lora, tmp_path / "ok.safetensors")

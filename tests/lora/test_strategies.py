@@ -1,7 +1,8 @@
-"""The unmerged injection strategies (``hook``, ``preadd``, ``preadd_geglu``) on small diffusers blocks, fp32 CPU.
+"""The unmerged injection strategies (``hook``, ``geglu``) on small diffusers blocks, fp32 CPU.
 
-Guards: where each term lands (override vs hook; a GEGLU proj's term in the GEGLU, not also on the proj); stacking
-several bindings on one module (one override, ordered terms, removed with the last); the module left bit-for-bit
+Guards: where each term lands (hooks everywhere, except a GEGLU proj's term under ``geglu``: in the GEGLU, not also
+on the proj); stacking several bindings on one GEGLU (one override, ordered terms, removed with the last), also
+mixed with the hook strategy; the module left bit-for-bit
 as before (no ``forward`` key in ``__dict__``); a foreign ``forward`` override is respected (hook fallback); the
 slow paths (grad mode, foreign dtype) compute the same math; an attach failing midway leaves nothing installed;
 ``torch.compile(fullgraph=True)`` traces every strategy without a graph break and follows attach/detach.
@@ -12,7 +13,6 @@ import torch.nn.functional as F
 from diffusers.models.activations import GEGLU
 from diffusers.models.attention import BasicTransformerBlock
 
-from leandiffusion.lora import unmerged
 from leandiffusion.lora.formats import LoraLayer
 from leandiffusion.lora.keymap import Target
 from leandiffusion.lora.unmerged import STRATEGIES, UnmergedBinding
@@ -75,18 +75,14 @@ def test_placement_of_terms(strategy):
     where = dict(zip(names, b.installed("unet")))
     geglu_proj = "ff.net.0.proj"
     assert type(block.ff.net[0]) is GEGLU
-    if strategy == "hook":
-        assert set(where.values()) == {"hook"} and "forward" not in block.ff.net[0].__dict__
-    else:
-        assert set(where.values()) == {"override"}
-        on_proj = block.ff.net[0].proj.__dict__.get("forward")
-        on_geglu = block.ff.net[0].__dict__.get("forward")
-        if strategy == "preadd_geglu":  # the proj term lives in the GEGLU only (no double count)
-            assert on_proj is None and len(on_geglu.terms) == 1
-        else:
-            assert len(on_proj.terms) == 1 and on_geglu is None
-        assert all(not m._forward_hooks for m in block.modules())
     assert geglu_proj in where
+    on_geglu = block.ff.net[0].__dict__.get("forward")
+    if strategy == "hook":
+        assert set(where.values()) == {"hook"} and on_geglu is None
+    else:  # the proj term lives in the GEGLU only (no double count); every other layer hooks
+        assert where.pop(geglu_proj) == "override" and set(where.values()) == {"hook"}
+        assert len(on_geglu.terms) == 1 and not block.ff.net[0].proj._forward_hooks
+    assert all("forward" not in m.__dict__ for m in block.modules() if m is not block.ff.net[0])
     x, ctx = _inputs()
     got = _run(block, x, ctx)
     b.detach({"unet": 1.0})
@@ -94,8 +90,7 @@ def test_placement_of_terms(strategy):
     assert (got - _run(_merged_reference(block, [b.targets], [1.0]), x, ctx)).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("first,second", [("preadd", "preadd"), ("preadd_geglu", "preadd_geglu"),
-                                          ("preadd_geglu", "hook"), ("hook", "preadd")])
+@pytest.mark.parametrize("first,second", [("geglu", "geglu"), ("geglu", "hook"), ("hook", "geglu"), ("hook", "hook")])
 @torch.no_grad()
 def test_stacking_on_one_module_and_exact_restore(first, second):
     block = _block()
@@ -105,9 +100,11 @@ def test_stacking_on_one_module_and_exact_restore(first, second):
     a, b = _binding(block, first, seed=1, key="a"), _binding(block, second, seed=2, key="b")
     a.attach({"unet": 0.7})
     b.attach({"unet": -1.1})
-    if first == second != "hook":
-        ov = block.attn1.to_q.__dict__["forward"]
-        assert len(ov.terms) == 2 and ov.terms[0] in [s[2] for s in a._slots["unet"]]  # one override, in order
+    ov = block.ff.net[0].__dict__.get("forward")
+    n_geglu = [first, second].count("geglu")
+    assert len(getattr(ov, "terms", ())) == n_geglu  # one override on the GEGLU, shared
+    if n_geglu == 2:
+        assert ov.terms[0] in [s[2] for s in a._slots["unet"]]  # in attach order
     got = _run(block, x, ctx)
     want = _run(_merged_reference(block, [a.targets, b.targets], [0.7, -1.1]), x, ctx)
     assert (got - want).abs().max().item() <= TOL
@@ -120,7 +117,7 @@ def test_stacking_on_one_module_and_exact_restore(first, second):
     assert torch.equal(_run(block, x, ctx), base)
 
 
-@pytest.mark.parametrize("strategy", ["preadd", "preadd_geglu"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @torch.no_grad()
 def test_foreign_forward_override_falls_back_to_a_hook(strategy):
     """Another library's instance ``forward`` (accelerate's hooks set one) is never replaced nor removed."""
@@ -134,7 +131,7 @@ def test_foreign_forward_override_falls_back_to_a_hook(strategy):
     b.attach({"unet": 0.8})
     where = dict(zip([t.module_name for t in b.targets], b.installed("unet")))
     assert where["attn1.to_q"] == "hook"
-    assert where["ff.net.0.proj"] == ("hook" if strategy == "preadd_geglu" else "override")
+    assert where["ff.net.0.proj"] == "hook"
     got = _run(block, x, ctx)
     b.detach({"unet": 0.8})
     want = _run(_merged_reference(block, [b.targets], [0.8]), x, ctx)
@@ -143,10 +140,10 @@ def test_foreign_forward_override_falls_back_to_a_hook(strategy):
     assert not q._forward_hooks and not geglu.proj._forward_hooks
 
 
-@pytest.mark.parametrize("strategy", ["preadd", "preadd_geglu"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_slow_paths_grad_mode_and_foreign_dtype(strategy):
     """With autograd recording (input requires grad) and with the module run in another dtype than the factors (a
-    placement), the overrides compute the plain out-of-place math; gradients flow."""
+    placement), hooks and the GEGLU override compute the plain out-of-place math; gradients flow."""
     block = _block()
     x, ctx = _inputs()
     b = _binding(block, strategy)
@@ -167,34 +164,39 @@ def test_slow_paths_grad_mode_and_foreign_dtype(strategy):
         b.detach({"unet": 0.9})
 
 
+@pytest.mark.parametrize("fail_at", ["attn1.to_out.0", "ff.net.0.proj", "ff.net.2"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_attach_failing_midway_leaves_nothing(strategy):
+def test_attach_failing_midway_leaves_nothing(strategy, fail_at):
+    """The install at ``fail_at`` fails (a hook insert, or under ``geglu`` at ``ff.net.0.proj`` the GEGLU override's
+    ``__dict__`` write; ``ff.net.2`` fails after the override went in): everything installed before is undone."""
     block = _block()
     b = _binding(block, strategy)
     before = lf.snapshot(block)
-    fail_at = 3  # the 4th slot fails to install; the three before it must be undone
+    i = [t.module_name for t in b.targets].index(fail_at)
 
     class Failing(dict):
         def __setitem__(self, k, v):
             raise RuntimeError("injected failure")
 
     slots = b._slots["unet"]
-    hooks, hid, term, ov = slots[fail_at]
+    hooks, hid, term, ov = slots[i]
+    assert (ov is not None) == (strategy == "geglu" and fail_at == "ff.net.0.proj")
     if ov is None:  # hook path: the hook insert fails
-        slots[fail_at] = (Failing(), hid, term, ov)
-    else:  # override path: installing the override into the module's __dict__ fails
+        slots[i] = (Failing(), hid, term, ov)
+    else:  # override path: installing the override into the GEGLU's __dict__ fails
         ov.attrs = Failing()
     with pytest.raises(RuntimeError, match="injected failure"):
         b.attach({"unet": 1.0})
     lf.assert_untouched(before, block)
     assert b.installed("unet") == ["off"] * len(b.targets)
+    assert all("forward" not in m.__dict__ for m in block.modules())
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @torch.no_grad()
 def test_torch_compile_fullgraph_follows_attach_and_detach(strategy):
-    """Dynamo traces the overrides (and hooks) without a graph break (``fullgraph=True``), the compiled block equals
-    eager with the LoRA, and after detach it recompiles to the base block (guards see the module change)."""
+    """Dynamo traces the GEGLU override (and hooks) without a graph break (``fullgraph=True``), the compiled block
+    equals eager with the LoRA, and after detach it recompiles to the base block (guards see the module change)."""
     torch._dynamo.reset()
     block = _block()
     x, ctx = _inputs()

@@ -116,7 +116,7 @@ def test_target_blocks_leave_every_other_module_bit_identical(tmp_path, strategy
     want = {n for n in covered if chosen(n)}
     parents = {n[:-len(".proj")] for n in want if n[:-len(".proj")] in gegl}
     assert parents  # the chosen blocks hold GEGLU feed-forwards
-    if strategy == "preadd_geglu":  # the term lives in the GEGLU; its proj alone computes the base projection
+    if strategy == "geglu":  # the term lives in the GEGLU; its proj alone computes the base projection
         want = (want - {p + ".proj" for p in parents}) | parents
     else:
         want |= parents
