@@ -301,9 +301,13 @@ def _budget_case(ctx, case: str, kind: str, budget_gb: float, n_prompts: int, st
         engine = _engine(parts, device, "stream", budget_gb)
         settings = StreamSettings.from_text(_prompts(n_prompts), negative=NEGATIVE, seed=1000, steps=steps, cfg=CFG,
                                             width=size, height=size, acceleration="cuda_graph", max_batch=0)
-        # the full-size weights are built on the GPU and moved by the policy: only the run's own peak counts
+        # the full-size weights are built on the GPU and moved by the policy: only the run's own peak counts, so
+        # the blocks the build left in torch's cache are returned first (they are not the run's)
+        gc.collect()
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        before_gb = torch.cuda.memory_reserved(device) / 2 ** 30
         t0 = time.perf_counter()
         result = run_stream(engine, settings, quiet=True)
         torch.cuda.synchronize(device)
@@ -312,7 +316,8 @@ def _budget_case(ctx, case: str, kind: str, budget_gb: float, n_prompts: int, st
                target_kind="ours<=", unit="GB",
                notes=f"stream policy, vram_budget_gb {budget_gb}; {settings.n_images} images x {steps} steps at "
                      f"{size}px, automatic batches {list(result.batch_sizes)}, {settings.n_images / wall:.2f} img/s "
-                     f"(first run, captures included); torch.cuda.max_memory_reserved during the run")
+                     f"(first run, captures included); torch.cuda.max_memory_reserved during the run (reserved before it, "
+                     f"resident weights: {before_gb:.2f} GB)")
     from ..sampling.graph_runner import default_runner
 
     default_runner().clear(engine)

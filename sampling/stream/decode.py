@@ -57,8 +57,10 @@ class _Pending:
 
 class DecodeStage:
     def __init__(self, engine: LeanEngine, tile_size: int, tiled: bool, streams: StageStreams,
-                 images_out: torch.Tensor, latents_out: torch.Tensor, timeline: Optional[Timeline] = None):
+                 images_out: torch.Tensor, latents_out: torch.Tensor, timeline: Optional[Timeline] = None,
+                 decode_budget: Optional[int] = None):
         self.engine = engine.with_changes(adapters=())
+        self.decode_budget = decode_budget  # activation bytes of a tiled decode (None: from free VRAM / budget)
         self.tile_size = tile_size
         self.tiled = tiled
         self.streams = streams
@@ -163,7 +165,7 @@ class DecodeStage:
         tile = self.tile_size or max(z.shape[0], z.shape[1]) * 8
         tried = []
         with target.enter():
-            budget = activation_budget(target)
+            budget = activation_budget(target, self.decode_budget)
             while True:
                 error = None
                 try:

@@ -20,7 +20,10 @@ Invariants
   the ``unet`` stream waits for the ``text`` stream before its own session, so weight or strength writes of the
   two sessions never overlap on the GPU. The VAE session runs on a view without adapters.
 - Memory: one batch in each stage (bounded queues); the batch size (``batching.py``) counts the UNet's
-  activations and one concurrent decode against the free VRAM and the loader's budget.
+  activations and one concurrent decode against the free VRAM and the loader's budget. Under the loader's
+  ``stream`` policy the budget is a hard limit: the stages then run one after the other on one stream (no
+  overlap, see ``streams.py``) and the tiled decode's activations get what the budget leaves after the UNet's
+  resident weights, the VAE weights and the captured UNet graph's activation pool (which stays allocated).
 - Out-of-memory while denoising a batch: nothing of that batch has been written; the batch size is halved and
   the same images are retried (earlier batches stay queued or written, later ones are not started), so no image
   is lost or produced twice (``DecodeStage`` refuses to write a row twice and the run checks every row was
@@ -84,6 +87,23 @@ class _Progress:
             self.shown = units
 
 
+def budgeted_plan(engine: LeanEngine):
+    """The loader's memory plan when it sets a hard VRAM budget (policy ``stream``), else ``None``."""
+    plan = getattr(engine.placement, "plan", None)
+    if plan is None or getattr(plan, "policy", "") != "stream" or not getattr(plan, "budget_bytes", None):
+        return None
+    return plan
+
+
+def decode_budget(engine: LeanEngine, s: StreamSettings, batch: int, latent_hw: tuple) -> int:
+    """Activation bytes for one tiled decode under a budgeted plan: the budget minus the UNet's resident weights,
+    the VAE weights, and (graphs) the captured UNet batch's activation pool; at least 64 MiB."""
+    plan = budgeted_plan(engine)
+    resident = plan.peaks.get("unet", 0) - plan.unet_activation_bytes
+    pool = batch * per_image_bytes(engine, latent_hw[0], latent_hw[1], s.guided) if s.acceleration != "none" else 0
+    return max(plan.budget_bytes - resident - plan.vae_bytes - pool, 64 * 2 ** 20)
+
+
 def choose_batch(engine: LeanEngine, s: StreamSettings, tiled: bool, latent_hw: tuple) -> int:
     if s.max_batch:
         return min(s.max_batch, s.n_images)
@@ -118,19 +138,23 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
     jobs = s.jobs()
     n = len(jobs)
-    streams = StageStreams(engine.device)
+    budgeted = budgeted_plan(engine) is not None
+    streams = StageStreams(engine.device, overlap=not budgeted)
     with streams.use("text"):  # read (and refused) before any model runs; the text stage reads them on this stream
         given = read_conditioning_inputs(engine, positive_cond, negative_cond, s.n_prompts, width=s.width,
                                          height=s.height, guided=s.guided)
     if timeline is not None:
         timeline.begin(streams)
-    tiled = bool(s.decode_tile_size) or needs_tiles(
+    # under a hard budget the decode is always the exact tiled one (one tile when the budget allows it), sized by
+    # ``decode_budget``; otherwise tiles only when an untiled decode would not fit
+    tiled = bool(s.decode_tile_size) or budgeted or needs_tiles(
         engine, s.height, s.width, available_bytes(engine) if engine.device.type == "cuda" else None)
     batch = choose_batch(engine, s, tiled, latent_shape[1:])
     images = torch.empty((n, s.height, s.width, 3), dtype=torch.float32)
     latents = torch.empty((n,) + latent_shape, dtype=torch.float32)
     text = TextStage(engine, s, jobs, streams, timeline, given=given)
-    decoder = DecodeStage(engine, s.decode_tile_size, tiled, streams, images, latents, timeline)
+    decoder = DecodeStage(engine, s.decode_tile_size, tiled, streams, images, latents, timeline,
+                          decode_budget=decode_budget(engine, s, batch, latent_shape[1:]) if budgeted else None)
     used, tried, retries = [], [], 0
     start = 0
     try:

@@ -5,6 +5,9 @@ Invariants
   which is where the sampler's CUDA graphs replay. A consumer never reads a tensor before the producer's event:
   ``hand_over`` makes the consumer stream wait for the event and calls ``record_stream`` so the caching
   allocator does not recycle the producer's memory while the consumer may still read it.
+- ``overlap=False`` (a run under the loader's ``stream`` policy, whose VRAM budget is a hard limit): the three
+  stages share the caller's stream, so they run one after the other in the order they are enqueued and each
+  stage's memory is free for the next -- the stage peaks of the loader's plan then hold for the run as well.
 - Off CUDA (the CPU) every stream is ``None``, every event is ``None`` and every call here is a no-op, so the
   scheduler runs the same code path sequentially.
 - ``synchronize`` waits for all three streams; the scheduler calls it before returning or raising, so no
@@ -25,12 +28,14 @@ STAGES = ("text", "unet", "vae")
 class StageStreams:
     """Streams per stage (``None`` off CUDA). See the module docstring."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, overlap: bool = True):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.overlap = overlap
         if self.cuda:
-            self._streams = {"text": torch.cuda.Stream(self.device), "unet": torch.cuda.current_stream(self.device),
-                             "vae": torch.cuda.Stream(self.device)}
+            current = torch.cuda.current_stream(self.device)
+            self._streams = {"text": torch.cuda.Stream(self.device) if overlap else current, "unet": current,
+                             "vae": torch.cuda.Stream(self.device) if overlap else current}
         else:
             self._streams = {s: None for s in STAGES}
 
