@@ -24,15 +24,16 @@ overrides both). Hand-written because no library fuses the guidance combine with
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
 
+from . import dispatch
+
 logger = logging.getLogger(__name__)
 
 ENV_IMPL = "LEANDIFFUSION_CFG_DDIM"
-IMPLS = ("auto", "triton", "reference")
+IMPLS = dispatch.IMPLS
 N_COEFFS = 6  # guidance, sqrt a, sqrt b, sqrt a_prev, direction d, sigma
 PREDICTIONS = {"epsilon": 0, "v_prediction": 1, "sample": 2}
 
@@ -168,14 +169,7 @@ def cfg_ddim_triton(sample: torch.Tensor, pred_cond: torch.Tensor, pred_uncond: 
 
 def resolve_impl(impl: str = "auto") -> str:
     """``impl`` unless "auto", else the ``LEANDIFFUSION_CFG_DDIM`` environment value (default "auto")."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
-    if impl != "auto":
-        return impl
-    env = os.environ.get(ENV_IMPL, "auto").strip().lower() or "auto"
-    if env not in IMPLS:
-        raise ValueError(f"{ENV_IMPL}={env!r}: expected one of {IMPLS}")
-    return env
+    return dispatch.resolve_impl(impl, ENV_IMPL)
 
 
 def _triton_usable(tensors) -> bool:

@@ -29,8 +29,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import dispatch
+
 ENV_IMPL = "LEANDIFFUSION_GEGLU_LORA"
-IMPLS = ("auto", "triton", "reference")
+IMPLS = dispatch.IMPLS
 
 try:  # Triton is optional: without it every call takes the reference path
     import triton
@@ -138,14 +140,7 @@ def geglu_lora_triton(p: torch.Tensor, h: torch.Tensor, up: torch.Tensor,
 
 def resolve_impl(impl: str = "auto") -> str:
     """``impl`` unless "auto", else the ``LEANDIFFUSION_GEGLU_LORA`` environment value (default "auto")."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
-    if impl != "auto":
-        return impl
-    env = os.environ.get(ENV_IMPL, "auto").strip().lower() or "auto"
-    if env not in IMPLS:
-        raise ValueError(f"{ENV_IMPL}={env!r}: expected one of {IMPLS}")
-    return env
+    return dispatch.resolve_impl(impl, ENV_IMPL)
 
 
 def geglu_lora(p: torch.Tensor, h: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None,

@@ -61,11 +61,23 @@ def available_bytes(engine: LeanEngine) -> int:
     free, _ = torch.cuda.mem_get_info(dev)
     cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     avail = int(FREE_FRACTION * (free + cached)) - WORKSPACE_CUDA
-    plan = getattr(engine.placement, "plan", None)
-    if plan is not None and getattr(plan, "unet_mode", "") == "stream" and plan.budget_bytes:
-        resident = plan.peaks.get("unet", 0) - plan.unet_activation_bytes
-        avail = min(avail, plan.budget_bytes - resident)
+    plan = budgeted_plan(engine)
+    if plan is not None:
+        avail = min(avail, plan.budget_bytes - unet_resident_bytes(plan))
     return avail
+
+
+def budgeted_plan(engine: LeanEngine):
+    """The loader's memory plan when it sets a hard VRAM budget (policy ``stream``), else ``None``."""
+    plan = getattr(engine.placement, "plan", None)
+    if plan is None or getattr(plan, "policy", "") != "stream" or not getattr(plan, "budget_bytes", None):
+        return None
+    return plan
+
+
+def unet_resident_bytes(plan) -> int:
+    """The UNet weights (fixed, resident blocks, staging arena) that stay on the device under ``plan``."""
+    return plan.peaks.get("unet", 0) - plan.unet_activation_bytes
 
 
 def decode_reserve(engine: LeanEngine, untiled_bytes: int) -> int:

@@ -46,7 +46,8 @@ from ...memory.engine import LeanEngine
 from .. import ddim
 from ..graph_runner import GraphRunner
 from ..loop import vae_scale_factor
-from .batching import auto_batch, available_bytes, decode_reserve, per_image_bytes, saturating_batch, shrink
+from .batching import (auto_batch, available_bytes, budgeted_plan, decode_reserve, per_image_bytes,
+                       saturating_batch, shrink, unet_resident_bytes)
 from .conditioning import conditioning_rows, read_conditioning_inputs
 from .decode import DecodeStage, needs_tiles, untiled_decode_bytes
 from ..loop import upload
@@ -87,19 +88,11 @@ class _Progress:
             self.shown = units
 
 
-def budgeted_plan(engine: LeanEngine):
-    """The loader's memory plan when it sets a hard VRAM budget (policy ``stream``), else ``None``."""
-    plan = getattr(engine.placement, "plan", None)
-    if plan is None or getattr(plan, "policy", "") != "stream" or not getattr(plan, "budget_bytes", None):
-        return None
-    return plan
-
-
 def decode_budget(engine: LeanEngine, s: StreamSettings, batch: int, latent_hw: tuple) -> int:
     """Activation bytes for one tiled decode under a budgeted plan: the budget minus the UNet's resident weights,
     the VAE weights, and (graphs) the captured UNet batch's activation pool; at least 64 MiB."""
     plan = budgeted_plan(engine)
-    resident = plan.peaks.get("unet", 0) - plan.unet_activation_bytes
+    resident = unet_resident_bytes(plan)
     pool = batch * per_image_bytes(engine, latent_hw[0], latent_hw[1], s.guided) if s.acceleration != "none" else 0
     return max(plan.budget_bytes - resident - plan.vae_bytes - pool, 64 * 2 ** 20)
 

@@ -5,17 +5,6 @@ import torch
 from leandiffusion.sampling.conditioning import from_conditioning, match_lengths, repeat_to_batch, to_conditioning
 from leandiffusion.sampling.prompt_encoder import PromptCache, encode_texts
 from leandiffusion.sampling.prompts import encode_for_sampler
-from leandiffusion.tests.kit import tiny_engine
-
-
-@pytest.fixture(scope="module")
-def sd1():
-    return tiny_engine("sd1")
-
-
-@pytest.fixture(scope="module")
-def sdxl():
-    return tiny_engine("sdxl")
 
 
 def test_repeat_to_batch_tiles_and_cuts():

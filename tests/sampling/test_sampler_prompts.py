@@ -17,20 +17,9 @@ from diffusers import DDIMScheduler, StableDiffusionPipeline, StableDiffusionXLP
 from leandiffusion.nodes.sampler import LeanFusedDDIMSampler
 from leandiffusion.sampling.conditioning import to_conditioning
 from leandiffusion.sampling.prompt_encoder import PromptCache, encode_texts
-from leandiffusion.tests.kit import tiny_engine
 
 TOL = 1e-4
 SEED, STEPS, CFG = 21, 2, 6.5
-
-
-@pytest.fixture(scope="module")
-def sd1():
-    return tiny_engine("sd1")
-
-
-@pytest.fixture(scope="module")
-def sdxl():
-    return tiny_engine("sdxl")
 
 
 def _node(engine, positive="unused text", negative="unused", **kw):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from leandiffusion.memory.load import build_engine
-from leandiffusion.sampling.stream.scheduler import budgeted_plan, decode_budget, run_stream
+from leandiffusion.sampling.stream.batching import budgeted_plan
+from leandiffusion.sampling.stream.scheduler import decode_budget, run_stream
 from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.sampling.stream.streams import StageStreams
 from leandiffusion.tests.kit import tiny_engine, tiny_parts

@@ -34,16 +34,6 @@ SEED, STEPS, CFG = 5, 2, 6.0
 SDXL_SIZES = {"width": 1024, "height": 768, "crop_w": 16, "crop_h": 8, "target_width": 512, "target_height": 640}
 
 
-@pytest.fixture(scope="module")
-def sd1():
-    return tiny_engine("sd1")
-
-
-@pytest.fixture(scope="module")
-def sdxl():
-    return tiny_engine("sdxl")
-
-
 def _cond(engine, texts, extras=None):
     """A CONDITIONING of len(texts) rows: each text encoded by the pack (as CLIPTextEncode would), rows stacked."""
     embeds = encode_texts(engine, list(texts), syntax="extended", cache=PromptCache())
