@@ -48,6 +48,9 @@ class ExactConfig:
     tile_px: int = 0  # if > 0: a band holds at most tile_px**2 image pixels' worth of rows
     pool: object = None
     work_floor: float = 0.3  # share of the budget kept for band work when placing stores
+    # the budget is a hard limit on the device memory the process holds (the loader's ``stream`` policy): copies run
+    # on the compute stream and cached blocks go back to the driver after each stage (see ``run_exact``)
+    strict_budget: bool = False
 
 
 @dataclass
@@ -247,7 +250,7 @@ def run_exact(program: Program, sample_hwc: torch.Tensor, cfg: ExactConfig, head
 
     ``head`` maps the last stage's output band (compute dtype) to the result (e.g. to a 0..1 image in fp32).
     """
-    streams = Streams(cfg.device)
+    streams = Streams(cfg.device, side=not cfg.strict_budget)
     h, w, c = sample_hwc.shape
     data = sample_hwc
     if streams.cuda and not data.is_pinned():
@@ -283,6 +286,10 @@ def run_exact(program: Program, sample_hwc: torch.Tensor, cfg: ExactConfig, head
         out_store.finish()
         del store
         store = out_store
+        if cfg.strict_budget and streams.cuda:
+            # the stages' bands differ in size: blocks cached for one stage's sizes would sit beside the next
+            # stage's new ones, and under a hard budget the memory held, not just the memory in use, must fit
+            torch.cuda.empty_cache()
         if progress is not None:
             progress()
     return store.host_tensor()

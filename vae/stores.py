@@ -32,13 +32,22 @@ def to_hwc(x: torch.Tensor) -> torch.Tensor:
 
 
 class Streams:
-    """The side streams of one tiled run (``None`` members off CUDA)."""
+    """The copy streams of one tiled run (``None`` members off CUDA).
 
-    def __init__(self, device: torch.device):
+    ``side=True``: uploads and downloads get their own streams, so they overlap the compute. ``side=False``: both
+    are the current (compute) stream, so every band's device memory is allocated and freed on one stream and the
+    caching allocator can give a freed block to any later request (side streams keep their own cached blocks,
+    which a hard VRAM budget cannot afford)."""
+
+    def __init__(self, device: torch.device, side: bool = True):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.upload = torch.cuda.Stream(device) if self.cuda else None
-        self.download = torch.cuda.Stream(device) if self.cuda else None
+        if not self.cuda:
+            self.upload = self.download = None
+        elif side:
+            self.upload, self.download = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        else:
+            self.upload = self.download = torch.cuda.current_stream(device)
 
 
 class _Ready:

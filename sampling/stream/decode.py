@@ -13,6 +13,10 @@ Invariants
   node on this sampler's LATENT output, up to floating-point error); on out-of-memory it halves the tile down to
   128 px, then raises what it tried. It is synchronous on the host (the tiled executor streams bands through host
   memory), so it does not overlap the next batch's denoising; an untiled decode does.
+- Deferred mode (``before_deferred`` given: a run under the loader's hard VRAM budget): ``submit`` only copies a
+  batch's latents to page-locked host memory; ``drain`` calls ``before_deferred`` (the scheduler drops the run's
+  CUDA graphs there, whose memory pools would otherwise stay reserved beside the decode) and then decodes every
+  batch, tiled, in submission order. Outputs and their order are the same as in the overlapped mode.
 - The VAE session runs on a view of the engine without adapters (no adapter touches the VAE, and attaching a
   LoRA from the ``vae`` stream could race the ``unet`` stream's reads of the weights it writes).
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -58,8 +62,10 @@ class _Pending:
 class DecodeStage:
     def __init__(self, engine: LeanEngine, tile_size: int, tiled: bool, streams: StageStreams,
                  images_out: torch.Tensor, latents_out: torch.Tensor, timeline: Optional[Timeline] = None,
-                 decode_budget: Optional[int] = None):
+                 decode_budget: Optional[int] = None, before_deferred: Optional[Callable[[], None]] = None):
         self.engine = engine.with_changes(adapters=())
+        self.before_deferred = before_deferred
+        self._deferred: list = []  # deferred mode: (start, stop, host latents, event) in submission order
         self.decode_budget = decode_budget  # activation bytes of a tiled decode (None: from free VRAM / budget)
         self.tile_size = tile_size
         self.tiled = tiled
@@ -77,6 +83,13 @@ class DecodeStage:
         """Queue images ``[start, stop)``'s final scaled latents (on the ``unet`` stream) for decoding."""
         if self._queued is not None:
             raise RuntimeError("decode queue holds a batch already; call launch() first")
+        if self.before_deferred is not None:
+            cuda = self.streams.cuda
+            host_lat = pinned_empty(tuple(latents.shape), torch.float32, cuda)
+            with self.streams.use("unet"):
+                host_lat.copy_(latents, non_blocking=cuda)
+            self._deferred.append((start, stop, host_lat, self.streams.record("unet")))
+            return
         self._queued = (start, stop, latents, self.streams.record("unet"))
 
     def launch(self) -> None:
@@ -104,10 +117,30 @@ class DecodeStage:
             if done < b:
                 if lat_event is not None:
                     lat_event.synchronize()
-                for j in range(done, b):
-                    bridge.check_interrupted()
-                    images[j] = self._tiled_image(host_lat[j:j + 1] / self.scale)
+                self._tiled_rows(host_lat, images, done)
         self._pending.append(_Pending(start, stop, images, host_lat, self.streams.record("vae")))
+
+    def _tiled_rows(self, host_lat: torch.Tensor, images: torch.Tensor, first: int) -> None:
+        for j in range(first, host_lat.shape[0]):
+            bridge.check_interrupted()
+            images[j] = self._tiled_image(host_lat[j:j + 1] / self.scale)
+
+    def _decode_deferred(self) -> None:
+        if not self._deferred:
+            return
+        self.before_deferred()
+        while self._deferred:
+            start, stop, host_lat, event = self._deferred[0]
+            if event is not None:
+                event.synchronize()
+            h, w = host_lat.shape[2] * 8, host_lat.shape[3] * 8
+            images = pinned_empty((stop - start, h, w, 3), torch.float32, self.streams.cuda)
+            span = self.timeline.span("vae", f"images {start}-{stop - 1}", range(start, stop)) if self.timeline \
+                else contextlib.nullcontext()
+            with self.streams.use("vae"), span:
+                self._tiled_rows(host_lat, images, 0)
+            self._deferred.pop(0)
+            self._pending.append(_Pending(start, stop, images, host_lat, self.streams.record("vae")))
 
     def finish(self) -> None:
         """Wait for every enqueued decode and write its rows of the outputs."""
@@ -123,6 +156,7 @@ class DecodeStage:
 
     def drain(self) -> None:
         self.launch()
+        self._decode_deferred()
         self.finish()
 
     # ----------------------------------------------------------------- untiled and tiled decoding
@@ -169,7 +203,8 @@ class DecodeStage:
             while True:
                 error = None
                 try:
-                    cfg = ExactConfig(target.device, target.dtype, budget, tile, target.pool)
+                    cfg = ExactConfig(target.device, target.dtype, budget, tile, target.pool,
+                                      strict_budget=self.decode_budget is not None)
                     return run_exact(program, z, cfg, lambda y: ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0),
                                      program.out_channels)
                 except _OOM as exc:

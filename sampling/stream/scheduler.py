@@ -21,9 +21,11 @@ Invariants
   two sessions never overlap on the GPU. The VAE session runs on a view without adapters.
 - Memory: one batch in each stage (bounded queues); the batch size (``batching.py``) counts the UNet's
   activations and one concurrent decode against the free VRAM and the loader's budget. Under the loader's
-  ``stream`` policy the budget is a hard limit: the stages then run one after the other on one stream (no
-  overlap, see ``streams.py``) and the tiled decode's activations get what the budget leaves after the UNet's
-  resident weights, the VAE weights and the captured UNet graph's activation pool (which stays allocated).
+  ``stream`` policy the budget is a hard limit on the memory the process holds: the stages then run one after the
+  other on one stream (no overlap, see ``streams.py``), cached blocks go back to the driver between stages, and the
+  decodes wait until every batch is denoised and the run's CUDA graphs (whose pools stay reserved while they
+  live) are dropped; the exact tiled decode then gets a share of what the budget leaves after the UNet's resident
+  weights and the VAE weights (``decode_budget``). The next run recaptures its graphs.
 - Out-of-memory while denoising a batch: nothing of that batch has been written; the batch size is halved and
   the same images are retried (earlier batches stay queued or written, later ones are not started), so no image
   is lost or produced twice (``DecodeStage`` refuses to write a row twice and the run checks every row was
@@ -43,8 +45,9 @@ import torch
 
 from ... import bridge
 from ...memory.engine import LeanEngine
+from ...memory.policies import HEADROOM
 from .. import ddim
-from ..graph_runner import GraphRunner
+from ..graph_runner import GraphRunner, default_runner
 from ..loop import vae_scale_factor
 from .batching import (auto_batch, available_bytes, budgeted_plan, decode_reserve, per_image_bytes,
                        saturating_batch, shrink, unet_resident_bytes)
@@ -88,13 +91,24 @@ class _Progress:
             self.shown = units
 
 
-def decode_budget(engine: LeanEngine, s: StreamSettings, batch: int, latent_hw: tuple) -> int:
-    """Activation bytes for one tiled decode under a budgeted plan: the budget minus the UNet's resident weights,
-    the VAE weights, and (graphs) the captured UNet batch's activation pool; at least 64 MiB."""
+# Peak reserved device memory of an exact tiled decode per byte of its activation budget. Measured on an H200
+# (SDXL VAE in fp32, 1024 px, 2026-11-22): a 0.59 GiB budget peaked at 0.68 GiB allocated and 1.25 GiB reserved
+# (the bands' and convolutions' buffers differ in size, so freed blocks are not always reusable); a hard budget
+# counts what is reserved.
+DECODE_RESERVED_FACTOR = 2.2
+
+
+def decode_budget(engine: LeanEngine, s: StreamSettings) -> int:
+    """Activation bytes for one tiled decode under a budgeted plan: what the budget leaves after the UNet's resident
+    weights, the VAE weights and the loader's headroom (the share of the budget left for allocator rounding,
+    ``policies.HEADROOM``), divided by ``DECODE_RESERVED_FACTOR``; at least 64 MiB. The decodes run after every
+    batch is denoised and the run's CUDA graphs are dropped (``DecodeStage`` deferred mode), so no UNet activation
+    pool is held beside them."""
     plan = budgeted_plan(engine)
     resident = unet_resident_bytes(plan)
-    pool = batch * per_image_bytes(engine, latent_hw[0], latent_hw[1], s.guided) if s.acceleration != "none" else 0
-    return max(plan.budget_bytes - resident - plan.vae_bytes - pool, 64 * 2 ** 20)
+    headroom = int(HEADROOM * plan.budget_bytes)
+    left = plan.budget_bytes - resident - plan.vae_bytes - headroom
+    return max(int(left / DECODE_RESERVED_FACTOR), 64 * 2 ** 20)
 
 
 def choose_batch(engine: LeanEngine, s: StreamSettings, tiled: bool, latent_hw: tuple) -> int:
@@ -146,8 +160,15 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     images = torch.empty((n, s.height, s.width, 3), dtype=torch.float32)
     latents = torch.empty((n,) + latent_shape, dtype=torch.float32)
     text = TextStage(engine, s, jobs, streams, timeline, given=given)
+    graphs = runner if runner is not None else default_runner()
+
+    def drop_graphs() -> None:  # budgeted: the captured UNet's memory pool must not sit beside the decode
+        graphs.clear(engine)
+        _settle(streams)
+
     decoder = DecodeStage(engine, s.decode_tile_size, tiled, streams, images, latents, timeline,
-                          decode_budget=decode_budget(engine, s, batch, latent_shape[1:]) if budgeted else None)
+                          decode_budget=decode_budget(engine, s) if budgeted else None,
+                          before_deferred=drop_graphs if budgeted else None)
     used, tried, retries = [], [], 0
     start = 0
     try:
@@ -159,19 +180,22 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
                 bridge.check_interrupted()
                 current = upcoming if upcoming is not None and (upcoming.start, upcoming.stop) == (start, stop) \
                     else text.prepare(start, stop)
+                _settle(streams)  # the text stage is done
                 decoder.launch()  # batch k-1 (the queue's one entry)
                 nxt = min(n, stop + batch)
                 upcoming = text.prepare(stop, nxt) if stop < n else None
                 # DDIM's init_noise_sigma is 1: the noise is the start; moved without blocking the host
-                x_init = upload(initial_noise(jobs[start:stop], latent_shape), engine.device)
+                with streams.use("unet"):
+                    x_init = upload(initial_noise(jobs[start:stop], latent_shape), engine.device)
                 oom = None
+                _settle(streams)  # the decode is done
                 try:
                     streams.hand_over(current.event, current.tensors(), "unet")
                     if engine.adapters:  # the text session attached (and detached) them on the text stream
                         streams.wait_stage("unet", "text")
                     span = timeline.span("unet", f"images {start}-{stop - 1}", range(start, stop)) if timeline \
                         else _Null()
-                    with span, engine.session("unet"):
+                    with streams.use("unet"), span, engine.session("unet"):
                         final = denoise_batch(engine, current.conditioning, x_init, schedule, s.cfg, s.acceleration,
                                               lambda i, a=start, b=stop - start: progress.at(a, b, i), runner)
                 except _OOM as exc:
@@ -210,6 +234,17 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
             exc.add_note(note)
         raise
     return StreamResult(images, latents, tuple(used), retries)
+
+
+def _settle(streams: StageStreams) -> None:
+    """Between stages of a budgeted run (``overlap=False``): return the finished stage's cached blocks to the driver.
+
+    Under a hard VRAM budget the memory the process holds must fit, not just the memory in use: blocks a stage
+    freed stay reserved in the caching allocator, sized for that stage (and, for the graph warm-up's side stream,
+    usable by no other stream), while the next stage allocates its own."""
+    if streams.cuda and not streams.overlap:
+        torch.cuda.synchronize(streams.device)
+        bridge.soft_empty_cache()
 
 
 def _release_after_oom(streams: StageStreams) -> None:

@@ -1,8 +1,11 @@
 """The pipeline's three CUDA streams, the events that order them, and the stage timeline.
 
 Invariants
-- ``text`` and ``vae`` work runs on their own streams; denoising runs on the caller's current stream (``unet``),
-  which is where the sampler's CUDA graphs replay. A consumer never reads a tensor before the producer's event:
+- ``text`` and ``vae`` work runs on their own streams; denoising runs on the ``unet`` stream, where the
+  sampler's CUDA graphs replay: a stream of higher priority than the others (``UNET_PRIORITY``; CUDA's block
+  scheduler then dispatches a waiting UNet block before a waiting decode block, so an overlapped decode fills the
+  UNet's gaps instead of taking SMs from it), or the caller's current stream when ``UNET_PRIORITY`` is ``None``.
+  The ``unet`` stream starts after the work already enqueued on the caller's stream, and ``synchronize`` covers it. A consumer never reads a tensor before the producer's event:
   ``hand_over`` makes the consumer stream wait for the event and calls ``record_stream`` so the caching
   allocator does not recycle the producer's memory while the consumer may still read it.
 - ``overlap=False`` (a run under the loader's ``stream`` policy, whose VRAM budget is a hard limit): the three
@@ -23,6 +26,22 @@ from typing import Iterable, Optional
 import torch
 
 STAGES = ("text", "unet", "vae")
+# CUDA stream priority of the ``unet`` stage when the stages overlap (lower is higher; PyTorch's default is 0, the
+# lowest, and it clamps to the device's range); ``None`` denoises on the caller's current stream
+UNET_PRIORITY: "int | None" = -1
+
+
+_STAGE_STREAMS: dict = {}
+
+
+def _stage_stream(device: torch.device, stage: str, priority: int = 0):
+    """One stream per (device, stage, priority) for the life of the process: the caching allocator keeps freed
+    blocks per stream, so fresh streams on every run would strand the last run's cached blocks."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stage, priority)
+    stream = _STAGE_STREAMS.get(key)
+    if stream is None:
+        stream = _STAGE_STREAMS[key] = torch.cuda.Stream(device, priority=priority)
+    return stream
 
 
 class StageStreams:
@@ -34,8 +53,12 @@ class StageStreams:
         self.overlap = overlap
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
-            self._streams = {"text": torch.cuda.Stream(self.device) if overlap else current, "unet": current,
-                             "vae": torch.cuda.Stream(self.device) if overlap else current}
+            unet = current
+            if overlap and UNET_PRIORITY is not None:
+                unet = _stage_stream(self.device, "unet", UNET_PRIORITY)
+                unet.wait_stream(current)
+            self._streams = {"text": _stage_stream(self.device, "text") if overlap else current, "unet": unet,
+                             "vae": _stage_stream(self.device, "vae") if overlap else current}
         else:
             self._streams = {s: None for s in STAGES}
 

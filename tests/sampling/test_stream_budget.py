@@ -2,15 +2,18 @@
 
 Under a budgeted plan the stages run in order on one stream and the decode is the exact tiled one sized by
 ``decode_budget`` (budget minus the UNet's resident weights, the VAE weights and the captured batch's activation
-pool). On the CPU the plan is built the same way, so this checks the wiring and that the pictures do not change:
+pool and the loader's headroom), run with ``ExactConfig.strict_budget`` (copies on the compute stream, cached
+blocks released between the tiler's stages). On the CPU the plan is built the same way, so this checks the wiring and that the pictures do not change:
 the latents equal the ``full``-policy run bit for bit and the images the untiled decode within 1e-4.
 """
 import pytest
 import torch
 
 from leandiffusion.memory.load import build_engine
-from leandiffusion.sampling.stream.batching import budgeted_plan
-from leandiffusion.sampling.stream.scheduler import decode_budget, run_stream
+from leandiffusion.memory.policies import HEADROOM
+from leandiffusion.vae.tiled import MIN_TILE
+from leandiffusion.sampling.stream.batching import budgeted_plan, unet_resident_bytes
+from leandiffusion.sampling.stream.scheduler import DECODE_RESERVED_FACTOR, decode_budget, run_stream
 from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.sampling.stream.streams import StageStreams
 from leandiffusion.tests.kit import tiny_engine, tiny_parts
@@ -35,14 +38,40 @@ def test_only_the_stream_policy_is_budgeted(budgeted):
     assert budgeted_plan(build_engine(tiny_parts("sd1"), "balanced", 1.0, device="cpu")) is None
 
 
-def test_decode_budget_leaves_room_for_the_graph_pool(budgeted):
+def test_decode_budget_is_what_the_resident_weights_leave(budgeted):
     plan = budgeted_plan(budgeted)
     s = _settings().validated()
-    eager = decode_budget(budgeted, s, 2, (8, 8))
-    graphs = decode_budget(budgeted, _settings(acceleration="cuda_graph").validated(), 2, (8, 8))
-    assert 64 * MiB <= eager <= plan.budget_bytes - plan.vae_bytes
-    assert graphs <= eager
-    assert decode_budget(budgeted, s, 2, (8, 8)) == decode_budget(budgeted, s, 7, (8, 8))  # eager: no pool
+    left = plan.budget_bytes - unet_resident_bytes(plan) - plan.vae_bytes - int(HEADROOM * plan.budget_bytes)
+    assert decode_budget(budgeted, s) == max(int(left / DECODE_RESERVED_FACTOR), 64 * MiB)
+    # the graphs are dropped before the decodes, so capturing them does not shrink the decode's share
+    assert decode_budget(budgeted, _settings(acceleration="cuda_graph").validated()) == decode_budget(budgeted, s)
+
+
+def test_budgeted_run_denoises_all_then_drops_graphs_then_decodes(budgeted, monkeypatch):
+    """Under a budget the decodes wait until every batch is denoised and the run's graphs are dropped; without a
+    budget a batch's decode is launched before the next batch is denoised."""
+    from leandiffusion.sampling.graph_runner import GraphRunner
+    from leandiffusion.sampling.stream import decode, scheduler
+
+    events = []
+    real_denoise, real_tiled = scheduler.denoise_batch, decode.DecodeStage._tiled_image
+    monkeypatch.setattr(scheduler, "denoise_batch", lambda *a, **k: (events.append("denoise"), real_denoise(*a, **k))[1])
+    monkeypatch.setattr(decode.DecodeStage, "_tiled_image",
+                        lambda self, raw: (events.append("decode"), real_tiled(self, raw))[1])
+
+    class Runner(GraphRunner):
+        def clear(self, engine=None):
+            events.append("clear")
+            super().clear(engine)
+
+    s = _settings(max_batch=1, decode_tile_size=MIN_TILE)
+    out = run_stream(budgeted, s, runner=Runner(), quiet=True)
+    assert events == ["denoise"] * 3 + ["clear"] + ["decode"] * 3
+    events.clear()
+    ref = run_stream(tiny_engine("sd1"), s, runner=Runner(), quiet=True)
+    assert events.index("decode") < len(events) - 1 - events[::-1].index("denoise") and "clear" not in events
+    assert torch.equal(out.latents, ref.latents)
+    assert (out.images - ref.images).abs().max().item() <= 1e-4
 
 
 def test_one_stream_when_not_overlapping():
@@ -56,3 +85,36 @@ def test_budgeted_run_gives_the_full_policy_pictures(budgeted):
     ref = run_stream(tiny_engine("sd1"), s, quiet=True)
     assert torch.equal(ours.latents, ref.latents)
     assert (ours.images - ref.images).abs().max().item() <= 1e-4
+
+
+def test_only_a_budgeted_run_decodes_under_a_strict_budget(budgeted, monkeypatch):
+    """The hard-budget tiler mode (one stream, cached blocks released between stages) is the budgeted run's; a run
+    without a budget keeps the overlapping copy streams. Both give the same pictures."""
+    from leandiffusion.sampling.stream import decode
+
+    seen = []
+    real = decode.run_exact
+
+    def spy(program, z, cfg, *a, **kw):
+        seen.append(cfg.strict_budget)
+        return real(program, z, cfg, *a, **kw)
+
+    monkeypatch.setattr(decode, "run_exact", spy)
+    s = _settings(decode_tile_size=MIN_TILE)
+    strict = run_stream(budgeted, s, quiet=True)
+    assert seen and all(seen)
+    seen.clear()
+    loose = run_stream(tiny_engine("sd1"), s, quiet=True)
+    assert seen and not any(seen)
+    assert (strict.images - loose.images).abs().max().item() <= 1e-4
+
+
+@pytest.mark.gpu
+def test_one_copy_stream_under_a_strict_budget():
+    from leandiffusion.vae.stores import Streams
+
+    dev = torch.device("cuda")
+    one = Streams(dev, side=False)
+    assert one.upload == torch.cuda.current_stream(dev) == one.download
+    two = Streams(dev)
+    assert two.upload != torch.cuda.current_stream(dev) and two.download != two.upload

@@ -172,20 +172,20 @@ def test_timeline_has_every_stage_and_batch(engine):
 
 
 def test_auto_batch_runs_and_is_exact(engine):
-    s = _settings(max_batch=0, images_per_prompt=2, cfg=BATCHED_CFG)  # 6 images: >= 2 batches -> batches of 3
+    s = _settings(max_batch=0, images_per_prompt=2, cfg=BATCHED_CFG)  # 6 tiny images fit one batch
     result = run_stream(engine, s, quiet=True)
-    assert result.batch_sizes == (3, 3)
+    assert result.batch_sizes == (6,)
     _check(engine, s, result, bound=BATCHED_ABS)
 
 
 @pytest.mark.parametrize("n,per,avail,reserve,sat,want", [
     (16, 100, 10_000, 0, 8, 8),  # two batches of the saturating size
-    (8, 100, 10_000, 0, 8, 4),  # at least 2 batches
-    (64, 100, 10_000, 0, 64, 8),  # capped at 8
-    (8, 100, 10_000, 0, 2, 2),  # SDXL-sized: the call is full at 2 images
+    (8, 100, 10_000, 0, 8, 8),  # a run that fits one batch is one batch
+    (64, 100, 10_000, 0, 64, 16),  # capped at 16
+    (8, 100, 10_000, 0, 2, 2),  # the call is full at 2 images
     (16, 100, 350, 50, 8, 3),  # what fits (3 images), evened out over 16 -> 6 batches of <= 3
     (16, 100, 50, 0, 8, 1),  # nothing fits: still 1 (OOM handling takes over)
-    (10, 100, 10_000, 0, 8, 5),  # ceil(10/2) = 5 -> 5,5
+    (10, 100, 10_000, 0, 8, 5),  # 8 -> two batches -> evened out to 5, 5
     (1, 100, 10_000, 0, 8, 1),
 ])
 def test_auto_batch_rule(n, per, avail, reserve, sat, want):
@@ -193,9 +193,9 @@ def test_auto_batch_rule(n, per, avail, reserve, sat, want):
 
 
 def test_saturating_batch_sizes():
-    assert saturating_batch(64, 64, True) == 8  # SD1.5 512 px
-    assert saturating_batch(128, 128, True) == 2  # SDXL 1024 px
-    assert saturating_batch(8, 8, False) == 1024
+    assert saturating_batch(64, 64, True) == 32  # SD1.5 512 px (then capped at 16)
+    assert saturating_batch(128, 128, True) == 8  # SDXL 1024 px
+    assert saturating_batch(8, 8, False) == 4096
 
 
 def test_shrink_halves_down_to_one():
