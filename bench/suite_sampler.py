@@ -20,7 +20,7 @@ CUDA events (``harness.time_ms``); the peer is re-timed after every acceleration
 is the denominator (``peer_spread`` records the drift).
 
 Modes: smoke = CPU tiny SD1/SDXL, 1 step (plumbing only; accelerations fall back to eager on the CPU);
-quick = both cases, every acceleration, 3 timed runs instead of 5 (the SDXL UNet compiles regionally in ~50 s:
+quick = both cases, every acceleration, 3 timed runs (SDXL 2) instead of 5 (the SDXL UNet compiles regionally in ~50 s:
 ``sampling/compile.py``); full = the same with 5 timed runs.
 ``LEANDIFFUSION_BENCH_SAMPLER_CASES`` (comma list of ``sd15``, ``sdxl``) restricts the cases, e.g. to give SDXL's
 compile its own device call.
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 SUITE = "sampler"
 SMOKE_BUDGET_S = 60
-QUICK_BUDGET_S = 250
+QUICK_BUDGET_S = 380  # SD1.5 ~80 s + SDXL ~100 s (both compiles) + process start
 FULL_BUDGET_S = 540
 
 CFG = 7.5
@@ -304,7 +304,7 @@ def run(ctx: BenchContext) -> None:
             continue
         engine = _full_engine(kind, ctx.device)
         try:
-            _case(ctx, kind, engine, size, steps, accelerations, repeat=3 if ctx.quick else 5)
+            _case(ctx, kind, engine, size, steps, accelerations, repeat=(2 if kind == "sdxl" else 3) if ctx.quick else 5)
         finally:
             del engine
             gc.collect()
