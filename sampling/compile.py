@@ -137,11 +137,10 @@ def compiled_unet(engine: LeanEngine):
     if compiled is None:
         mode = compile_mode()
         scope = resolved_scope(engine.parts.unet, compile_scope())
-        kwargs = dict(_PRESETS[mode])
         if _SCOPES[scope] is None:
-            compiled = torch.compile(engine.parts.unet, dynamic=False, fullgraph=False, **kwargs)
+            compiled = torch.compile(engine.parts.unet, dynamic=False, fullgraph=False, **_PRESETS[mode])
         else:
-            compiled = RegionallyCompiledUNet(engine.parts.unet, _SCOPES[scope], **kwargs)
+            compiled = RegionallyCompiledUNet(engine.parts.unet, _SCOPES[scope], **_PRESETS[mode])
         _COMPILED[engine.parts] = compiled
         logger.info("torch.compile (%s: %s, scope %s) wraps the UNet of %s; the first call of each shape compiles it",
                     mode, _PRESETS[mode], scope, engine.parts.name or "the model")

@@ -181,15 +181,10 @@ class DecodeStage:
             except _OOM as exc:
                 oom = exc.with_traceback(None)
         if oom is not None:
-            self._after_oom()
+            self.streams.release_cached()
             logger.warning("untiled VAE decode ran out of memory (%s); decoding the rest of this run in tiles", oom)
             self.tiled = True
         return images, done
-
-    def _after_oom(self) -> None:
-        if self.streams.cuda:
-            torch.cuda.synchronize(self.streams.device)
-        bridge.soft_empty_cache()
 
     def _tiled_image(self, raw: torch.Tensor) -> torch.Tensor:
         """Exact tiled decode of one raw latent [1, C, h, w] (host) -> [H, W, 3] (host), halving on OOM."""
@@ -210,7 +205,7 @@ class DecodeStage:
                 except _OOM as exc:
                     error = exc
                     tried.append(tile)
-                self._after_oom()
+                self.streams.release_cached()
                 if tile <= MIN_TILE:
                     raise _OOM(f"Stream Scheduler Sampler: tiled VAE decode ran out of memory even with {MIN_TILE} "
                                f"px tiles (tried {tried} px); free VRAM or lower the resolution. Last error: {error}")

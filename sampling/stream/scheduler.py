@@ -98,7 +98,7 @@ class _Progress:
 DECODE_RESERVED_FACTOR = 2.2
 
 
-def decode_budget(engine: LeanEngine, s: StreamSettings) -> int:
+def decode_budget(engine: LeanEngine) -> int:
     """Activation bytes for one tiled decode under a budgeted plan: what the budget leaves after the UNet's resident
     weights, the VAE weights and the loader's headroom (the share of the budget left for allocator rounding,
     ``policies.HEADROOM``), divided by ``DECODE_RESERVED_FACTOR``; at least 64 MiB. The decodes run after every
@@ -167,7 +167,7 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
         _settle(streams)
 
     decoder = DecodeStage(engine, s.decode_tile_size, tiled, streams, images, latents, timeline,
-                          decode_budget=decode_budget(engine, s) if budgeted else None,
+                          decode_budget=decode_budget(engine) if budgeted else None,
                           before_deferred=drop_graphs if budgeted else None)
     used, tried, retries = [], [], 0
     start = 0
@@ -185,8 +185,7 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
                 nxt = min(n, stop + batch)
                 upcoming = text.prepare(stop, nxt) if stop < n else None
                 # DDIM's init_noise_sigma is 1: the noise is the start; moved without blocking the host
-                with streams.use("unet"):
-                    x_init = upload(initial_noise(jobs[start:stop], latent_shape), engine.device)
+                x_init = upload(initial_noise(jobs[start:stop], latent_shape), engine.device)
                 oom = None
                 _settle(streams)  # the decode is done
                 try:
@@ -195,7 +194,7 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
                         streams.wait_stage("unet", "text")
                     span = timeline.span("unet", f"images {start}-{stop - 1}", range(start, stop)) if timeline \
                         else _Null()
-                    with streams.use("unet"), span, engine.session("unet"):
+                    with span, engine.session("unet"):
                         final = denoise_batch(engine, current.conditioning, x_init, schedule, s.cfg, s.acceleration,
                                               lambda i, a=start, b=stop - start: progress.at(a, b, i), runner)
                 except _OOM as exc:
@@ -204,7 +203,7 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
                     current = upcoming = final = x_init = None
                     retries += 1
                     tried.append(stop - start)
-                    _release_after_oom(streams)
+                    streams.release_cached()
                     smaller = shrink(stop - start)
                     if smaller is None:
                         raise _OOM(f"Stream Scheduler Sampler: out of memory denoising image {start} even with a "
@@ -243,14 +242,7 @@ def _settle(streams: StageStreams) -> None:
     freed stay reserved in the caching allocator, sized for that stage (and, for the graph warm-up's side stream,
     usable by no other stream), while the next stage allocates its own."""
     if streams.cuda and not streams.overlap:
-        torch.cuda.synchronize(streams.device)
-        bridge.soft_empty_cache()
-
-
-def _release_after_oom(streams: StageStreams) -> None:
-    if streams.cuda:
-        torch.cuda.synchronize(streams.device)
-    bridge.soft_empty_cache()
+        streams.release_cached()
 
 
 class _Null:
