@@ -7,7 +7,7 @@ state and a crash or a hang in one is recorded as failed with its error while th
 bench.json and BENCHMARKS.md after every suite so a killed run keeps what it measured.
 
 Time budget (the device tool allows 10 minutes a command): the whole invocation gets ``--budget`` seconds
-(default: smoke 100, quick 500, full 540). Suites run one after another; before each, the time still left is
+(default: smoke 100, quick 575, full 540; the device call allows 600). Suites run one after another; before each, the time still left is
 shared among the suites not yet run in proportion to their weights (a suite may declare ``QUICK_BUDGET_S`` /
 ``FULL_BUDGET_S`` / ``SMOKE_BUDGET_S`` at module level; defaults 60 / 240 / 10), so time a fast suite leaves
 unused passes to the next ones. The suite sees 85% of its share as ``ctx.time_budget_s`` / ``ctx.deadline()``
@@ -47,7 +47,7 @@ from typing import Optional
 
 PKG = __package__ or "leandiffusion.bench"
 BENCH_DIR = Path(__file__).parent
-DEFAULT_BUDGET_S = {"smoke": 100.0, "quick": 540.0, "full": 540.0}
+DEFAULT_BUDGET_S = {"smoke": 100.0, "quick": 575.0, "full": 540.0}
 DEFAULT_WEIGHT_S = {"smoke": 10.0, "quick": 60.0, "full": 240.0}
 WEIGHT_CONST = {"smoke": "SMOKE_BUDGET_S", "quick": "QUICK_BUDGET_S", "full": "FULL_BUDGET_S"}
 SOFT_FRACTION = 0.85  # the suite's own budget (ctx.time_budget_s), as a fraction of its share
@@ -462,7 +462,7 @@ def parse_args(argv):
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny models: plumbing and record-shape check (CI)")
     ap.add_argument("--part", help="K/N: run the K-th of N balanced groups of suites (full suite in N calls)")
     ap.add_argument("--comfyui", help="path of a ComfyUI checkout: its KSampler/VAEDecodeTiled/... join as peers")
-    ap.add_argument("--budget", type=float, help="seconds for the whole invocation (default smoke 100, quick 500, full 540)")
+    ap.add_argument("--budget", type=float, help="seconds for the whole invocation (default smoke 100, quick 575, full 540)")
     ap.add_argument("--out", help="output folder for bench.json, BENCHMARKS.md, bench.log and charts")
     ap.add_argument("--suite-dir", type=Path, help=argparse.SUPPRESS)  # suites outside the package (tests)
     ap.add_argument("--no-charts", action="store_true", help="skip the PNG charts")

@@ -27,7 +27,7 @@ from .harness import BenchContext, peak_memory, time_ms
 logger = logging.getLogger(__name__)
 
 SUITE = "loader"
-QUICK_BUDGET_S = 90  # measured 50-60 s on an H200 (SDXL built three times, accelerate offload peer)
+QUICK_BUDGET_S = 65  # measured 50-60 s on an H200 (SDXL built three times, accelerate offload peer)
 CASE = "sdxl_128_b2"
 
 

@@ -24,11 +24,13 @@ Invariants
   blocks of the same modules. Blocks of one class share dynamo's cache, so the recompile limit is raised for the
   call (one entry per distinct block shape and batch size).
 - ``auto`` compiles the whole UNet unless it has more than ``REGIONAL_ABOVE_BLOCKS`` transformer blocks, and then
-  ``transformers+resnets``. Measured on an H200 (fp16, 2026-11-22, `.carry/diag/regional.py`-style runs, first run
+  ``blocks+resnets``: its first run is 15 s (30%) shorter than ``transformers+resnets``'s for a loop 1.5% slower,
+  and a user pays the compile at every server start and new shape. Measured on an H200 (fp16, 2026-11-22, `.carry/diag/regional.py`-style runs, first run
   = compile + capture; loop = 20/30 CUDA-graph-replayed steps):
   SD1.5 (16 blocks): full 54 s / 146 ms, blocks+resnets 51 s / 171 ms, blocks 24 s / 230 ms -> full;
   SDXL (70 blocks): full ~105 s / 1007 ms (earlier run), transformers+resnets 50 s / 1015 ms,
-  blocks+resnets 35 s / 1030 ms, blocks 11 s / 1165 ms (CUDA graphs without compile: 1270 ms) -> regional.
+  blocks+resnets 35 s / 1030 ms, blocks 11 s / 1165 ms (CUDA graphs without compile: 1270 ms) -> regional,
+  blocks+resnets.
   A large UNet's whole graph takes long to compile and gains little over its blocks compiled alone; a small
   UNet's whole graph compiles about as fast as its regions and fuses across block boundaries.
 """
@@ -56,7 +58,7 @@ _PRESETS: dict[str, dict] = {
 ENV_COMPILE_SCOPE = "LEANDIFFUSION_COMPILE_SCOPE"
 DEFAULT_SCOPE = "auto"
 REGIONAL_ABOVE_BLOCKS = 32
-AUTO_REGIONAL_SCOPE = "transformers+resnets"
+AUTO_REGIONAL_SCOPE = "blocks+resnets"
 _SCOPES: dict[str, Optional[tuple[str, ...]]] = {
     "auto": None,  # resolved per UNet by ``resolved_scope``
     "full": None,

@@ -4,7 +4,9 @@ Estimate (bytes, in the UNet's dtype), from the loader's own activation model (`
 - per image: the UNet activations of one image's guided step, i.e. ``activation_bytes`` of a ``meta`` trace at
   batch 2 (1 without guidance) and the run's latent size, without the fixed workspace (counted once);
 - available: on CUDA ``0.9 x (free VRAM + this process's cached-but-unused memory) - workspace``; under the
-  ``stream`` policy also at most the loader's budget minus the UNet's resident weights; on the CPU 4 GiB;
+  ``stream`` policy also at most the loader's budget minus the UNet's resident weights, the loader's headroom and
+  the workspace (``budget_left_bytes``; measured on an H100, SDXL 1024 px at 4 GiB: without the headroom and the
+  workspace it chose 2 images and the UNet stage held 4.22 GiB, with 1 image 3.66 GiB); on the CPU 4 GiB;
 - reserved for the decode stage, which runs concurrently: one untiled decode (``decode.untiled_decode_bytes``)
   plus the VAE weights when the policy loads them only while used.
 Automatic batch = ``clamp(min((available - reserve) // per_image, saturating, ceil(N / MIN_BATCHES)), 1,
@@ -34,6 +36,7 @@ import torch
 
 from ...memory.engine import LeanEngine
 from ...memory.plan import WORKSPACE_CUDA, activation_bytes
+from ...memory.policies import HEADROOM
 from ...memory.streaming import trace_units
 
 AUTO_BATCH_CAP = 16
@@ -66,8 +69,15 @@ def available_bytes(engine: LeanEngine) -> int:
     avail = int(FREE_FRACTION * (free + cached)) - WORKSPACE_CUDA
     plan = budgeted_plan(engine)
     if plan is not None:
-        avail = min(avail, plan.budget_bytes - unet_resident_bytes(plan))
+        avail = min(avail, budget_left_bytes(plan) - WORKSPACE_CUDA)
     return avail
+
+
+def budget_left_bytes(plan) -> int:
+    """What a budgeted plan leaves for activations: the budget minus the UNet's resident weights and the loader's
+    headroom (``policies.HEADROOM``). The loader sizes the resident weights so that one image's guided step
+    (activations + workspace) fits in it; more images per batch fit only where the loader streamed everything."""
+    return plan.budget_bytes - unet_resident_bytes(plan) - int(HEADROOM * plan.budget_bytes)
 
 
 def budgeted_plan(engine: LeanEngine):

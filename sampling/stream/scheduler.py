@@ -25,7 +25,9 @@ Invariants
   other on one stream (no overlap, see ``streams.py``), cached blocks go back to the driver between stages, and the
   decodes wait until every batch is denoised and the run's CUDA graphs (whose pools stay reserved while they
   live) are dropped; the exact tiled decode then gets a share of what the budget leaves after the UNet's resident
-  weights and the VAE weights (``decode_budget``). The next run recaptures its graphs.
+  weights and the VAE weights (``decode_budget``). The next run recaptures its graphs. The whole run holds the
+  allocator under the budget (``memory.cap``, ``run_cap_bytes``): cached blocks are returned before the process
+  would go over it, and only live tensors that do not fit raise out-of-memory (handled as below).
 - Out-of-memory while denoising a batch: nothing of that batch has been written; the batch size is halved and
   the same images are retried (earlier batches stay queued or written, later ones are not started), so no image
   is lost or produced twice (``DecodeStage`` refuses to write a row twice and the run checks every row was
@@ -44,13 +46,13 @@ from typing import Any, Optional
 import torch
 
 from ... import bridge
+from ...memory.cap import allocator_cap, device_storage_bytes
 from ...memory.engine import LeanEngine
-from ...memory.policies import HEADROOM
 from .. import ddim
 from ..graph_runner import GraphRunner, default_runner
 from ..loop import vae_scale_factor
-from .batching import (auto_batch, available_bytes, budgeted_plan, decode_reserve, per_image_bytes,
-                       saturating_batch, shrink, unet_resident_bytes)
+from .batching import (auto_batch, available_bytes, budget_left_bytes, budgeted_plan, decode_reserve, per_image_bytes,
+                       saturating_batch, shrink)
 from .conditioning import conditioning_rows, read_conditioning_inputs
 from .decode import DecodeStage, needs_tiles, untiled_decode_bytes
 from ..loop import upload
@@ -91,10 +93,12 @@ class _Progress:
             self.shown = units
 
 
-# Peak reserved device memory of an exact tiled decode per byte of its activation budget. Measured on an H200
-# (SDXL VAE in fp32, 1024 px, 2026-11-22): a 0.59 GiB budget peaked at 0.68 GiB allocated and 1.25 GiB reserved
-# (the bands' and convolutions' buffers differ in size, so freed blocks are not always reusable); a hard budget
-# counts what is reserved.
+# Device memory an exact tiled decode takes per byte of its activation budget. Measured (SDXL VAE in fp32,
+# 1024 px, 2026-11-22): on an H200 a 0.59 GiB budget peaked at 0.68 GiB allocated and 1.25 GiB reserved; on an
+# H100 a 0.27 GiB budget at 0.38 GiB allocated and 0.85 GiB reserved (the bands' and convolutions' buffers differ
+# in size, so freed blocks are not always reusable). The run's allocator cap (``memory.cap``) returns such cached
+# blocks to the driver before the process would hold more than the budget, so this factor has to cover what is
+# allocated (about 1.4x the estimate) with room for the blocks that stay split.
 DECODE_RESERVED_FACTOR = 2.2
 
 
@@ -105,9 +109,7 @@ def decode_budget(engine: LeanEngine) -> int:
     batch is denoised and the run's CUDA graphs are dropped (``DecodeStage`` deferred mode), so no UNet activation
     pool is held beside them."""
     plan = budgeted_plan(engine)
-    resident = unet_resident_bytes(plan)
-    headroom = int(HEADROOM * plan.budget_bytes)
-    left = plan.budget_bytes - resident - plan.vae_bytes - headroom
+    left = budget_left_bytes(plan) - plan.vae_bytes
     return max(int(left / DECODE_RESERVED_FACTOR), 64 * 2 ** 20)
 
 
@@ -143,6 +145,33 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     latent_shape = (parts.latent_channels, s.height // factor, s.width // factor)
     config = ddim.config_with(parts.scheduler_config, timestep_spacing=s.timestep_spacing)
     schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
+    with allocator_cap(engine.device, run_cap_bytes(engine)):
+        return _run(engine, s, latent_shape, schedule, runner, timeline, quiet, positive_cond, negative_cond)
+
+
+# Allocated memory outside the engine that still counts against its budget: cuBLAS workspaces of the streams
+# earlier runs used and small buffers (measured: 0.1 GiB after an SD1.5 and an SDXL run, H100, 2026-11-22).
+SMALL_OTHERS_BYTES = 256 * 2 ** 20
+
+
+def run_cap_bytes(engine: LeanEngine) -> int:
+    """The allocator cap of a run (``memory.cap``): under a budgeted plan the budget plus what the process already
+    held outside this engine when the run began (other models, ComfyUI's own tensors: allocated memory minus the
+    storages of the engine's modules and staging arena on the device) beyond ``SMALL_OTHERS_BYTES``, so the
+    engine's run stays within the budget; without a budget the whole device."""
+    plan = budgeted_plan(engine)
+    if plan is None or engine.device.type != "cuda":
+        return 1 << 62
+    p = engine.parts
+    streamer = getattr(engine.placement, "streamer", None)
+    ours = device_storage_bytes((p.unet, p.vae, p.text_encoder, getattr(p, "text_encoder_2", None)),
+                                (getattr(streamer, "arena", None), getattr(streamer, "resident", None)), engine.device)
+    others = max(0, torch.cuda.memory_allocated(engine.device) - ours - SMALL_OTHERS_BYTES)
+    return plan.budget_bytes + others
+
+
+def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, runner: Optional[GraphRunner],
+         timeline: Optional[Timeline], quiet: bool, positive_cond: Any, negative_cond: Any) -> StreamResult:
     jobs = s.jobs()
     n = len(jobs)
     budgeted = budgeted_plan(engine) is not None

@@ -115,3 +115,46 @@ def test_one_copy_stream_under_a_strict_budget():
     assert one.upload == torch.cuda.current_stream(dev) == one.download
     two = Streams(dev)
     assert two.upload != torch.cuda.current_stream(dev) and two.download != two.upload
+
+
+def test_budgeted_batch_counts_headroom_and_workspace(monkeypatch):
+    """Under a budget the activations of a batch get what the budget leaves after the resident weights, the
+    loader's headroom and the kernel workspace: a plan the loader sized for one guided image gives a batch of one
+    (measured on an H100: SDXL at 4 GiB chose 2 images without this and held 4.22 GiB)."""
+    from types import SimpleNamespace
+
+    from leandiffusion.memory.plan import WORKSPACE_CUDA
+    from leandiffusion.sampling.stream import batching
+
+    GiB = 2 ** 30
+    budget, per_image = 4 * GiB, 350 * MiB
+    act = per_image + WORKSPACE_CUDA  # the plan's activation estimate for one guided image
+    resident = budget - int(HEADROOM * budget) - act  # the loader fills the rest with resident blocks
+    plan = SimpleNamespace(policy="stream", budget_bytes=budget, unet_activation_bytes=act,
+                           peaks={"unet": resident + act}, vae_bytes=300 * MiB, vae_mode="while used")
+    engine = SimpleNamespace(device=torch.device("cuda", 0), placement=SimpleNamespace(plan=plan))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (70 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 0)
+    assert batching.budget_left_bytes(plan) == budget - resident - int(HEADROOM * budget)
+    assert batching.available_bytes(engine) == per_image
+    assert batching.auto_batch(8, per_image, batching.available_bytes(engine), 0, 8) == 1
+
+
+def test_run_cap_is_the_budget_plus_what_others_hold(budgeted, monkeypatch):
+    from types import SimpleNamespace
+
+    from leandiffusion.sampling.stream import scheduler
+
+    plan = budgeted_plan(budgeted)
+    assert scheduler.run_cap_bytes(budgeted) == 1 << 62  # CPU: no cap
+    assert scheduler.run_cap_bytes(tiny_engine("sd1")) == 1 << 62  # no budget: no cap
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0), placement=budgeted.placement, parts=budgeted.parts)
+    small = scheduler.SMALL_OTHERS_BYTES
+    monkeypatch.setattr(scheduler, "device_storage_bytes", lambda modules, tensors, device: 700 * MiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 700 * MiB + small + 5 * MiB)
+    assert scheduler.run_cap_bytes(on_gpu) == plan.budget_bytes + 5 * MiB  # another model's 5 MiB beyond the slack
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 700 * MiB + small // 2)
+    assert scheduler.run_cap_bytes(on_gpu) == plan.budget_bytes  # workspaces and small buffers count as the run's
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 600 * MiB)
+    assert scheduler.run_cap_bytes(on_gpu) == plan.budget_bytes
