@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 SUITE = "upscale"
 SMOKE_BUDGET_S = 20
-QUICK_BUDGET_S = 45  # measured 35 s (H200, 2026-11-22)
+QUICK_BUDGET_S = 55  # measured 31-35 s with both GPU cases (H100/H200, 2026-11-22); the CPU case needs more
 FULL_BUDGET_S = 360
 WEIGHTS_ENV = "LEANDIFFUSION_UPSCALE_WEIGHTS"
 RRDB_NAME = "REALESRGAN_X4PLUS_UP4X"
@@ -386,7 +386,7 @@ def run(ctx) -> None:
     t0 = time.perf_counter()
     size = 40 if ctx.smoke else 1024
     _gpu_case(ctx, "rrdb_x4plus_1024", "rrdb", size, target_ratio=1.5, target_gb=2.0)
-    if _has_time(ctx, 40):
+    if _has_time(ctx, 20 if ctx.quick else 40):  # quick: measured 5-8 s with its two variants
         _gpu_case(ctx, "compact_x4_1024", "compact", size, target_ratio=None, target_gb=2.0)
     else:
         _skip(ctx, "compact_x4_1024", "suite time budget")
