@@ -7,7 +7,7 @@ state and a crash or a hang in one is recorded as failed with its error while th
 bench.json and BENCHMARKS.md after every suite so a killed run keeps what it measured.
 
 Time budget (the device tool allows 10 minutes a command): the whole invocation gets ``--budget`` seconds
-(default: smoke 100, quick 575, full 540; the device call allows 600). Suites run one after another; before each, the time still left is
+(default: smoke 100, quick 575, full 540). Suites run one after another; before each, the time still left is
 shared among the suites not yet run in proportion to their weights (a suite may declare ``QUICK_BUDGET_S`` /
 ``FULL_BUDGET_S`` / ``SMOKE_BUDGET_S`` at module level; defaults 60 / 240 / 10), so time a fast suite leaves
 unused passes to the next ones. The suite sees 85% of its share as ``ctx.time_budget_s`` / ``ctx.deadline()``

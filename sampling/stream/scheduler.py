@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 
 from ... import bridge
-from ...memory.cap import allocator_cap, device_storage_bytes
+from ...memory.cap import allocator_cap, device_storage_bytes, release_library_workspaces
 from ...memory.engine import LeanEngine
 from .. import ddim
 from ..graph_runner import GraphRunner, default_runner
@@ -145,12 +145,14 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     latent_shape = (parts.latent_channels, s.height // factor, s.width // factor)
     config = ddim.config_with(parts.scheduler_config, timestep_spacing=s.timestep_spacing)
     schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
+    if budgeted_plan(engine) is not None:
+        release_library_workspaces(engine.device)  # earlier runs' cuBLAS workspaces are not this run's to hold
     with allocator_cap(engine.device, run_cap_bytes(engine)):
         return _run(engine, s, latent_shape, schedule, runner, timeline, quiet, positive_cond, negative_cond)
 
 
-# Allocated memory outside the engine that still counts against its budget: cuBLAS workspaces of the streams
-# earlier runs used and small buffers (measured: 0.1 GiB after an SD1.5 and an SDXL run, H100, 2026-11-22).
+# Allocated memory outside the engine that still counts against its budget: small buffers and library workspaces
+# (the run first releases cuBLAS's; measured before that: 0.1-0.43 GiB after earlier runs, H100, 2026-11-22).
 SMALL_OTHERS_BYTES = 256 * 2 ** 20
 
 

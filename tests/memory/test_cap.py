@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leandiffusion.memory import cap as cap_mod
-from leandiffusion.memory.cap import allocator_cap, device_storage_bytes
+from leandiffusion.memory.cap import allocator_cap, device_storage_bytes, release_library_workspaces
 
 GiB = 2 ** 30
 
@@ -19,6 +19,10 @@ def test_storage_bytes_count_each_storage_once():
     assert device_storage_bytes([lin], [], torch.device("cpu")) == 80
     assert device_storage_bytes([lin, tied, None], [*views, None], torch.device("cpu")) == 80 + 16 + 100
     assert device_storage_bytes([lin], [arena], torch.device("cuda", 0)) == 0  # nothing of it on that device
+
+
+def test_nothing_to_release_on_the_cpu():
+    assert release_library_workspaces(torch.device("cpu")) is False
 
 
 def test_cpu_is_never_capped():
@@ -81,3 +85,21 @@ def test_cached_blocks_go_back_before_the_cap_is_passed():
     c = torch.empty(1300 * 2 ** 20, dtype=torch.uint8, device=dev)  # the cap is gone
     del c
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_cublas_workspaces_of_other_streams_are_released():
+    dev = torch.device("cuda")
+    a = torch.randn(256, 256, device=dev, dtype=torch.float16)
+    torch.cuda.synchronize(dev)
+    release_library_workspaces(dev)
+    base = torch.cuda.memory_allocated(dev)
+    for _ in range(3):  # each new stream that runs a GEMM gets a workspace of its own
+        s = torch.cuda.Stream(device=dev)
+        with torch.cuda.stream(s):
+            a @ a
+    torch.cuda.synchronize(dev)
+    grown = torch.cuda.memory_allocated(dev)
+    assert grown > base  # what the module releases: cuBLAS's workspaces are allocated memory
+    assert release_library_workspaces(dev) is True
+    assert torch.cuda.memory_allocated(dev) == base

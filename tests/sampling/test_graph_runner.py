@@ -246,3 +246,12 @@ def test_compile_presets_name_real_inductor_options(monkeypatch):
         comp.compile_mode()
     monkeypatch.setenv("LEANDIFFUSION_COMPILE_MODE", "tuned")
     assert comp.compile_mode() == "tuned"
+
+
+@pytest.mark.gpu
+def test_captures_warm_up_on_one_stream_per_device():
+    from leandiffusion.sampling.graph_runner import warmup_stream
+
+    dev = torch.device("cuda")
+    assert warmup_stream(dev) is warmup_stream(torch.device("cuda", torch.cuda.current_device()))
+    assert warmup_stream(dev) != torch.cuda.current_stream(dev)
