@@ -26,6 +26,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from .. import bridge
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,7 +66,7 @@ def release_library_workspaces(device: torch.device) -> bool:
         return False
     torch.cuda.synchronize(device)  # no kernel of this process may still be using a workspace
     clear()
-    torch.cuda.empty_cache()
+    bridge.soft_empty_cache()
     return True
 
 

@@ -32,23 +32,11 @@ import torch
 
 from ..memory.engine import LeanEngine
 from .program import StepProgram
+from .shared_streams import shared_stream
 
 logger = logging.getLogger(__name__)
 
 ENV_MAX_GRAPHS = "LEANDIFFUSION_MAX_GRAPHS"
-
-
-_WARMUP_STREAMS: dict = {}
-
-
-def warmup_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The one side stream per device that capture warm-ups run on: cuBLAS keeps a workspace for every stream it
-    has run on, so a fresh stream per capture would leave one more workspace behind each time."""
-    device = torch.device(device)
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[key] = torch.cuda.Stream(device=device)
-    return _WARMUP_STREAMS[key]
 
 
 class CudaGraphBackend:
@@ -60,7 +48,7 @@ class CudaGraphBackend:
         self.warmup = warmup
 
     def capture(self, fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
-        side = warmup_stream(device)
+        side = shared_stream(device, "capture-warmup")  # one per device: see shared_streams.py
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup):

@@ -145,10 +145,12 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     latent_shape = (parts.latent_channels, s.height // factor, s.width // factor)
     config = ddim.config_with(parts.scheduler_config, timestep_spacing=s.timestep_spacing)
     schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
-    if budgeted_plan(engine) is not None:
-        release_library_workspaces(engine.device)  # earlier runs' cuBLAS workspaces are not this run's to hold
+    args = (engine, s, latent_shape, schedule, runner, timeline, quiet, positive_cond, negative_cond)
+    if budgeted_plan(engine) is None:
+        return _run(*args)
+    release_library_workspaces(engine.device)  # earlier runs' cuBLAS workspaces are not this run's to hold
     with allocator_cap(engine.device, run_cap_bytes(engine)):
-        return _run(engine, s, latent_shape, schedule, runner, timeline, quiet, positive_cond, negative_cond)
+        return _run(*args)
 
 
 # Allocated memory outside the engine that still counts against its budget: small buffers and library workspaces

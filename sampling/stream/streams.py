@@ -1,9 +1,8 @@
 """The pipeline's three CUDA streams, the events that order them, and the stage timeline.
 
 Invariants
-- ``text`` and ``vae`` work runs on their own streams (one per device and stage for the life of the process: the
-  caching allocator keeps freed blocks per stream, so fresh streams on every run would strand the last run's
-  cached blocks); denoising runs on the caller's current stream (``unet``), which is where the sampler's CUDA
+- ``text`` and ``vae`` work runs on their own streams (one per device and stage for the life of the process,
+  ``shared_streams.py``: fresh streams on every run would strand the last run's cached blocks); denoising runs on the caller's current stream (``unet``), which is where the sampler's CUDA
   graphs replay. (A higher-priority ``unet`` stream was measured on an H200 and changed nothing: 1.159x vs
   1.160x.) A consumer never reads a tensor before the producer's event:
   ``hand_over`` makes the consumer stream wait for the event and calls ``record_stream`` so the caching
@@ -26,18 +25,9 @@ from typing import Iterable, Optional
 import torch
 
 from ... import bridge
+from ..shared_streams import shared_stream
 
 STAGES = ("text", "unet", "vae")
-_STAGE_STREAMS: dict = {}
-
-
-def _stage_stream(device: torch.device, stage: str):
-    """The process-wide stream of ``stage`` on ``device`` (module docstring)."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stage)
-    stream = _STAGE_STREAMS.get(key)
-    if stream is None:
-        stream = _STAGE_STREAMS[key] = torch.cuda.Stream(device)
-    return stream
 
 
 class StageStreams:
@@ -49,8 +39,8 @@ class StageStreams:
         self.overlap = overlap
         if self.cuda:
             current = torch.cuda.current_stream(self.device)
-            self._streams = {"text": _stage_stream(self.device, "text") if overlap else current, "unet": current,
-                             "vae": _stage_stream(self.device, "vae") if overlap else current}
+            self._streams = {"text": shared_stream(self.device, "text") if overlap else current, "unet": current,
+                             "vae": shared_stream(self.device, "vae") if overlap else current}
         else:
             self._streams = {s: None for s in STAGES}
 

@@ -250,8 +250,10 @@ def test_compile_presets_name_real_inductor_options(monkeypatch):
 
 @pytest.mark.gpu
 def test_captures_warm_up_on_one_stream_per_device():
-    from leandiffusion.sampling.graph_runner import warmup_stream
+    from leandiffusion.sampling.shared_streams import shared_stream
 
     dev = torch.device("cuda")
-    assert warmup_stream(dev) is warmup_stream(torch.device("cuda", torch.cuda.current_device()))
-    assert warmup_stream(dev) != torch.cuda.current_stream(dev)
+    same = shared_stream(torch.device("cuda", torch.cuda.current_device()), "capture-warmup")
+    assert shared_stream(dev, "capture-warmup") is same
+    assert shared_stream(dev, "vae") is not same
+    assert same != torch.cuda.current_stream(dev)
