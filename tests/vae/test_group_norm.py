@@ -1,0 +1,159 @@
+"""vae.group_norm: grid-wide GroupNorm statistics equal PyTorch's GroupNorm; the swap is scoped and lossless.
+
+References are independent of the code under test: ``F.group_norm`` (PyTorch's kernel) and the same GroupNorm
+evaluated in fp64. The CPU tests call the parallel math directly (the module only dispatches to it on CUDA) and
+force the dispatch for a whole tiny-VAE decode; the GPU tests check the real dispatch on the full-size VAE.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from leandiffusion.tests.kit import tiny_components
+from leandiffusion.vae import group_norm as gn
+
+
+def _input(shape, dtype=torch.float32, seed=0, offset=3.0):
+    g = torch.Generator().manual_seed(seed)
+    # per-channel offsets larger than the spread: the case where a naive sum / sum-of-squares variance cancels
+    shift = offset * torch.randn(shape[1], generator=g).view(1, -1, *([1] * (len(shape) - 2)))
+    x = torch.randn(shape, generator=g) * 0.5 + shift
+    return x.to(dtype)
+
+
+def _affine(c, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (1 + 0.3 * torch.randn(c, generator=g)).to(dtype), (0.2 * torch.randn(c, generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("shape,groups", [((1, 64, 40, 24), 32), ((3, 32, 17, 9), 8), ((2, 48, 300), 16),
+                                          ((2, 8, 4, 5, 6), 4)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_fp32_matches_pytorch_group_norm(shape, groups, affine):
+    x = _input(shape)
+    w, b = _affine(shape[1]) if affine else (None, None)
+    ours = gn.parallel_stats_group_norm(x, groups, w, b, 1e-6)
+    ref = F.group_norm(x.double(), groups, None if w is None else w.double(), None if b is None else b.double(), 1e-6)
+    native = F.group_norm(x, groups, w, b, 1e-6)
+    assert ours.shape == x.shape and ours.dtype == x.dtype
+    assert (ours.double() - ref).abs().max().item() <= 1e-5
+    assert (ours - native).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_is_as_accurate_as_pytorch(dtype):
+    x = _input((2, 64, 32, 32), dtype)
+    w, b = _affine(64, dtype)
+    ref = F.group_norm(x.double(), 32, w.double(), b.double(), 1e-5)
+    ours = gn.parallel_stats_group_norm(x, 32, w, b, 1e-5)
+    native = F.group_norm(x.float(), 32, w.float(), b.float(), 1e-5).to(dtype)  # fp32 math, one final rounding
+    err_ours = (ours.double() - ref).abs().max().item()
+    err_native = (native.double() - ref).abs().max().item()
+    ulp = torch.finfo(dtype).eps
+    assert ours.dtype == dtype
+    # statistics rounded to the input's dtype as PyTorch's own kernel stores them: a few output ulps at most
+    assert err_ours <= err_native + 8 * ulp * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_image_keeps_its_layout(dtype):
+    x = _input((1, 64, 33, 20), dtype).contiguous(memory_format=torch.channels_last)
+    w, b = _affine(64, dtype)
+    ours = gn.parallel_stats_group_norm(x, 32, w, b, 1e-6)
+    ref = gn.parallel_stats_group_norm(x.contiguous(), 32, w, b, 1e-6)
+    assert ours.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(ours.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(ValueError, match="do not split into 32 groups"):
+        gn.parallel_stats_group_norm(torch.zeros(1, 48, 4, 4), 32, None, None, 1e-6)
+    batch_cl = torch.zeros(2, 32, 4, 4).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="unsupported layout"):
+        gn.parallel_stats_group_norm(batch_cl, 8, None, None, 1e-6)
+    assert not gn.layout_supported(batch_cl) and not gn.layout_supported(torch.zeros(4, 4).t()[None])
+
+
+def test_dispatch_only_for_long_contiguous_cuda_rows():
+    x = torch.zeros(1, 32, 512, 512)  # long rows, but on the CPU
+    assert not gn.takes_parallel_path(x, 32)
+    assert not gn.takes_parallel_path(torch.zeros(1, 32, 4, 4, device="meta"), 32)
+
+
+def test_scope_swaps_only_plain_group_norms_and_restores_them():
+    class Custom(torch.nn.GroupNorm):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.GroupNorm(2, 4), torch.nn.Conv2d(4, 4, 1), Custom(2, 4))
+    state = copy.deepcopy(model.state_dict())
+    with gn.parallel_group_norms(model):
+        assert type(model[0]) is gn.ParallelStatsGroupNorm and isinstance(model[0], torch.nn.GroupNorm)
+        assert type(model[2]) is Custom  # subclasses keep their own forward
+    assert type(model[0]) is torch.nn.GroupNorm
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with gn.parallel_group_norms(model):
+            raise RuntimeError("interrupted")
+    assert type(model[0]) is torch.nn.GroupNorm
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_forced_parallel_path_decodes_a_tiny_vae_like_diffusers(monkeypatch, batch):
+    """Every GroupNorm whose layout the parallel path reads goes through it (all of them for one image: the blocks
+    after the attention run channels-last); the decode matches diffusers' own."""
+    vae = tiny_components("sdxl")["vae"].float().eval()
+    z = torch.randn(batch, vae.config.latent_channels, 12, 10, generator=torch.Generator().manual_seed(3))
+    n_norms = sum(type(m) is torch.nn.GroupNorm for m in vae.decoder.modules())
+    with torch.no_grad():
+        ref = vae.decode(z, return_dict=False)[0]  # diffusers with PyTorch's GroupNorm
+        calls = []
+        real = gn.parallel_stats_group_norm
+
+        def counted(*args):
+            calls.append(args[0].shape)
+            return real(*args)
+
+        monkeypatch.setattr(gn, "takes_parallel_path", lambda x, groups, weight=None: gn.layout_supported(x))
+        monkeypatch.setattr(gn, "parallel_stats_group_norm", counted)
+        with gn.parallel_group_norms(vae):
+            ours = vae.decode(z, return_dict=False)[0]
+    if batch == 1:
+        assert len(calls) == n_norms > 0
+    else:
+        assert 0 < len(calls) < n_norms  # channels-last batches stay native
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_full_size_vae_decode_on_gpu(dtype):
+    """Real dispatch on the full-size SD/SDXL VAE at 1024 px (the rows that take the parallel path): the decode is as
+    close to the fp64 decode (PyTorch's GroupNorm) as diffusers' own decode in the same dtype is.
+
+    As in ``test_gpu.py``: both fast decodes round (TF32 convolutions, fp16), so each is measured against fp64 and
+    ours must satisfy ``err <= 2 * err_native + floor`` (floor: one 8-bit level of the [-1, 1] image range, 2/255).
+    A wrong statistic (a group mixed with its neighbour, a wrong variance) moves whole channels, far above that."""
+    from leandiffusion.bench.models import full_vae
+
+    vae = full_vae(device="cuda", dtype=dtype)
+    z = torch.randn(1, 4, 128, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    taken = []
+    real = gn.takes_parallel_path
+
+    def spy(x, groups, weight=None):
+        taken.append(real(x, groups, weight))
+        return taken[-1]
+
+    with torch.no_grad():
+        native = vae.decode(z.to(dtype), return_dict=False)[0].double()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gn, "takes_parallel_path", spy)
+            with gn.parallel_group_norms(vae):
+                ours = vae.decode(z.to(dtype), return_dict=False)[0].double()
+        ref = vae.double().decode(z.double(), return_dict=False)[0]
+    assert len(taken) >= 20 and all(taken)  # at 1024 px every decoder row reaches MIN_GROUP_ELEMENTS
+    err_native = (native - ref).abs().max().item()
+    err_ours = (ours - ref).abs().max().item()
+    assert err_ours <= 2 * err_native + 2 / 255, (err_ours, err_native)
+    assert type(vae.decoder.conv_norm_out) is torch.nn.GroupNorm
