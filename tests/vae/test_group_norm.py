@@ -157,3 +157,38 @@ def test_full_size_vae_decode_on_gpu(dtype):
     err_ours = (ours - ref).abs().max().item()
     assert err_ours <= 2 * err_native + 2 / 255, (err_ours, err_native)
     assert type(vae.decoder.conv_norm_out) is torch.nn.GroupNorm
+
+
+def test_engine_and_stream_decodes_run_inside_the_swap(monkeypatch):
+    """``LeanEngine.vae_decode`` / ``vae_encode`` and the Stream Scheduler's untiled decode take the swapped
+    GroupNorm (forced here on the CPU), and their images still match diffusers' plain decode."""
+    from leandiffusion.sampling.stream.scheduler import run_stream
+    from leandiffusion.sampling.stream.settings import StreamSettings
+    from leandiffusion.tests.kit import tiny_engine
+
+    engine = tiny_engine("sd1")
+    vae = engine.parts.vae
+    calls = []
+    real = gn.parallel_stats_group_norm
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = (vae.decode(z, return_dict=False)[0] / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
+    monkeypatch.setattr(gn, "takes_parallel_path", lambda x, groups, weight=None: gn.layout_supported(x))
+    monkeypatch.setattr(gn, "parallel_stats_group_norm", counted)
+    with engine.session("vae"):
+        image = engine.vae_decode(z)
+    assert calls and (image - plain).abs().max().item() <= 1e-4
+    calls.clear()
+    with engine.session("vae"):
+        engine.vae_encode(image)
+    assert calls
+    calls.clear()
+    settings = StreamSettings.from_text("a cat", negative="", seed=3, steps=2, cfg=5.0, width=64, height=64)
+    result = run_stream(engine, settings, quiet=True)
+    assert calls and result.images.shape == (1, 64, 64, 3)
+    assert all(type(m) is torch.nn.GroupNorm for m in vae.modules() if isinstance(m, torch.nn.GroupNorm))
