@@ -173,14 +173,14 @@ class DecodeStage:
         with engine.session("vae"):
             dev = engine.stage_device("vae")
             try:
-                for j in range(b):
-                    bridge.check_interrupted()
-                    z = (latents[j:j + 1] / self.scale).to(dev, engine.vae_dtype)
-                    with parallel_group_norms(vae):
+                with parallel_group_norms(vae):  # one swap for the batch's images
+                    for j in range(b):
+                        bridge.check_interrupted()
+                        z = (latents[j:j + 1] / self.scale).to(dev, engine.vae_dtype)
                         image = vae.decode(z, return_dict=False)[0]
-                    image = (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
-                    images[j].copy_(image[0], non_blocking=cuda)
-                    done = j + 1
+                        image = (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
+                        images[j].copy_(image[0], non_blocking=cuda)
+                        done = j + 1
             except _OOM as exc:
                 oom = exc.with_traceback(None)
         if oom is not None:

@@ -27,6 +27,20 @@ def _affine(c, dtype=torch.float32, seed=1):
     return (1 + 0.3 * torch.randn(c, generator=g)).to(dtype), (0.2 * torch.randn(c, generator=g)).to(dtype)
 
 
+def _force_parallel(monkeypatch) -> list:
+    """Take the parallel path wherever the layout allows (also on the CPU); returns the list of its input shapes."""
+    calls = []
+    real = gn.parallel_stats_group_norm
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(gn, "takes_parallel_path", lambda x, groups, weight=None: gn.layout_supported(x))
+    monkeypatch.setattr(gn, "parallel_stats_group_norm", counted)
+    return calls
+
+
 @pytest.mark.parametrize("shape,groups", [((1, 64, 40, 24), 32), ((3, 32, 17, 9), 8), ((2, 48, 300), 16),
                                           ((2, 8, 4, 5, 6), 4)])
 @pytest.mark.parametrize("affine", [True, False])
@@ -107,15 +121,7 @@ def test_forced_parallel_path_decodes_a_tiny_vae_like_diffusers(monkeypatch, bat
     n_norms = sum(type(m) is torch.nn.GroupNorm for m in vae.decoder.modules())
     with torch.no_grad():
         ref = vae.decode(z, return_dict=False)[0]  # diffusers with PyTorch's GroupNorm
-        calls = []
-        real = gn.parallel_stats_group_norm
-
-        def counted(*args):
-            calls.append(args[0].shape)
-            return real(*args)
-
-        monkeypatch.setattr(gn, "takes_parallel_path", lambda x, groups, weight=None: gn.layout_supported(x))
-        monkeypatch.setattr(gn, "parallel_stats_group_norm", counted)
+        calls = _force_parallel(monkeypatch)
         with gn.parallel_group_norms(vae):
             ours = vae.decode(z, return_dict=False)[0]
     if batch == 1:
@@ -168,18 +174,10 @@ def test_engine_and_stream_decodes_run_inside_the_swap(monkeypatch):
 
     engine = tiny_engine("sd1")
     vae = engine.parts.vae
-    calls = []
-    real = gn.parallel_stats_group_norm
-
-    def counted(*args):
-        calls.append(args[0].shape)
-        return real(*args)
-
     z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = (vae.decode(z, return_dict=False)[0] / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
-    monkeypatch.setattr(gn, "takes_parallel_path", lambda x, groups, weight=None: gn.layout_supported(x))
-    monkeypatch.setattr(gn, "parallel_stats_group_norm", counted)
+    calls = _force_parallel(monkeypatch)
     with engine.session("vae"):
         image = engine.vae_decode(z)
     assert calls and (image - plain).abs().max().item() <= 1e-4
