@@ -20,6 +20,8 @@ against the budget (target: within it).
 Decode share: for SDXL the peer's per-image time splits into the denoise and the decode (the VAE in fp32); the
 records ``peer_decode_ms_per_image`` / ``peer_denoise_ms_per_image`` give the ceiling that overlapping alone can
 reach (a decode hidden completely saves at most its share) -- the rest must come from batching the UNet.
+Clocks: during the timed runs of ours and of the prompt-by-prompt peer, the mean SM clock and board power
+(``gpu_clocks``, nvidia-smi; GPU only): a batch of SDXL images runs the GPU into its power limit and a lower clock.
 Timeline: per stage (text, unet, vae) the GPU start/end of every batch from CUDA events on the stage's stream;
 records give how much of the decoding ran while a UNet batch was running; in full and smoke mode the spans are
 written to ``stream_timeline.json`` (one small artifact).
@@ -34,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .gpu_clocks import INTERVAL_MS, clock_sampler
 
 SUITE = "stream"
 SMOKE_BUDGET_S = 30
@@ -196,7 +200,7 @@ def _case(ctx, case: str, kind: str, n_prompts: int, steps: int, size: int, targ
     # ours: warm-up (captures each batch shape's graph), timed runs, one timeline run
     first = run_stream(engine, settings, quiet=True)
     timeline = Timeline()
-    with _peak(device) as ours_peak:
+    with _peak(device) as ours_peak, clock_sampler(device) as ours_clock:
         ours_s = _seconds(lambda: run_stream(engine, settings, quiet=True, timeline=timeline if quick_sdxl else None),
                           device, repeat)
     if not quick_sdxl:
@@ -208,7 +212,7 @@ def _case(ctx, case: str, kind: str, n_prompts: int, steps: int, size: int, targ
     # the Fused DDIM Sampler + decode, prompt by prompt
     _fused_one_by_one(engine, settings, limit=1)
     kept = {}
-    with _peak(device) as fused_peak:
+    with _peak(device) as fused_peak, clock_sampler(device) as fused_clock:
         fused_s = _seconds(lambda: kept.update(out=_fused_one_by_one(engine, settings)), device, repeat)
     ref_lat = kept.pop("out")[0]
 
@@ -262,6 +266,8 @@ def _case(ctx, case: str, kind: str, n_prompts: int, steps: int, size: int, targ
                    "fused_ddim_prompt_by_prompt", unit="GB",
                    notes="torch.cuda.max_memory_reserved during the timed runs (weights included, CUDA context "
                          "excluded); ours holds a batch in each stage")
+    if ours_clock and fused_clock:
+        _record_clocks(ctx, case, ours_clock, fused_clock)
     ctx.record(case, "decode_overlap_fraction", summary["vae_overlap_fraction"], unit="",
                notes=f"share of VAE-stage GPU time that ran while a UNet batch ran; stage ms: unet "
                      f"{summary['unet_ms']:.0f}, vae {summary['vae_ms']:.0f}, text {summary['text_ms']:.1f}, "
@@ -289,6 +295,19 @@ def _case(ctx, case: str, kind: str, n_prompts: int, steps: int, size: int, targ
     gc.collect()
     if gpu:
         torch.cuda.empty_cache()
+
+
+def _record_clocks(ctx, case: str, ours: dict, peer: dict) -> None:
+    """SM clock and board power during the timed runs of ours and of the prompt-by-prompt peer (``gpu_clocks``)."""
+    limit = max(ours["power_limit_w"], peer["power_limit_w"])
+    ctx.record(case, "sm_clock_mhz", ours["sm_mhz"], peer["sm_mhz"], "fused_ddim_prompt_by_prompt",
+               lower_is_better=False, unit="MHz",
+               notes=f"mean SM clock during the timed runs (nvidia-smi every {INTERVAL_MS} ms; min ours "
+                     f"{ours['sm_mhz_min']:.0f}, peer {peer['sm_mhz_min']:.0f} MHz); a GPU at its power limit lowers "
+                     f"its clock, so the throughput ratio includes this clock ratio; no target")
+    ctx.record(case, "board_power_w", ours["power_w"], peer["power_w"], "fused_ddim_prompt_by_prompt",
+               lower_is_better=True, unit="W",
+               notes=f"mean board power during the timed runs; power limit {limit:.0f} W; no target")
 
 
 def _budget_case(ctx, case: str, kind: str, budget_gb: float, n_prompts: int, steps: int, size: int) -> None:

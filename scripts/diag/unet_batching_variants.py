@@ -1,0 +1,189 @@
+"""Which UNet settings change SDXL's batching gain (per image-step time at 1 vs 8 images, CFG batch 2 / 16)?
+
+A probe, not pack code. For each variant it captures a CUDA graph of the full-size SDXL UNet (fp16, random
+weights, 1024 px) at 1 and 8 images, times replays in alternating rounds, and records ms per image-step, the
+1 -> 8 gain, and the output's largest relative difference from the default variant (same inputs). Variants:
+default; SDPA restricted to cuDNN / flash / mem-efficient attention; channels-last weights and input; the
+pack's grid-wide GroupNorm (``vae.group_norm``) forced on every UNet GroupNorm; combinations. Then a kernel-time
+breakdown (torch profiler, grouped by kernel family) of one default replay at 1 and at 8 images, so the gain can
+be located. Usage (device, pack importable): python scripts/diag/unet_batching_variants.py [variants,...] [--no-profile]
+[--vae] (--vae: also SDXL fp32 decode time per image when 1, 2, 4 or 8 latents are decoded at once);
+writes $OUT/unet_batching.json.
+"""
+import contextlib
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from leandiffusion.bench.models import full_unet, unet_inputs
+from leandiffusion.vae import group_norm as gn
+
+OUT = os.environ.get("OUT", "/tmp")
+dev = torch.device("cuda")
+res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
+def rec(k, v):
+    res[k] = v
+    print(k, v, flush=True)
+    json.dump(res, open(f"{OUT}/unet_batching.json", "w"), indent=1)
+
+
+def graph_of(fn, warm=2):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def timed(fn, n):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1000
+
+
+unet = full_unet("sdxl", device=dev)
+INPUTS = {B: unet_inputs("sdxl", 2 * B, 128, device=dev) for B in (1, 8)}
+
+
+@contextlib.contextmanager
+def variant(name):
+    parts = name.split("+")
+    stack = contextlib.ExitStack()
+    cl = "cl" in parts
+    if cl:
+        unet.to(memory_format=torch.channels_last)
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    for p in parts:
+        if p in backends:
+            stack.enter_context(sdpa_kernel([backends[p]]))
+    if "gn" in parts:
+        old = gn.MIN_GROUP_ELEMENTS
+        gn.MIN_GROUP_ELEMENTS = 1
+        stack.callback(lambda: setattr(gn, "MIN_GROUP_ELEMENTS", old))
+        stack.enter_context(gn.parallel_group_norms(unet))
+    try:
+        with stack:
+            yield cl
+    finally:
+        if cl:
+            unet.to(memory_format=torch.contiguous_format)
+
+
+def inputs_for(B, cl):
+    inp = dict(INPUTS[B])
+    if cl:
+        inp["sample"] = inp["sample"].contiguous(memory_format=torch.channels_last)
+    return inp
+
+
+REF = {}
+_ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+VARIANTS = _ARGS[0].split(",") if _ARGS else [
+    "default", "cudnn", "flash", "efficient", "cl", "cl+cudnn", "gn", "gn+cudnn", "cl+gn+cudnn"]
+for name in VARIANTS:
+    try:
+        with variant(name) as cl:
+            graphs = {}
+            for B in (1, 8):
+                inp = inputs_for(B, cl)
+                g, out = graph_of(lambda: unet(**inp, return_dict=False)[0])
+                g.replay()
+                torch.cuda.synchronize()
+                o = out.float()
+                if name == "default":
+                    REF[B] = o.clone()
+                rel = ((o - REF[B]).abs().max() / REF[B].abs().max()).item() if B in REF else None
+                graphs[B] = (g, rel)
+            ms = {1: [], 8: []}
+            for _ in range(3):  # alternating rounds: clocks and neighbours hit both sizes alike
+                ms[1].append(timed(graphs[1][0].replay, 10))
+                ms[8].append(timed(graphs[8][0].replay, 3) / 8)
+            b1, b8 = min(ms[1]), min(ms[8])
+            rec(name, {"ms_per_image_step_B1": round(b1, 2), "ms_per_image_step_B8": round(b8, 2),
+                       "gain_1_to_8": round(b1 / b8, 4), "rounds_B1": [round(x, 2) for x in ms[1]],
+                       "rounds_B8": [round(x, 2) for x in ms[8]],
+                       "max_rel_diff_vs_default_B1": graphs[1][1], "max_rel_diff_vs_default_B8": graphs[8][1]})
+            del graphs
+    except Exception as exc:  # a backend may refuse these shapes: record it and go on
+        rec(name, repr(exc)[:400])
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def family(kname):
+    k = kname.lower()
+    for key, fam in (("flash", "attention"), ("fmha", "attention"), ("cudnn_generated_fort_native_sdpa", "attention"),
+                     ("sdpa", "attention"), ("attention", "attention"), ("gemm", "gemm"), ("gemv", "gemm"),
+                     ("sm90_xmma", "gemm/conv"), ("cutlass", "gemm/conv"), ("nhwc", "conv-layout"),
+                     ("nchwtonhwc", "conv-layout"), ("nhwctonchw", "conv-layout"), ("conv", "conv"),
+                     ("implicit", "conv"), ("groupnorm", "group_norm"), ("group_norm", "group_norm"),
+                     ("rowwisemoments", "group_norm"), ("layer_norm", "layer_norm"), ("layernorm", "layer_norm"),
+                     ("batch_norm", "batch_norm"), ("reduce", "reduce"), ("gelu", "elementwise"),
+                     ("silu", "elementwise"), ("elementwise", "elementwise"), ("copy", "copy"),
+                     ("cat", "copy"), ("upsample", "elementwise")):
+        if key in k:
+            return fam
+    return "other"
+
+
+if "--no-profile" not in sys.argv:
+    from torch.profiler import ProfilerActivity, profile
+
+    for B in (1, 8):
+        inp = inputs_for(B, False)
+        g, _ = graph_of(lambda: unet(**inp, return_dict=False)[0])
+        g.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            unet(**inp, return_dict=False)  # eager: the profiler sees kernels (graph replays hide them)
+            torch.cuda.synchronize()
+        fams, kernels = {}, {}
+        for evt in prof.key_averages():
+            t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+            if t <= 0 or evt.key.startswith("aten::") or evt.key.startswith("cuda"):
+                continue
+            fams[family(evt.key)] = fams.get(family(evt.key), 0) + t / 1000
+            kernels[evt.key[:120]] = kernels.get(evt.key[:120], 0) + t / 1000
+        rec(f"profile_B{B}_ms_by_family_per_image",
+            {k: round(v / B, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])})
+        rec(f"profile_B{B}_top_kernels_ms_per_image",
+            {k: round(v / B, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]})
+        del g
+        gc.collect()
+        torch.cuda.empty_cache()
+
+if "--vae" in sys.argv:  # does decoding 8 SDXL latents at once (fp32, grid-wide GroupNorm) beat one at a time?
+    from leandiffusion.bench.models import full_vae
+
+    del unet
+    gc.collect()
+    torch.cuda.empty_cache()
+    vae = full_vae(device=dev, dtype=torch.float32)
+    z = torch.randn(8, 4, 128, 128, device=dev)
+    with torch.no_grad(), gn.parallel_group_norms(vae):
+        for B in (1, 2, 4, 8):
+            try:
+                fn = (lambda: [vae.decode(z[i:i + B]).sample for i in range(0, 8, B)])
+                fn()
+                ms = min(timed(fn, 1) for _ in range(3)) / 8
+                rec(f"vae_fp32_decode_batch{B}_ms_per_image", round(ms, 2))
+            except torch.cuda.OutOfMemoryError as exc:
+                rec(f"vae_fp32_decode_batch{B}_ms_per_image", repr(exc)[:200])
+            gc.collect()
+            torch.cuda.empty_cache()
