@@ -1,0 +1,117 @@
+"""SDXL's fp32 VAE decode at 1024 px (inside the pack's grid-wide GroupNorm, as the engine runs it): which settings
+make it faster, and by how much do they change the image? A probe, not pack code.
+
+Variants: the engine's way (baseline); cuDNN autotuning (``cudnn.benchmark``); channels-last weights and input;
+SDPA restricted to the math / mem-efficient / cuDNN backend for the mid-block attention. Per variant: the time
+per image (min of three rounds of three decodes) and the max abs difference from the baseline's image (0..1
+scale would be /2: the decoder's output is -1..1). Then the kernel-family breakdown of one baseline decode, and the
+mid-block attention's own time. Usage: python scripts/diag/vae_fp32_variants.py; writes $OUT/vae_fp32.json.
+"""
+import contextlib
+import json
+import os
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+from leandiffusion.bench.models import full_vae
+from leandiffusion.vae import group_norm as gn
+
+OUT = os.environ.get("OUT", "/tmp")
+dev = torch.device("cuda")
+res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
+def rec(k, v):
+    res[k] = v
+    print(k, json.dumps(v)[:2000], flush=True)
+    json.dump(res, open(f"{OUT}/vae_fp32.json", "w"), indent=1)
+
+
+vae = full_vae(device=dev, dtype=torch.float32)
+z = torch.randn(1, 4, 128, 128, device=dev, generator=torch.Generator(dev).manual_seed(0))
+
+
+def decode(x):
+    with torch.no_grad(), gn.parallel_group_norms(vae):
+        return vae.decode(x, return_dict=False)[0]
+
+
+def timed(fn):
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / 3 * 1000)
+    return best
+
+
+@contextlib.contextmanager
+def variant(name):
+    stack = contextlib.ExitStack()
+    if name == "cudnn_benchmark":
+        torch.backends.cudnn.benchmark = True
+        stack.callback(lambda: setattr(torch.backends.cudnn, "benchmark", False))
+    if name == "channels_last":
+        vae.to(memory_format=torch.channels_last)
+        stack.callback(lambda: vae.to(memory_format=torch.contiguous_format))
+    for tag, be in (("sdpa_math", SDPBackend.MATH), ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION),
+                    ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        if name == tag:
+            stack.enter_context(sdpa_kernel([be]))
+    with stack:
+        yield
+
+
+base = decode(z).float()
+for name in ("baseline", "cudnn_benchmark", "channels_last", "sdpa_math", "sdpa_efficient", "sdpa_cudnn",
+             "sdpa_flash", "baseline_again"):
+    try:
+        with variant(name):
+            x = z.contiguous(memory_format=torch.channels_last) if name == "channels_last" else z
+            out = decode(x).float()
+            ms = timed(lambda: decode(x))
+        rec(name, {"ms": round(ms, 2), "max_abs_diff_vs_baseline": (out - base).abs().max().item()})
+    except Exception as exc:
+        rec(name, repr(exc)[:300])
+    torch.cuda.empty_cache()
+
+# the mid-block attention alone, on the hidden state it sees (1, 512, 128, 128)
+attn = vae.decoder.mid_block.attentions[0]
+h = torch.randn(1, 512, 128, 128, device=dev)
+with torch.no_grad():
+    attn(h)
+    rec("mid_attention_ms", round(timed(lambda: attn(h)), 2))
+
+
+def family(k):
+    k = k.lower()
+    for key, fam in (("fmha", "attention"), ("attention", "attention"), ("sdpa", "attention"), ("flash", "attention"),
+                     ("gemm", "gemm/conv"), ("xmma", "gemm/conv"), ("cutlass", "gemm/conv"), ("conv", "gemm/conv"),
+                     ("nchwtonhwc", "layout"), ("nhwctonchw", "layout"), ("batch_norm", "norm"), ("norm", "norm"),
+                     ("var_mean", "norm"), ("welford", "norm"), ("reduce", "norm"), ("upsample", "upsample"),
+                     ("silu", "silu"), ("add", "add"), ("copy", "copy"), ("elementwise", "elementwise")):
+        if key in k:
+            return fam
+    return "other"
+
+
+decode(z)
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    decode(z)
+    torch.cuda.synchronize()
+fams, kernels = {}, {}
+for evt in prof.key_averages():
+    t = getattr(evt, "device_time_total", 0) or 0
+    if t <= 0 or evt.key.startswith("aten::"):
+        continue
+    fams[family(evt.key)] = fams.get(family(evt.key), 0) + t / 1000
+    kernels[evt.key[:110]] = kernels.get(evt.key[:110], 0) + t / 1000
+rec("baseline_ms_by_family", {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])})
+rec("baseline_top_kernels_ms", {k: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:20]})
