@@ -7,8 +7,9 @@ that. Recording the clocks next to the ratio keeps the report honest about where
 
 ``clock_sampler(device)`` yields a dict that, on exit, holds the means (and the SM clock's minimum) of the samples
 taken during the block, or stays empty where there is nothing to sample (no CUDA device, no ``nvidia-smi``, or a
-sampler that produced no line). It only reads (``--query-gpu``); it never changes a clock or a limit. Hand-written
-because the one library that reads these counters (``pynvml``) is not on the device machine; the CLI is.
+sampler that produced no line). It only reads (``--query-gpu``); it never changes a clock or a limit. Why the CLI
+and not ``torch.cuda.clock_rate()`` / ``power_draw()``: those read one instant through ``pynvml``, an optional
+package the pack does not require, while ``nvidia-smi -lms`` ships with the driver and samples the whole block.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ def smi_index(device: torch.device) -> Optional[str]:
 
 @contextlib.contextmanager
 def clock_sampler(device: torch.device, interval_ms: int = INTERVAL_MS) -> Iterator[dict]:
+    """Samples ``device`` every ``interval_ms`` during the block; the yielded dict is filled on exit (see above)."""
     out: dict = {}
     index = smi_index(device)
     smi = shutil.which("nvidia-smi")

@@ -4,7 +4,7 @@ with a one-pass Triton kernel (``a * gelu(g)`` read from the projection once) an
 without it. Usage (device machine, pack importable): python scripts/diag/geglu_probe.py; writes
 $OUT/geglu_probe.json. Session 5 (H100): 43.0 -> 39.5 ms per image-step at one image, 35.9 -> 33.2 at eight.
 """
-import json, os, time, gc
+import json, os, gc
 import torch, triton, triton.language as tl
 from diffusers.models.activations import GEGLU
 from leandiffusion.bench.models import full_unet, unet_inputs
@@ -30,19 +30,7 @@ def fused(self, hidden_states, *args, **kwargs):
     _geglu[(triton.cdiv(total, 2048),)](p, out, total, n, BLOCK=2048, num_warps=8)
     return out
 
-def timed(fn, n=10):
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(n): fn()
-    torch.cuda.synchronize(); return (time.perf_counter() - t0) / n * 1000
-
-def graph_of(fn):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2): fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g): out = fn()
-    return g, out
+from diag_timing import graph_of, timed
 
 unet = full_unet("sdxl", device=dev)
 # kernel vs torch on a real-sized tensor: bitwise?

@@ -1,7 +1,6 @@
 """Session-3 diag: where the stream sampler's reserved VRAM goes under the stream policy (per stage, per pool)."""
-import json, os, sys, time, gc, collections
+import json, os, gc, collections
 import torch
-from pathlib import Path
 from leandiffusion.bench import suite_stream as SS
 from leandiffusion.sampling.stream.scheduler import run_stream
 from leandiffusion.sampling.stream.settings import StreamSettings

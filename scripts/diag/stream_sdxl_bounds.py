@@ -8,25 +8,13 @@ PARTS = sys.argv[1].split(",") if len(sys.argv) > 1 else ["unet", "vae", "conc",
 def rec(k, v):
     res[k] = v; print(k, v, flush=True); json.dump(res, open(f"{OUT}/s4.json", "w"), indent=1)
 
-def timed(fn, n=10):
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(n): fn()
-    torch.cuda.synchronize(); return (time.perf_counter() - t0) / n * 1000
-
-def graph_of(fn, warm=2):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warm): fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g): fn()
-    return g
+from diag_timing import graph_of, timed
 
 unet = full_unet("sdxl", device=dev)
 def unet_graph(B, cl=False):
     inp = unet_inputs("sdxl", 2 * B, 128, device=dev)
     if cl: inp["sample"] = inp["sample"].contiguous(memory_format=torch.channels_last)
-    return graph_of(lambda: unet(**inp, return_dict=False))
+    return graph_of(lambda: unet(**inp, return_dict=False))[0]
 
 if "unet" in PARTS:
     from torch.nn.attention import sdpa_kernel, SDPBackend

@@ -15,11 +15,11 @@ import gc
 import json
 import os
 import sys
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from diag_timing import graph_of, timed
 from leandiffusion.bench.models import full_unet, unet_inputs
 from leandiffusion.vae import group_norm as gn
 
@@ -32,28 +32,6 @@ def rec(k, v):
     res[k] = v
     print(k, v, flush=True)
     json.dump(res, open(f"{OUT}/unet_batching.json", "w"), indent=1)
-
-
-def graph_of(fn, warm=2):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warm):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
-def timed(fn, n):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1000
 
 
 unet = full_unet("sdxl", device=dev)
@@ -129,14 +107,14 @@ for name in VARIANTS:
 def family(kname):
     k = kname.lower()
     for key, fam in (("flash", "attention"), ("fmha", "attention"), ("cudnn_generated_fort_native_sdpa", "attention"),
-                     ("sdpa", "attention"), ("attention", "attention"), ("gemm", "gemm"), ("gemv", "gemm"),
-                     ("sm90_xmma", "gemm/conv"), ("cutlass", "gemm/conv"), ("nhwc", "conv-layout"),
-                     ("nchwtonhwc", "conv-layout"), ("nhwctonchw", "conv-layout"), ("conv", "conv"),
-                     ("implicit", "conv"), ("groupnorm", "group_norm"), ("group_norm", "group_norm"),
-                     ("rowwisemoments", "group_norm"), ("layer_norm", "layer_norm"), ("layernorm", "layer_norm"),
-                     ("batch_norm", "batch_norm"), ("reduce", "reduce"), ("gelu", "elementwise"),
-                     ("silu", "elementwise"), ("elementwise", "elementwise"), ("copy", "copy"),
-                     ("cat", "copy"), ("upsample", "elementwise")):
+                     ("sdpa", "attention"), ("attention", "attention"),
+                     ("fprop", "conv"), ("implicit_gemm", "conv"),  # cuDNN convolutions (names contain "gemm", "nhwc")
+                     ("nchwtonhwc", "conv-layout"), ("nhwctonchw", "conv-layout"),
+                     ("nvjet", "linear"), ("gemm", "linear"), ("gemv", "linear"), ("cutlass", "linear"),  # cuBLAS
+                     ("groupnorm", "group_norm"), ("group_norm", "group_norm"), ("rowwisemoments", "group_norm"),
+                     ("layer_norm", "layer_norm"), ("layernorm", "layer_norm"), ("batch_norm", "batch_norm"),
+                     ("reduce", "reduce"), ("gelu", "elementwise"), ("silu", "elementwise"),
+                     ("elementwise", "elementwise"), ("copy", "copy"), ("cat", "copy"), ("upsample", "elementwise")):
         if key in k:
             return fam
     return "other"

@@ -9,11 +9,11 @@ $GN_THRESHOLDS (default: the module's), three alternating rounds; the max abs di
 import json
 import os
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from diag_timing import timed
 from leandiffusion.bench.models import full_vae
 from leandiffusion.vae import group_norm as gn
 
@@ -30,12 +30,7 @@ def rec(k, v):
 
 def timed_ms(fn, n=5):
     fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1000
+    return timed(fn, n)
 
 
 def kernels(fn):

@@ -10,12 +10,12 @@ mid-block attention's own time. Usage: python scripts/diag/vae_fp32_variants.py;
 import contextlib
 import json
 import os
-import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
+from diag_timing import timed
 from leandiffusion.bench.models import full_vae
 from leandiffusion.vae import group_norm as gn
 
@@ -39,16 +39,9 @@ def decode(x):
         return vae.decode(x, return_dict=False)[0]
 
 
-def timed(fn):
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / 3 * 1000)
-    return best
+def best_of_rounds(fn):
+    """Min over three rounds of three calls (ms per call)."""
+    return min(timed(fn, 3) for _ in range(3))
 
 
 @contextlib.contextmanager
@@ -75,7 +68,7 @@ for name in ("baseline", "cudnn_benchmark", "channels_last", "sdpa_math", "sdpa_
         with variant(name):
             x = z.contiguous(memory_format=torch.channels_last) if name == "channels_last" else z
             out = decode(x).float()
-            ms = timed(lambda: decode(x))
+            ms = best_of_rounds(lambda: decode(x))
         rec(name, {"ms": round(ms, 2), "max_abs_diff_vs_baseline": (out - base).abs().max().item()})
     except Exception as exc:
         rec(name, repr(exc)[:300])
@@ -86,7 +79,7 @@ attn = vae.decoder.mid_block.attentions[0]
 h = torch.randn(1, 512, 128, 128, device=dev)
 with torch.no_grad():
     attn(h)
-    rec("mid_attention_ms", round(timed(lambda: attn(h)), 2))
+    rec("mid_attention_ms", round(best_of_rounds(lambda: attn(h)), 2))
 
 
 def family(k):
