@@ -58,14 +58,29 @@ def allocator_cap(device: torch.device, cap_bytes: int) -> Iterator[bool]:
         torch.cuda.set_per_process_memory_fraction(before, index)
 
 
-def release_library_workspaces(device: torch.device) -> bool:
-    """Give the cuBLAS workspaces of every stream back to the driver (module docstring); True if released."""
+def forget_library_workspaces(device: torch.device) -> bool:
+    """Drop cuBLAS's references to its per-(handle, stream) workspaces (every stream); True if dropped.
+
+    A workspace first used inside a CUDA-graph capture is allocated from that graph's private pool and its address
+    is baked into the graph; cuBLAS keeps handing the same workspace to later work on that stream. So a capture
+    must start with none cached (else it bakes in a workspace that lives in another graph's pool, and replays read
+    freed memory once that graph is dropped: seen on an H100, 2026-11-22, as an illegal memory access), and a
+    dropped graph's pool can only go back to the driver once cuBLAS no longer references it. A workspace dropped
+    here stays reserved while the graph that owns its pool lives; eager work allocates a new one from the
+    ordinary pool. Waits for the device first: no kernel may still be using one."""
     device = torch.device(device)
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if device.type != "cuda" or not torch.cuda.is_available() or clear is None:
         return False
-    torch.cuda.synchronize(device)  # no kernel of this process may still be using a workspace
+    torch.cuda.synchronize(device)
     clear()
+    return True
+
+
+def release_library_workspaces(device: torch.device) -> bool:
+    """Give the cuBLAS workspaces of every stream back to the driver (module docstring); True if released."""
+    if not forget_library_workspaces(device):
+        return False
     bridge.soft_empty_cache()
     return True
 

@@ -19,6 +19,9 @@ Invariants
   policy (on the CPU, bit-identical).
 - Moving weights is a pointer swap to pinned host memory on exit and one flat copy on enter (``memory/hostmem.py``);
   hooks (stream) are named and removed by ``remove()``.
+- Under ``stream`` the budget is a hard limit on every stage of every node: each ``enter`` caps the process's
+  caching allocator at the budget for the stage and, before a text or VAE stage, releases cached CUDA graphs that
+  would leave it no room (``memory/budget.py``); ``exit`` restores the previous cap.
 - ComfyUI cooperation (``bridge``): ComfyUI's models are asked to make room before the placement claims VRAM,
   and the placement registers with ComfyUI's memory manager so ``/free`` (or ComfyUI needing VRAM) calls
   ``release()``; a released placement re-places itself on the next ``enter`` and bumps ``epoch`` (device
@@ -26,6 +29,7 @@ Invariants
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import traceback
 from dataclasses import dataclass, replace
@@ -35,6 +39,7 @@ from typing import Optional
 import torch
 
 from .. import bridge
+from .budget import stage_budget
 from .engine import ModelParts, modules_of_stage
 from .families import family_defaults
 from .hostmem import ModuleSwap
@@ -236,6 +241,7 @@ class ModelPlacement:
         self._live = False
         self._comfy = None
         self._marks: dict[str, int] = {}
+        self._scopes: dict[str, list[contextlib.ExitStack]] = {}  # per stage: the open budget scopes (LIFO)
         self.pool = None  # the engine's BufferPool, released with the placement
         self._setup()
 
@@ -299,18 +305,32 @@ class ModelPlacement:
     def enter(self, engine, stage: str) -> None:
         if not self._live:
             self._setup()
-        for swap in self._swaps.get(stage, []):
-            swap.onload()
+        scope = contextlib.ExitStack()
+        try:
+            scope.enter_context(stage_budget(self, stage))  # a hard budget holds for the whole stage (budget.py)
+            for swap in self._swaps.get(stage, []):
+                swap.onload()
+        except BaseException:
+            for swap in self._swaps.get(stage, []):
+                swap.offload()
+            scope.close()
+            raise
+        self._scopes.setdefault(stage, []).append(scope)
         if self.device.type == "cuda":
             self._marks[stage] = torch.cuda.max_memory_reserved(self.device)
 
     def exit(self, engine, stage: str) -> None:
-        for swap in self._swaps.get(stage, []):
-            swap.offload()
-        if self.device.type == "cuda" and stage in self._marks:
-            before = self._marks.pop(stage)
-            after = torch.cuda.max_memory_reserved(self.device)
-            self.measured[stage] = (after, True) if after > before else (before, False)
+        try:
+            for swap in self._swaps.get(stage, []):
+                swap.offload()
+            if self.device.type == "cuda" and stage in self._marks:
+                before = self._marks.pop(stage)
+                after = torch.cuda.max_memory_reserved(self.device)
+                self.measured[stage] = (after, True) if after > before else (before, False)
+        finally:
+            scopes = self._scopes.get(stage)
+            if scopes:
+                scopes.pop().close()
 
     def stage_device(self, engine, stage: str) -> torch.device:
         if stage == "text" and self.plan.text_mode == "cpu":

@@ -13,7 +13,8 @@ Invariants
 - Capture happens inside ``engine.session("unet")`` after a warm-up on a side stream (cuBLAS/cuDNN/Triton/
   inductor initialisation must not happen during capture). Graphs are cached per ``ModelParts`` (weakly: a
   collected model drops its graphs), at most ``LEANDIFFUSION_MAX_GRAPHS`` (default 2) per model, least recently
-  used evicted. A failed capture leaves nothing cached.
+  used evicted. A failed capture leaves nothing cached. Under a hard VRAM budget a text or VAE stage may drop a
+  model's graphs to make room (``memory/budget.py``); the next run captures again.
 
 The capture mechanism is a small backend (``CudaGraphBackend``) so the key/cache logic is testable on the CPU with
 a stand-in backend; torch's ``torch.cuda.CUDAGraph`` does the real work.
@@ -30,6 +31,8 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
+from ..memory.budget import register_device_cache
+from ..memory.cap import forget_library_workspaces
 from ..memory.engine import LeanEngine
 from .program import StepProgram
 from .shared_streams import shared_stream
@@ -54,6 +57,7 @@ class CudaGraphBackend:
             for _ in range(self.warmup):
                 fn()
         torch.cuda.current_stream(device).wait_stream(side)
+        forget_library_workspaces(device)  # this graph's cuBLAS workspace must come from its own pool (memory/cap.py)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA work of other threads (ComfyUI's previews, say) must not invalidate the capture
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -86,6 +90,7 @@ class CapturedStep:
     replay: Callable[[], None]
     adapters: tuple = ()  # keeps id()-keyed adapters alive while their graph is cached
     replays: int = 0
+    device: Optional[torch.device] = None
 
 
 @dataclass(eq=False)
@@ -105,6 +110,7 @@ class GraphRunner:
             raise ValueError(f"max_graphs={max_graphs}: expected >= 1 (set {ENV_MAX_GRAPHS} to a positive int)")
         self.max_graphs = max_graphs
         self._cache: "weakref.WeakKeyDictionary[Any, _PartsCache]" = weakref.WeakKeyDictionary()
+        register_device_cache(self)  # a budgeted stage may need the graphs' pools back (memory/budget.py)
 
     def captures(self, engine: LeanEngine) -> int:
         """How many captures this runner has made for the engine's model (tests use it)."""
@@ -118,9 +124,24 @@ class GraphRunner:
     def clear(self, engine: Optional[LeanEngine] = None) -> None:
         """Drop cached graphs (of one model, or all): frees their static buffers and graph memory pools."""
         if engine is None:
+            dropped = [entry for entry in self._cache.values() if entry.graphs]
             self._cache = weakref.WeakKeyDictionary()
         else:
-            self._cache.pop(engine.parts, None)
+            dropped = [self._cache.pop(engine.parts, None)]
+        self._after_drop(dropped)
+
+    def _after_drop(self, dropped: list) -> None:
+        """Let the dropped graphs' pools go: cuBLAS may still reference a workspace in the last one captured."""
+        devices = {e.device for entry in dropped if entry is not None for e in entry.graphs.values()}
+        for entry in dropped:
+            if entry is not None:
+                entry.graphs.clear()
+        for device in devices:
+            forget_library_workspaces(device)
+
+    def release_device_memory(self, parts: Any) -> None:
+        """Drop the graphs cached for the model ``parts`` (``memory.budget``'s device-cache protocol)."""
+        self._after_drop([self._cache.pop(parts, None)])
 
     def step_for(self, engine: LeanEngine, key: Hashable, build: Callable[[], StepProgram],
                  prepare: Callable[[StepProgram], None], compiled: bool = False) -> CapturedStep:
@@ -152,7 +173,7 @@ class GraphRunner:
             logger.info("CUDA-graph capture of the UNet step took %.2f s", elapsed)
         prepare(program)
         id_keyed = tuple(a for a in engine.adapters if getattr(a, "graph_key", None) is None)
-        captured = CapturedStep(program, replay, id_keyed)
+        captured = CapturedStep(program, replay, id_keyed, device=torch.device(engine.device))
         entry.graphs[full_key] = captured
         entry.captures += 1
         return captured

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import bridge
+from ..memory.budget import budgeted_plan, ensure_room
 from ..memory.engine import LeanEngine
 from . import ddim
 from .cfg import Conditioning, encode_conditioning, unet_calls
@@ -187,7 +188,8 @@ def prepare_steps(engine: LeanEngine, conditioning: Conditioning, x_init: torch.
     """Build (or fetch the cached, captured) step program for this run; call inside ``session("unet")``.
 
     Every sampler goes through here, so equal shapes share one cached CUDA graph. A capture that runs out of GPU
-    memory drops this model's cached graphs and falls back to eager steps.
+    memory drops this model's cached graphs and, if there were others, tries once more (their pools may be what it
+    lacked: under a hard VRAM budget they count against it); failing that it falls back to eager steps.
     """
     device = engine.device
     calls, copies = unet_calls(conditioning, cfg_mode)
@@ -209,6 +211,9 @@ def prepare_steps(engine: LeanEngine, conditioning: Conditioning, x_init: torch.
         program.set_step(t_table[0], table[0], torch.zeros(shape) if has_noise else None)
 
     mode = resolve_acceleration(engine, acceleration, runner)
+    plan = budgeted_plan(engine)
+    if mode == Acceleration.NONE.value and plan is not None:  # cached graphs of other runs must not crowd it out
+        ensure_room(engine, plan.unet_activation_bytes, "eager UNet run")
     program = None
     advance = None
     unet_fn = eager_unet_fn(engine)
@@ -217,13 +222,23 @@ def prepare_steps(engine: LeanEngine, conditioning: Conditioning, x_init: torch.
         compiled = mode == Acceleration.COMPILE.value
         graph_fn = compiled_unet_fn(engine) if compiled else unet_fn
         key = program_key(shape, model_dtype, copies, conditioning, has_noise, schedule.prediction_type, calls)
-        try:
-            captured = runner.step_for(engine, key, lambda: build(graph_fn), prepare, compiled=compiled)
+        captured, error = None, None
+        for attempt in range(2):
+            had_others = bool(runner.cached_keys(engine))
+            try:
+                captured = runner.step_for(engine, key, lambda: build(graph_fn), prepare, compiled=compiled)
+            except torch.cuda.OutOfMemoryError as exc:
+                error = str(exc)
+            if captured is not None:
+                break
+            runner.clear(engine)  # outside the except block: the failed capture's tensors are released
+            if not had_others:  # nothing else was holding memory: a second try would fail the same way
+                break
+        if captured is not None:
             program, advance, unet_fn = captured.program, captured.replay, graph_fn
-        except torch.cuda.OutOfMemoryError as exc:
-            runner.clear(engine)
+        else:
             logger.warning("capturing the %s step (batch %d) ran out of GPU memory (%s); dropped this model's "
-                           "cached graphs and running eagerly", mode, shape[0], exc)
+                           "cached graphs and running eagerly", mode, shape[0], error)
     if program is None:
         program = build(unet_fn)
         prepare(program)

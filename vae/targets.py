@@ -2,7 +2,8 @@
 
 Invariant: a ``VaeTarget`` names the autoencoder module (diffusers or LDM ``AutoencoderKL``), the device and dtype
 its weights run in (the loader's ``vae_dtype`` for an engine, ``VAE.vae_dtype`` for ComfyUI), how to enter the
-stage (``engine.session("vae")``, ComfyUI's model loader) and the activation budget the caller allows. It never
+stage (``engine.session("vae")``, ComfyUI's model loader) and, for an engine under the loader's hard budget
+(``memory.budget``), how much working memory that budget leaves (``room``). It never
 changes the module; the session (engine) or ComfyUI's patcher places the weights.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import bridge
+from ..memory.budget import budgeted_plan, room_bytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -22,7 +24,8 @@ class VaeTarget:
     device: torch.device
     dtype: torch.dtype
     enter: Callable[[], Any] = field(default=contextlib.nullcontext)  # context manager factory
-    budget_bytes: Optional[int] = None  # the loader's VRAM budget, if any
+    # what the loader's hard VRAM budget leaves now for the call's working memory (bytes; None: no budget)
+    room: Optional[Callable[[], Optional[int]]] = None
     pool: Any = None
     latent_channels: Optional[int] = None
 
@@ -47,21 +50,12 @@ class VaeTarget:
         return enc
 
 
-def _engine_budget(engine) -> Optional[int]:
-    for holder in (engine.placement, engine):
-        for name in ("budget_bytes", "vram_budget_bytes"):
-            value = getattr(holder, name, None)
-            if value:
-                return int(value)
-    gb = (engine.extras or {}).get("vram_budget_gb")
-    return int(float(gb) * 2**30) if gb else None
-
-
 def from_engine(engine) -> VaeTarget:
     """The engine's VAE, run inside ``engine.session("vae")`` on the stage device in ``engine.vae_dtype``."""
     vae = engine.parts.vae
+    room = (lambda: room_bytes(engine)) if budgeted_plan(engine) is not None else None
     return VaeTarget(vae, engine.stage_device("vae"), engine.vae_dtype, lambda: engine.session("vae"),
-                     _engine_budget(engine), engine.pool, int(vae.config.latent_channels))
+                     room, engine.pool, int(vae.config.latent_channels))
 
 
 def from_comfy(vae) -> VaeTarget:

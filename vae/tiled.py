@@ -7,7 +7,8 @@ Invariants
   ``[B, C, H/8, W/8]`` float32 on the CPU, in the raw latent space.
 - ``exact``: tiled == untiled up to floating-point error (``exact.py``). ``blend``: linear cross-fade of
   overlapping tiles (``blend.py``).
-- Memory: tiles are bounded by ``tile_size`` (image pixels; 0 = auto from the free VRAM and the loader's budget).
+- Memory: tiles are bounded by ``tile_size`` (image pixels; 0 = auto from the free VRAM and, under the loader's
+  hard budget, from what the budget leaves: ``activation_budget``).
   On out-of-memory the tile (and the activation budget) is halved and the sample retried, down to 128 px; below
   that a ``torch.OutOfMemoryError`` says what was tried. Nothing stays allocated after a failure.
 - The module is never changed; weights are placed by the caller's session (engine) or ComfyUI's loader.
@@ -37,6 +38,14 @@ _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 # Device bytes per output pixel of an untiled SD-VAE decode, per byte of dtype (ComfyUI's estimate: 2178 * 64 / 64).
 _BLEND_BYTES_PER_PX = 2200
 _CPU_BUDGET = 4 * 2**30
+MIN_ACTIVATION_BYTES = 64 * 2**20
+# Device memory an exact tiled decode takes per byte of its activation budget. Measured (SDXL VAE in fp32,
+# 1024 px, 2026-11-22): on an H200 a 0.59 GiB budget peaked at 0.68 GiB allocated and 1.25 GiB reserved; on an
+# H100 a 0.27 GiB budget at 0.38 GiB allocated and 0.85 GiB reserved (the bands' and convolutions' buffers differ
+# in size, so freed blocks are not always reusable). Under a hard budget the allocator cap (``memory.cap``) returns such cached
+# blocks to the driver before the process would hold more than the budget, so this factor has to cover what is
+# allocated (about 1.4x the estimate) with room for the blocks that stay split.
+DECODE_RESERVED_FACTOR = 2.2
 
 
 def validate_tiling(tile_size: int, overlap: int, seam_mode: str) -> None:
@@ -55,7 +64,9 @@ def validate_tiling(tile_size: int, overlap: int, seam_mode: str) -> None:
 
 
 def activation_budget(target: VaeTarget, budget_bytes: Optional[int] = None) -> int:
-    """Device bytes the tiled run may use for activations: the caller's value, else free VRAM (and loader budget)."""
+    """Device bytes the tiled run may use for activations: the caller's value, else 80% of the free VRAM, and under
+    the loader's hard budget at most what the budget leaves now (``target.room``) over ``DECODE_RESERVED_FACTOR``
+    (at least ``MIN_ACTIVATION_BYTES``). Call inside the target's stage (its weights placed)."""
     if budget_bytes is not None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes={budget_bytes}: expected a positive number of bytes")
@@ -66,9 +77,9 @@ def activation_budget(target: VaeTarget, budget_bytes: Optional[int] = None) -> 
     free, _ = torch.cuda.mem_get_info(dev)
     cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     budget = int(0.8 * (free + cached))
-    if target.budget_bytes:
-        weights = sum(p.numel() * p.element_size() for p in target.ae.parameters() if p.device.type == "cuda")
-        budget = min(budget, max(target.budget_bytes - weights, 256 * 2**20))
+    room = target.room() if target.room is not None else None
+    if room is not None:
+        budget = min(budget, max(int(room / DECODE_RESERVED_FACTOR), MIN_ACTIVATION_BYTES))
     return budget
 
 
@@ -96,7 +107,7 @@ def _run_with_retry(run, tile: int, budget: int, device: torch.device, what: str
             raise _OOM(f"{what}: out of memory even with {MIN_TILE} px tiles (tried {tried} px, activation budget "
                        f"down to {budget / 2**30:.2f} GiB); free VRAM (unload models) or decode on a larger GPU. "
                        f"Last error: {error}")
-        tile, budget = max(MIN_TILE, tile // 2), max(budget // 2, 64 * 2**20)
+        tile, budget = max(MIN_TILE, tile // 2), max(budget // 2, MIN_ACTIVATION_BYTES)
         logger.warning("%s: out of memory; retrying with %d px tiles", what, tile)
 
 

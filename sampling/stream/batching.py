@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from ...memory.budget import budgeted_plan
 from ...memory.engine import LeanEngine
 from ...memory.plan import WORKSPACE_CUDA, activation_bytes
 from ...memory.policies import HEADROOM
@@ -78,14 +79,6 @@ def budget_left_bytes(plan) -> int:
     headroom (``policies.HEADROOM``). The loader sizes the resident weights so that one image's guided step
     (activations + workspace) fits in it; more images per batch fit only where the loader streamed everything."""
     return plan.budget_bytes - unet_resident_bytes(plan) - int(HEADROOM * plan.budget_bytes)
-
-
-def budgeted_plan(engine: LeanEngine):
-    """The loader's memory plan when it sets a hard VRAM budget (policy ``stream``), else ``None``."""
-    plan = getattr(engine.placement, "plan", None)
-    if plan is None or getattr(plan, "policy", "") != "stream" or not getattr(plan, "budget_bytes", None):
-        return None
-    return plan
 
 
 def unet_resident_bytes(plan) -> int:

@@ -46,7 +46,8 @@ from typing import Any, Optional
 import torch
 
 from ... import bridge
-from ...memory.cap import allocator_cap, device_storage_bytes, release_library_workspaces
+from ...memory.budget import run_cap_bytes
+from ...memory.cap import allocator_cap, release_library_workspaces
 from ...memory.engine import LeanEngine
 from .. import ddim
 from ..graph_runner import GraphRunner, default_runner
@@ -57,6 +58,7 @@ from .conditioning import conditioning_rows, read_conditioning_inputs
 from .decode import DecodeStage, needs_tiles, untiled_decode_bytes
 from ..loop import upload
 from .denoise import denoise_batch
+from ...vae.tiled import DECODE_RESERVED_FACTOR
 from .settings import ImageJob, StreamSettings
 from .streams import StageStreams, Timeline
 from .text import TextStage
@@ -93,13 +95,6 @@ class _Progress:
             self.shown = units
 
 
-# Device memory an exact tiled decode takes per byte of its activation budget. Measured (SDXL VAE in fp32,
-# 1024 px, 2026-11-22): on an H200 a 0.59 GiB budget peaked at 0.68 GiB allocated and 1.25 GiB reserved; on an
-# H100 a 0.27 GiB budget at 0.38 GiB allocated and 0.85 GiB reserved (the bands' and convolutions' buffers differ
-# in size, so freed blocks are not always reusable). The run's allocator cap (``memory.cap``) returns such cached
-# blocks to the driver before the process would hold more than the budget, so this factor has to cover what is
-# allocated (about 1.4x the estimate) with room for the blocks that stay split.
-DECODE_RESERVED_FACTOR = 2.2
 
 
 def decode_budget(engine: LeanEngine) -> int:
@@ -151,27 +146,6 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     release_library_workspaces(engine.device)  # earlier runs' cuBLAS workspaces are not this run's to hold
     with allocator_cap(engine.device, run_cap_bytes(engine)):
         return _run(*args)
-
-
-# Allocated memory outside the engine that still counts against its budget: small buffers and library workspaces
-# (the run first releases cuBLAS's; measured before that: 0.1-0.43 GiB after earlier runs, H100, 2026-11-22).
-SMALL_OTHERS_BYTES = 256 * 2 ** 20
-
-
-def run_cap_bytes(engine: LeanEngine) -> int:
-    """The allocator cap of a run (``memory.cap``): under a budgeted plan the budget plus what the process already
-    held outside this engine when the run began (other models, ComfyUI's own tensors: allocated memory minus the
-    storages of the engine's modules and staging arena on the device) beyond ``SMALL_OTHERS_BYTES``, so the
-    engine's run stays within the budget; without a budget the whole device."""
-    plan = budgeted_plan(engine)
-    if plan is None or engine.device.type != "cuda":
-        return 1 << 62
-    p = engine.parts
-    streamer = getattr(engine.placement, "streamer", None)
-    ours = device_storage_bytes((p.unet, p.vae, p.text_encoder, getattr(p, "text_encoder_2", None)),
-                                (getattr(streamer, "arena", None), getattr(streamer, "resident", None)), engine.device)
-    others = max(0, torch.cuda.memory_allocated(engine.device) - ours - SMALL_OTHERS_BYTES)
-    return plan.budget_bytes + others
 
 
 def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, runner: Optional[GraphRunner],

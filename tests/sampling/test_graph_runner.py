@@ -98,6 +98,56 @@ def test_adapter_structure_recaptures_strength_does_not(engine):
     assert runner.captures(engine) == 3
 
 
+class ShortOfMemoryBackend(StandInBackend):
+    """Runs out of memory when capturing while another graph of the model is cached (a budget full of its pool)."""
+
+    def __init__(self):
+        self.runner, self.refused = None, 0
+
+    def capture(self, fn, device):
+        if any(entry.graphs for entry in self.runner._cache.values()):
+            self.refused += 1
+            raise torch.cuda.OutOfMemoryError("stand-in: the cached graph's pool fills the budget")
+        return super().capture(fn, device)
+
+
+def test_capture_short_of_memory_drops_the_other_graphs_and_captures_again(engine):
+    backend = ShortOfMemoryBackend()
+    runner = backend.runner = GraphRunner(backend, max_graphs=2)
+    run = lambda **kw: sample(engine, _settings(**kw), runner=runner, quiet=True)["samples"]  # noqa: E731
+    run()
+    assert torch.equal(run(width=72), _eager(engine, width=72))
+    assert backend.refused == 1
+    assert len(runner.cached_keys(engine)) == 1  # the new shape's graph, captured on the second try
+    assert runner.captures(engine) == 1  # (counted since the model's graphs were dropped)
+    run(width=72)
+    assert runner.captures(engine) == 1 and backend.refused == 1  # replayed
+
+
+def test_capture_short_of_memory_alone_runs_eagerly(engine, caplog):
+    class Never(StandInBackend):
+        def capture(self, fn, device):
+            raise torch.cuda.OutOfMemoryError("stand-in: no memory")
+
+    runner = GraphRunner(Never())
+    with caplog.at_level(logging.WARNING, logger="leandiffusion.sampling.loop"):
+        out = sample(engine, _settings(), runner=runner, quiet=True)["samples"]
+    assert torch.equal(out, _eager(engine))
+    assert runner.cached_keys(engine) == [] and "running eagerly" in caplog.text
+
+
+def test_budget_release_drops_this_models_graphs_only(engine):
+    """``memory.budget`` asks every runner to drop a model's graphs when a budgeted stage needs their pools."""
+    from leandiffusion.memory.budget import release_device_caches
+
+    other = tiny_engine("sd1", seed=1)
+    runner = GraphRunner(StandInBackend())
+    sample(engine, _settings(), runner=runner, quiet=True)
+    sample(other, _settings(), runner=runner, quiet=True)
+    release_device_caches(engine.parts)
+    assert runner.cached_keys(engine) == [] and len(runner.cached_keys(other)) == 1
+
+
 def test_weights_fingerprint_tracks_moved_weights():
     unet = tiny_engine("sd1").parts.unet
     before = weights_fingerprint(unet)
@@ -228,6 +278,24 @@ def test_gpu_interrupt_leaves_graph_usable(gpu_engines):
     out = sample(eng, _settings(steps=6), runner=runner, quiet=True)["samples"]
     assert runner.captures(eng) == 1
     assert _rel(out, _eager(eng, steps=6)) <= 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_graph_outlives_an_evicted_graph_and_released_workspaces(gpu_engines):
+    """A graph captured after another was evicted must not bake in a cuBLAS workspace from the evicted graph's
+    pool: once cuBLAS's workspaces and the cache are released (a budgeted Stream Scheduler run starts so), its
+    replays would read freed memory (an illegal memory access on an H100, 2026-11-22, full-size SDXL)."""
+    from leandiffusion.memory.cap import release_library_workspaces
+
+    engine = gpu_engines["sdxl"]
+    runner = GraphRunner(max_graphs=1)
+    run = lambda **kw: sample(engine, _settings(**kw), runner=runner, quiet=True)["samples"]  # noqa: E731
+    run(width=64)
+    want = run(width=72)  # evicts the first graph
+    release_library_workspaces(engine.device)
+    got = run(width=72)  # replays the second
+    torch.cuda.synchronize()
+    assert runner.captures(engine) == 2 and torch.equal(got, want)
 
 
 def test_compile_presets_name_real_inductor_options(monkeypatch):

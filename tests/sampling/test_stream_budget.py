@@ -140,21 +140,3 @@ def test_budgeted_batch_counts_headroom_and_workspace(monkeypatch):
     assert batching.available_bytes(engine) == per_image
     assert batching.auto_batch(8, per_image, batching.available_bytes(engine), 0, 8) == 1
 
-
-def test_run_cap_is_the_budget_plus_what_others_hold(budgeted, monkeypatch):
-    from types import SimpleNamespace
-
-    from leandiffusion.sampling.stream import scheduler
-
-    plan = budgeted_plan(budgeted)
-    assert scheduler.run_cap_bytes(budgeted) == 1 << 62  # CPU: no cap
-    assert scheduler.run_cap_bytes(tiny_engine("sd1")) == 1 << 62  # no budget: no cap
-    on_gpu = SimpleNamespace(device=torch.device("cuda", 0), placement=budgeted.placement, parts=budgeted.parts)
-    small = scheduler.SMALL_OTHERS_BYTES
-    monkeypatch.setattr(scheduler, "device_storage_bytes", lambda modules, tensors, device: 700 * MiB)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 700 * MiB + small + 5 * MiB)
-    assert scheduler.run_cap_bytes(on_gpu) == plan.budget_bytes + 5 * MiB  # another model's 5 MiB beyond the slack
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 700 * MiB + small // 2)
-    assert scheduler.run_cap_bytes(on_gpu) == plan.budget_bytes  # workspaces and small buffers count as the run's
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 600 * MiB)
-    assert scheduler.run_cap_bytes(on_gpu) == plan.budget_bytes

@@ -166,3 +166,31 @@ def test_group_stats_rejects_empty_and_batches():
         GroupStats(4).variance()
     with pytest.raises(ValueError, match="one image"):
         GroupStats(4).add(torch.zeros(2, 8, 2, 2))
+
+
+def test_an_engine_under_a_hard_budget_gives_the_vae_its_room():
+    from leandiffusion.memory.load import build_engine
+    from leandiffusion.tests.kit import tiny_parts
+    from leandiffusion.vae.targets import from_engine
+
+    budgeted = build_engine(tiny_parts("sd1"), "stream", 1.0, device="cpu", weight_dtype="fp32", vae_dtype="fp32")
+    assert from_engine(budgeted).room is not None
+    assert from_engine(budgeted).room() is None  # on the CPU nothing is capped
+    assert from_engine(tiny_engine("sd1")).room is None
+
+
+@pytest.mark.parametrize("room, expected", [
+    (2200 * 2**20, 1000 * 2**20),  # what the budget leaves, over the reserved/estimate factor
+    (-5, tiled.MIN_ACTIVATION_BYTES),  # the process already holds more: the floor, retries halve from there
+    (None, int(0.8 * 70 * 2**30)),  # no budget on this device: 80% of the free VRAM
+])
+def test_activation_budget_follows_the_budgets_room(monkeypatch, room, expected):
+    from leandiffusion.vae.targets import VaeTarget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    target = VaeTarget(torch.nn.Conv2d(1, 1, 1), torch.device("cuda", 0), torch.float32, room=lambda: room)
+    assert tiled.DECODE_RESERVED_FACTOR == 2.2
+    assert abs(tiled.activation_budget(target) - expected) <= 1  # (float division)
+    assert tiled.activation_budget(target, budget_bytes=123) == 123  # the caller's value wins

@@ -1,0 +1,250 @@
+"""``memory.budget``: under the ``stream`` policy the budget caps every stage of every node, and a text or VAE stage
+releases cached CUDA graphs that would leave it no room.
+
+On the CPU nothing is capped (checked on real engines). The CUDA paths run against stand-ins for CUDA's memory
+counters (``fake_cuda``: allocated / reserved bytes the test sets, ``empty_cache`` returning the cached blocks)
+and a recording ``allocator_cap``, so the arithmetic and the order of events are checked without a GPU; the GPU
+test ``tests/memory/test_gpu_budget.py`` measures the real peaks.
+"""
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from leandiffusion.memory import budget, policies
+from leandiffusion.memory.hostmem import ModuleSwap
+from leandiffusion.memory.load import build_engine
+from leandiffusion.memory.policies import HEADROOM
+from leandiffusion.tests.kit import tiny_engine, tiny_parts
+
+MiB, GiB = 2 ** 20, 2 ** 30
+
+
+@pytest.fixture(scope="module")
+def budgeted():
+    return build_engine(tiny_parts("sd1"), "stream", 1.0, device="cpu", weight_dtype="fp32", vae_dtype="fp32")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CUDA's memory counters as numbers: ``ours`` (the engine's storages), ``allocated``, ``reserved`` and
+    ``cached`` (free cached blocks, part of ``reserved``, returned by ``empty_cache``); caps are recorded."""
+    state = SimpleNamespace(ours=0, allocated=0, reserved=0, cached=0, caps=[])
+
+    def empty_cache():
+        state.reserved -= state.cached
+        state.cached = 0
+
+    @contextlib.contextmanager
+    def recording_cap(device, cap_bytes):
+        state.caps.append(("open", cap_bytes))
+        try:
+            yield True
+        finally:
+            state.caps.append(("close", cap_bytes))
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state.allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state.reserved)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(budget, "allocator_cap", recording_cap)
+    monkeypatch.setattr(budget, "engine_device_bytes", lambda placement, device: state.ours)
+    return state
+
+
+class Parts:
+    """Stands in for a model's ``ModelParts`` (the registry keys on it)."""
+    name = "stand-in"
+
+
+def _placement(budget_bytes=2 * GiB, vae_mode="while used", vae_bytes=300 * MiB, text_mode="cpu",
+               text_bytes=500 * MiB):
+    plan = SimpleNamespace(policy="stream", budget_bytes=budget_bytes, vae_mode=vae_mode, vae_bytes=vae_bytes,
+                           text_mode=text_mode, text_bytes=text_bytes)
+    return SimpleNamespace(plan=plan, device=torch.device("cuda", 0), parts=Parts(), streamer=None)
+
+
+class GraphCache:
+    """A registered device cache holding ``nbytes`` of graph pools for one model until released."""
+
+    def __init__(self, state, parts, nbytes):
+        self.state, self.parts, self.nbytes, self.released = state, parts, nbytes, []
+        state.reserved += nbytes
+        budget.register_device_cache(self)
+
+    def release_device_memory(self, parts):
+        self.released.append(parts)
+        if parts is self.parts and self.nbytes:
+            self.state.reserved -= self.nbytes
+            self.nbytes = 0
+
+
+# --------------------------------------------------------------------------------------------- no budget
+def test_cpu_and_unbudgeted_engines_are_not_capped(budgeted):
+    assert budget.budgeted_plan(budgeted) is not None
+    assert budget.budgeted_plan(tiny_engine("sd1")) is None
+    assert budget.budgeted_plan(build_engine(tiny_parts("sd1"), "balanced", 1.0, device="cpu")) is None
+    for engine in (budgeted, tiny_engine("sd1")):
+        assert budget.run_cap_bytes(engine) == budget.NO_CAP
+        assert budget.room_bytes(engine) is None
+        with budget.stage_budget(engine.placement, "vae") as cap:
+            assert cap == budget.NO_CAP
+
+
+def test_a_balanced_plan_on_cuda_is_not_capped(fake_cuda):
+    placement = _placement()
+    placement.plan.policy = "balanced"
+    with budget.stage_budget(placement, "vae") as cap:
+        assert cap == budget.NO_CAP
+    assert fake_cuda.caps == []
+
+
+# --------------------------------------------------------------------------------------------- the cap
+def test_cap_is_the_budget_plus_what_others_hold(fake_cuda):
+    placement = _placement()
+    small = budget.SMALL_OTHERS_BYTES
+    fake_cuda.ours = 700 * MiB
+    fake_cuda.allocated = 700 * MiB + small + 5 * MiB
+    assert budget.cap_bytes(placement) == 2 * GiB + 5 * MiB  # another model's 5 MiB beyond the slack
+    fake_cuda.allocated = 700 * MiB + small // 2
+    assert budget.cap_bytes(placement) == 2 * GiB  # workspaces and small buffers count as the engine's
+    fake_cuda.allocated = 600 * MiB
+    assert budget.cap_bytes(placement) == 2 * GiB
+    engine = SimpleNamespace(device=torch.device("cuda", 0), placement=placement)
+    assert budget.run_cap_bytes(engine) == 2 * GiB
+
+
+def test_every_stage_runs_under_the_cap_and_restores_it(fake_cuda):
+    placement = _placement()
+    for stage in ("text", "unet", "vae"):
+        fake_cuda.caps.clear()
+        with budget.stage_budget(placement, stage) as cap:
+            assert cap == 2 * GiB and fake_cuda.caps == [("open", 2 * GiB)]
+        assert fake_cuda.caps == [("open", 2 * GiB), ("close", 2 * GiB)]
+
+
+def test_room_is_the_cap_less_headroom_less_what_stays_reserved(fake_cuda):
+    placement = _placement()
+    engine = SimpleNamespace(device=torch.device("cuda", 0), placement=placement)
+    fake_cuda.reserved, fake_cuda.cached = 1500 * MiB, 400 * MiB  # 400 MiB of it is cached, free blocks
+    assert budget.room_bytes(engine) == 2 * GiB - int(HEADROOM * 2 * GiB) - 1100 * MiB
+    assert budget.room_bytes(engine, cap=1 * GiB) == 1 * GiB - int(HEADROOM * 2 * GiB) - 1100 * MiB
+
+
+# --------------------------------------------------------------------------------------------- making room
+def test_vae_stage_releases_cached_graphs_when_their_pools_leave_no_room(fake_cuda):
+    """2 GiB budget: 1.0 GiB of weights + a 0.6 GiB graph pool; the VAE needs 300 MiB + the 512 MiB floor."""
+    placement = _placement()
+    fake_cuda.reserved = 1 * GiB
+    graphs = GraphCache(fake_cuda, placement.parts, 600 * MiB)
+    other_model = GraphCache(fake_cuda, Parts(), 100 * MiB)
+    with budget.stage_budget(placement, "vae"):
+        assert graphs.released == [placement.parts] and graphs.nbytes == 0
+        assert other_model.nbytes == 100 * MiB  # another model's graphs are not this engine's to drop
+    assert fake_cuda.reserved == 1 * GiB + 100 * MiB
+
+
+@pytest.mark.parametrize("stage, budget_bytes", [
+    ("vae", 4 * GiB),  # the VAE finds room beside them
+    ("unet", 1 * GiB),  # short of room, but the UNet stage replays them
+])
+def test_stage_keeps_cached_graphs(fake_cuda, stage, budget_bytes):
+    placement = _placement(budget_bytes=budget_bytes)
+    fake_cuda.reserved = 1 * GiB
+    graphs = GraphCache(fake_cuda, placement.parts, 600 * MiB)
+    with budget.stage_budget(placement, stage):
+        pass
+    assert graphs.released == [] and graphs.nbytes == 600 * MiB
+
+
+def test_the_boundary_counts_weights_floor_and_headroom(fake_cuda):
+    placement = _placement()
+    limit = 2 * GiB - int(HEADROOM * 2 * GiB)
+    need = 300 * MiB + budget.STAGE_FLOOR_BYTES["vae"]
+    fake_cuda.reserved = limit - need  # exactly fits: kept
+    assert budget.make_room(placement, "vae", 2 * GiB) is False
+    fake_cuda.reserved += 1  # one byte over: released
+    assert budget.make_room(placement, "vae", 2 * GiB) is True
+
+
+def test_text_stage_counts_its_weights_only_when_they_come_to_the_device(fake_cuda):
+    on_cpu, on_device = _placement(text_mode="cpu"), _placement(text_mode="while used")
+    fake_cuda.reserved = 2 * GiB - int(HEADROOM * 2 * GiB) - budget.STAGE_FLOOR_BYTES["text"] - 100 * MiB
+    assert budget.make_room(on_cpu, "text", 2 * GiB) is False
+    assert budget.make_room(on_device, "text", 2 * GiB) is True  # its 500 MiB of weights do not fit
+
+
+# --------------------------------------------------------------------------------------------- the placement
+def _record_stage_budgets(monkeypatch) -> list:
+    """Replace the placement's ``stage_budget`` by one that records each open and close."""
+    events = []
+
+    @contextlib.contextmanager
+    def recording(placement, stage):
+        events.append(("open", stage))
+        try:
+            yield budget.NO_CAP
+        finally:
+            events.append(("close", stage))
+
+    monkeypatch.setattr(policies, "stage_budget", recording)
+    return events
+
+
+def test_sessions_open_and_close_the_stage_budget(budgeted, monkeypatch):
+    events = _record_stage_budgets(monkeypatch)
+    with budgeted.session("vae"):
+        with budgeted.session("vae"):
+            assert events == [("open", "vae"), ("open", "vae")]
+        assert events[-1] == ("close", "vae")
+    assert events == [("open", "vae"), ("open", "vae"), ("close", "vae"), ("close", "vae")]
+
+    events.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        with budgeted.session("unet"):
+            raise RuntimeError("boom")
+    assert events == [("open", "unet"), ("close", "unet")]
+
+
+def test_a_failed_onload_closes_the_stage_budget(budgeted, monkeypatch):
+    events = _record_stage_budgets(monkeypatch)
+
+    def failing_onload(self):
+        raise RuntimeError("onload failed")
+
+    monkeypatch.setattr(ModuleSwap, "onload", failing_onload)
+    assert budgeted.placement._swaps.get("vae"), "the stream policy keeps the VAE on the device only while used"
+    with pytest.raises(RuntimeError, match="onload failed"):
+        with budgeted.session("vae"):
+            pass
+    assert events == [("open", "vae"), ("close", "vae")]
+    assert not budgeted.placement._scopes.get("vae")
+
+
+def test_an_eager_unet_run_releases_graphs_that_crowd_out_its_activations(fake_cuda):
+    placement = _placement(budget_bytes=1536 * MiB)
+    engine = SimpleNamespace(device=torch.device("cuda", 0), placement=placement)
+    fake_cuda.reserved = 560 * MiB  # resident weights
+    graphs = GraphCache(fake_cuda, placement.parts, 600 * MiB)
+    assert budget.ensure_room(engine, 250 * MiB, "eager UNet run") is False  # 1410 MiB <= 1.5 GiB - 5%
+    assert graphs.nbytes == 600 * MiB
+    assert budget.ensure_room(engine, 900 * MiB, "eager UNet run") is True
+    assert graphs.released == [placement.parts] and fake_cuda.reserved == 560 * MiB
+
+
+def test_eager_sampling_under_a_budget_asks_for_room_and_graph_runs_do_not(budgeted, monkeypatch):
+    from leandiffusion.sampling import loop
+    from leandiffusion.sampling.graph_runner import GraphRunner
+    from leandiffusion.sampling.settings import SamplerSettings
+    from leandiffusion.tests.sampling.test_graph_runner import StandInBackend
+
+    asked = []
+    monkeypatch.setattr(loop, "ensure_room", lambda engine, need, what: asked.append((need, what)) or False)
+    settings = dict(positive="a boat", negative="rain", seed=1, steps=1, cfg=5.0, width=64, height=64)
+    loop.sample(budgeted, SamplerSettings(acceleration="none", **settings), quiet=True)
+    assert asked == [(budgeted.placement.plan.unet_activation_bytes, "eager UNet run")]
+    asked.clear()
+    loop.sample(budgeted, SamplerSettings(acceleration="cuda_graph", **settings),
+                runner=GraphRunner(StandInBackend()), quiet=True)
+    assert asked == []
