@@ -6,6 +6,13 @@ engine, every configuration capturing afresh): the Fused DDIM Sampler's time per
 step (``none`` and ``cuda_graph``, 1024 px, slope between 4 and 10 steps), the peak reserved memory of a sampler run,
 and a captured UNet call's relative difference from the eager call (what ``tests/memory/test_gpu_stream.py``
 checks at 1e-3). Writes ``$OUT/budget_cap_effects.json``; prints a table.
+
+Measured (H100, 2026-11-22, docs/bench/budget-s7/): CUDA-graph step at 4 GB capped 55.1 / 52.3 ms vs uncapped
+52.1 / 50.2; at 1.5 GB 97.3 / 95.6 vs 103.5 / 95.4; eager steps spread 59-140 ms either way (host-bound weight
+streaming); peaks equal; captured == eager (0.0) at 4 GB. So the cap does not change the UNet's kernels. (The
+1.5 GB captured-vs-eager rows did not run: the raw ``torch.cuda.graph`` capture of the 4 GB rows' pattern left a
+0.6 GB pool behind at 1.5 GB and the next capture ran out of memory under the cap; the graph runner's captures,
+which the nodes use, release theirs -- see budget_node_paths.py.)
 """
 import contextlib
 import gc
