@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from .keymap import Target, resolve
 from .loader import load_lora
 from .merged import MergedBinding

@@ -139,7 +139,7 @@ class _Pass:
         self.ps, self.stage, self.length, self.norms, self.cfg = ps, ps.stage, length, norms, cfg
         self.shapes = ps.stage.shapes(*ps.in_shape)
         self.heights = [s[1] for s in self.shapes]
-        h_l, w_l = self.shapes[length][1], self.shapes[length][2]
+        h_l = self.shapes[length][1]
         cap = 1.0 if cfg.tile_px <= 0 else (cfg.tile_px ** 2) / float(out_hw[0] * out_hw[1])
         self.rows = _band_rows(self.stage, self.shapes, length, work_budget, cap, _elem(cfg.dtype),
                                _elem(in_dtype))
