@@ -33,8 +33,9 @@ class LeanModelLoader:
                 "into a resident part and blocks streamed from pinned RAM within vram_budget_gb. auto: the fastest "
                 "policy that fits the free VRAM.")}),
             "vram_budget_gb": ("FLOAT", {"default": 4.0, "min": 0.5, "max": 1024.0, "step": 0.25, "tooltip": (
-                "GPU memory the 'stream' policy may use for the UNet step (weights + activations), in GB. "
-                "Too small a budget gives an error stating the model's minimum.")}),
+                "GPU memory, in GB, that the 'stream' policy keeps every node using this model within (sampling, "
+                "prompt encoding, VAE decode/encode): weights kept on the GPU plus working memory. Too small a "
+                "budget gives an error stating the model's minimum.")}),
             "weight_dtype": (list(WEIGHT_DTYPES), {"default": "auto", "tooltip": (
                 "Precision of UNet and text encoder weights. auto: fp16 on the GPU, fp32 on the CPU.")}),
             "vae_dtype": (list(VAE_DTYPES), {"default": "auto", "tooltip": (
