@@ -141,6 +141,20 @@ class PromptEmbeds:
     pooled: Optional[torch.Tensor] = None
 
 
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def _add_budget_hint(exc: BaseException, placement: Any, stage: str) -> None:
+    """Append the placement's advice (``out_of_memory_hint``: which budget capped the stage and what to change) to
+    an out-of-memory error's message, once; the error keeps its type, so callers that retry on it still do."""
+    hint = getattr(placement, "out_of_memory_hint", None)
+    note = hint(stage) if callable(hint) else None
+    if not note or note in str(exc):
+        return
+    first = exc.args[0] if exc.args else ""
+    exc.args = (f"{first}\n{note}" if first else note,) + tuple(exc.args[1:])
+
+
 @dataclass(frozen=True, eq=False)
 class LeanEngine:
     """A loaded model and the policy it runs under. See the module docstring for the invariants."""
@@ -188,6 +202,9 @@ class LeanEngine:
                 _attach_adapter(adapter, self.parts, stage)
                 attached.append(adapter)
             yield self
+        except _OOM as exc:
+            _add_budget_hint(exc, self.placement, stage)
+            raise
         finally:
             for adapter in reversed(attached):
                 _detach_adapter(adapter, self.parts, stage)

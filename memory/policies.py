@@ -332,6 +332,14 @@ class ModelPlacement:
             if scopes:
                 scopes.pop().close()
 
+    def out_of_memory_hint(self, stage: str) -> Optional[str]:
+        """What to change when a stage runs out of memory under a hard budget (``None`` otherwise)."""
+        if self.config.policy != VramPolicy.STREAM or self.device.type != "cuda":
+            return None
+        return (f"The Memory Pool Loader's 'stream' policy holds every stage of this model within vram_budget_gb="
+                f"{self.plan.budget_bytes / GiB:g} GB (this was the {stage} stage): raise vram_budget_gb, or lower "
+                f"the batch size or the image size.")
+
     def stage_device(self, engine, stage: str) -> torch.device:
         if stage == "text" and self.plan.text_mode == "cpu":
             return torch.device("cpu")

@@ -248,3 +248,44 @@ def test_eager_sampling_under_a_budget_asks_for_room_and_graph_runs_do_not(budge
     loop.sample(budgeted, SamplerSettings(acceleration="cuda_graph", **settings),
                 runner=GraphRunner(StandInBackend()), quiet=True)
     assert asked == []
+
+
+# --------------------------------------------------------------------------------------------- errors
+class HintingPlacement:
+    """Enter/exit do nothing; out-of-memory errors get the budget's advice."""
+
+    def enter(self, engine, stage):
+        pass
+
+    def exit(self, engine, stage):
+        pass
+
+    def out_of_memory_hint(self, stage):
+        return f"raise vram_budget_gb ({stage})"
+
+
+def test_an_out_of_memory_error_inside_a_budgeted_stage_names_the_budget_once():
+    from leandiffusion.memory.engine import LeanEngine
+
+    engine = LeanEngine(parts=tiny_engine("sd1").parts, device=torch.device("cpu"), placement=HintingPlacement())
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    with pytest.raises(oom) as info:
+        with engine.session("unet"), engine.session("unet"):
+            raise oom("CUDA out of memory. Tried to allocate 40.00 MiB.")
+    assert str(info.value) == "CUDA out of memory. Tried to allocate 40.00 MiB.\nraise vram_budget_gb (unet)"
+    with pytest.raises(RuntimeError, match="^other$"):  # other errors pass untouched
+        with engine.session("vae"):
+            raise RuntimeError("other")
+
+
+def test_the_stream_policy_hint_names_the_budget_and_the_fixes(budgeted):
+    from leandiffusion.memory.policies import VramPolicy
+
+    assert budgeted.placement.out_of_memory_hint("unet") is None  # on the CPU nothing is capped
+    cuda = torch.device("cuda", 0)
+    on_gpu = SimpleNamespace(config=SimpleNamespace(policy=VramPolicy.STREAM), device=cuda,
+                             plan=SimpleNamespace(budget_bytes=int(1.5 * GiB)))
+    hint = policies.ModelPlacement.out_of_memory_hint(on_gpu, "vae")
+    assert "vram_budget_gb=1.5 GB" in hint and "vae stage" in hint and "raise vram_budget_gb" in hint
+    on_gpu.config.policy = VramPolicy.BALANCED
+    assert policies.ModelPlacement.out_of_memory_hint(on_gpu, "vae") is None
