@@ -92,9 +92,7 @@ def cap_bytes(placement) -> int:
 
 def run_cap_bytes(engine) -> int:
     """``cap_bytes`` of the engine's placement (``NO_CAP`` without a budget or off CUDA)."""
-    if getattr(engine, "device", None) is None or torch.device(engine.device).type != "cuda":
-        return NO_CAP
-    return cap_bytes(engine.placement)
+    return cap_bytes(getattr(engine, "placement", None))
 
 
 def _headroom(plan) -> int:
@@ -108,10 +106,13 @@ def room_bytes(engine, cap: Optional[int] = None) -> Optional[int]:
     what the process holds once cached blocks are returned (weights, live tensors, graph pools); ``None`` without
     a hard budget on a CUDA device. May be negative when the process already holds more."""
     placement = getattr(engine, "placement", None)
-    device = _capped_device(placement)
-    if device is None:
+    if _capped_device(placement) is None:
         return None
-    cap = cap_bytes(placement) if cap is None else cap
+    return _room(placement, cap_bytes(placement) if cap is None else cap)
+
+
+def _room(placement, cap: int) -> int:
+    device = _capped_device(placement)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # what stays reserved is what the process really holds
     return cap - _headroom(hard_budget_plan(placement)) - torch.cuda.memory_reserved(device)
@@ -162,20 +163,17 @@ def ensure_room(engine, need_bytes: int, what: str) -> bool:
 
 
 def _release_if_short(placement, need: int, cap: int, what: str) -> bool:
-    device = _capped_device(placement)
-    if device is None:
+    if _capped_device(placement) is None:
         return False
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    held = torch.cuda.memory_reserved(device)
-    limit = cap - _headroom(hard_budget_plan(placement))
-    if held + need <= limit:
+    room = _room(placement, cap)
+    if need <= room:
         return False
+    held = cap - _headroom(hard_budget_plan(placement)) - room
     release_device_caches(placement.parts)
     logger.info("%s: released cached CUDA graphs of %s to fit under the %.2f GiB VRAM budget (held %.2f GiB, now "
                 "%.2f GiB; the next CUDA-graph run captures again)", what, getattr(placement.parts, "name", "model"),
                 hard_budget_plan(placement).budget_bytes / 2 ** 30, held / 2 ** 30,
-                torch.cuda.memory_reserved(device) / 2 ** 30)
+                torch.cuda.memory_reserved(placement.device) / 2 ** 30)
     return True
 
 

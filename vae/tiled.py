@@ -42,9 +42,9 @@ MIN_ACTIVATION_BYTES = 64 * 2**20
 # Device memory an exact tiled decode takes per byte of its activation budget. Measured (SDXL VAE in fp32,
 # 1024 px, 2026-11-22): on an H200 a 0.59 GiB budget peaked at 0.68 GiB allocated and 1.25 GiB reserved; on an
 # H100 a 0.27 GiB budget at 0.38 GiB allocated and 0.85 GiB reserved (the bands' and convolutions' buffers differ
-# in size, so freed blocks are not always reusable). Under a hard budget the allocator cap (``memory.cap``) returns such cached
-# blocks to the driver before the process would hold more than the budget, so this factor has to cover what is
-# allocated (about 1.4x the estimate) with room for the blocks that stay split.
+# in size, so freed blocks are not always reusable). Under a hard budget the allocator cap (``memory.cap``)
+# returns such cached blocks to the driver before the process would hold more than the budget, so this factor has
+# to cover what is allocated (about 1.4x the estimate) with room for the blocks that stay split.
 DECODE_RESERVED_FACTOR = 2.2
 
 

@@ -95,8 +95,6 @@ class _Progress:
             self.shown = units
 
 
-
-
 def decode_budget(engine: LeanEngine) -> int:
     """Activation bytes for one tiled decode under a budgeted plan: what the budget leaves after the UNet's resident
     weights, the VAE weights and the loader's headroom (the share of the budget left for allocator rounding,
