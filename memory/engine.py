@@ -22,7 +22,8 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from ..vae.group_norm import parallel_group_norms
+from ..vae import untiled
+from ..vae.untiled import fast_vae
 
 logger = logging.getLogger(__name__)
 
@@ -251,8 +252,8 @@ class LeanEngine:
         """Raw latents [B,C,h,w] -> IMAGE [B,H,W,3] float32 0..1 on the CPU. Call inside ``session("vae")``."""
         vae = self.parts.vae
         z = raw_latents.to(self.stage_device("vae"), self.vae_dtype)
-        with parallel_group_norms(vae):
-            image = vae.decode(z, return_dict=False)[0]
+        with fast_vae(vae):
+            image = untiled.decode(vae, z)
         return (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
 
     @torch.no_grad()
@@ -260,8 +261,8 @@ class LeanEngine:
         """IMAGE [B,H,W,3] 0..1 -> raw latents (the distribution's mean). Call inside ``session("vae")``."""
         vae = self.parts.vae
         x = image.permute(0, 3, 1, 2).to(self.stage_device("vae"), self.vae_dtype) * 2 - 1
-        with parallel_group_norms(vae):
-            return vae.encode(x).latent_dist.mean.float().cpu()
+        with fast_vae(vae):
+            return untiled.encode(vae, x).float().cpu()
 
     def time_ids(self, height: int, width: int, batch: int) -> torch.Tensor:
         """SDXL added time ids: original size, crop top-left (0, 0), target size, as diffusers' pipeline does."""

@@ -5,8 +5,8 @@ Invariants
   of the sampler's buffers; the ``vae`` stream waits for it. Then, on the ``vae`` stream: the scaled latents are
   copied to page-locked host memory (the LATENT output: ``latents / scaling_factor`` on the host, exactly as the
   Fused DDIM Sampler returns them), and every image is decoded untiled as ``LeanEngine.vae_decode`` does
-  (``vae.decode(raw)`` with ``vae.group_norm.parallel_group_norms``, then ``(x / 2 + 0.5).clamp(0, 1)``, channels
-  last) and copied to page-locked memory.
+  (``vae.untiled.decode`` inside ``vae.untiled.fast_vae``, then ``(x / 2 + 0.5).clamp(0, 1)``, channels last)
+  and copied to page-locked memory.
   ``finish`` waits for the batch's event and only then writes the rows of the run's outputs, each exactly once.
 - One image is decoded at a time, so the VAE's activations are bounded by one image whatever the batch size.
 - Tiled decoding (``decode_tile_size`` > 0, or automatically when an untiled decode does not fit or runs out of
@@ -34,7 +34,8 @@ from ... import bridge
 from ...memory.engine import LeanEngine
 from ...vae.adapters import decoder_program
 from ...vae.exact import ExactConfig, run_exact
-from ...vae.group_norm import parallel_group_norms
+from ...vae import untiled
+from ...vae.untiled import fast_vae
 from ...vae.targets import from_engine
 from ...vae.tiled import MIN_TILE, activation_budget
 from .streams import StageStreams, Timeline, pinned_empty
@@ -173,11 +174,11 @@ class DecodeStage:
         with engine.session("vae"):
             dev = engine.stage_device("vae")
             try:
-                with parallel_group_norms(vae):  # one swap for the batch's images
+                with fast_vae(vae):  # one swap for the batch's images
                     for j in range(b):
                         bridge.check_interrupted()
                         z = (latents[j:j + 1] / self.scale).to(dev, engine.vae_dtype)
-                        image = vae.decode(z, return_dict=False)[0]
+                        image = untiled.decode(vae, z)
                         image = (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
                         images[j].copy_(image[0], non_blocking=cuda)
                         done = j + 1

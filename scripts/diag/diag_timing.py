@@ -4,7 +4,11 @@ so this module is importable beside it).
 ``timed(fn, n)``: mean milliseconds of ``n`` back-to-back calls, synchronised before and after (host clock).
 ``graph_of(fn, warm)``: ``fn`` warmed up ``warm`` times on a side stream, then captured into a CUDA graph;
 returns ``(graph, output)`` where ``output`` is the captured call's result (static: each replay rewrites it).
+``Recorder(name)``: ``rec(key, value)`` prints a result and rewrites ``$OUT/name`` (JSON) with all results so far.
+``kernel_breakdown(fn, family, top)``: GPU milliseconds of one ``fn()`` call per kernel family and per kernel name.
 """
+import json
+import os
 import time
 
 import torch
@@ -30,3 +34,36 @@ def graph_of(fn, warm=2):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+class Recorder:
+    def __init__(self, name: str):
+        self.path = os.path.join(os.environ.get("OUT", "/tmp"), name)
+        self.results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def __call__(self, key, value):
+        self.results[key] = value
+        print(key, json.dumps(value)[:2500], flush=True)
+        with open(self.path, "w") as f:
+            json.dump(self.results, f, indent=1)
+
+
+def kernel_breakdown(fn, family, top=14):
+    """(ms per family, ms of the ``top`` kernels) for one ``fn()`` call after a warm-up call; ``family(name)``
+    maps a kernel name to its family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    fams, kernels = {}, {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", 0) or 0
+        if t <= 0 or evt.key.startswith("aten::"):
+            continue
+        fams[family(evt.key)] = fams.get(family(evt.key), 0) + t / 1000
+        kernels[evt.key[:100]] = kernels.get(evt.key[:100], 0) + t / 1000
+    by_time = lambda d: {k: round(v, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
+    return by_time(fams), dict(list(by_time(kernels).items())[:top])

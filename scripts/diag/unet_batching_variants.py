@@ -4,7 +4,8 @@ A probe, not pack code. For each variant it captures a CUDA graph of the full-si
 weights, 1024 px) at 1 and 8 images, times replays in alternating rounds, and records ms per image-step, the
 1 -> 8 gain, and the output's largest relative difference from the default variant (same inputs). Variants:
 default; SDPA restricted to cuDNN / flash / mem-efficient attention; channels-last weights and input; the
-pack's grid-wide GroupNorm (``vae.group_norm``) forced on every UNet GroupNorm; combinations. Then a kernel-time
+pack's grid-wide GroupNorm (``vae.group_norm``) forced on every UNet GroupNorm; cuDNN autotuning (``bench``);
+combinations. Then a kernel-time
 breakdown (torch profiler, grouped by kernel family) of one default replay at 1 and at 8 images, so the gain can
 be located. Usage (device, pack importable): python scripts/diag/unet_batching_variants.py [variants,...] [--no-profile]
 [--vae] (--vae: also SDXL fp32 decode time per image when 1, 2, 4 or 8 latents are decoded at once);
@@ -50,6 +51,9 @@ def variant(name):
     for p in parts:
         if p in backends:
             stack.enter_context(sdpa_kernel([backends[p]]))
+    if "bench" in parts:  # cuDNN autotuning during the warm-up calls before capture
+        torch.backends.cudnn.benchmark = True
+        stack.callback(lambda: setattr(torch.backends.cudnn, "benchmark", False))
     if "gn" in parts:
         old = gn.MIN_GROUP_ELEMENTS
         gn.MIN_GROUP_ELEMENTS = 1

@@ -6,30 +6,19 @@ SDPA restricted to the math / mem-efficient / cuDNN backend for the mid-block at
 per image (min of three rounds of three decodes) and the max abs difference from the baseline's image (0..1
 scale would be /2: the decoder's output is -1..1). Then the kernel-family breakdown of one baseline decode, and the
 mid-block attention's own time. Usage: python scripts/diag/vae_fp32_variants.py; writes $OUT/vae_fp32.json.
+Session 8 measured the successor, ``vae_untiled_fast.py``, which times the pack's ``vae.untiled`` path.
 """
 import contextlib
-import json
-import os
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
-from diag_timing import timed
+from diag_timing import Recorder, kernel_breakdown, timed
 from leandiffusion.bench.models import full_vae
 from leandiffusion.vae import group_norm as gn
 
-OUT = os.environ.get("OUT", "/tmp")
 dev = torch.device("cuda")
-res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-
-
-def rec(k, v):
-    res[k] = v
-    print(k, json.dumps(v)[:2000], flush=True)
-    json.dump(res, open(f"{OUT}/vae_fp32.json", "w"), indent=1)
-
-
+rec = Recorder("vae_fp32.json")
 vae = full_vae(device=dev, dtype=torch.float32)
 z = torch.randn(1, 4, 128, 128, device=dev, generator=torch.Generator(dev).manual_seed(0))
 
@@ -50,23 +39,33 @@ def variant(name):
     if name == "cudnn_benchmark":
         torch.backends.cudnn.benchmark = True
         stack.callback(lambda: setattr(torch.backends.cudnn, "benchmark", False))
-    if name == "channels_last":
+    if name in ("cudnn_benchmark_channels_last",):
+        torch.backends.cudnn.benchmark = True
+        stack.callback(lambda: setattr(torch.backends.cudnn, "benchmark", False))
+    if name.endswith("channels_last"):
         vae.to(memory_format=torch.channels_last)
         stack.callback(lambda: vae.to(memory_format=torch.contiguous_format))
     for tag, be in (("sdpa_math", SDPBackend.MATH), ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION),
                     ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
         if name == tag:
             stack.enter_context(sdpa_kernel([be]))
+    if name == "bf16_autocast":  # not picture-preserving: for scale only
+        stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
     with stack:
         yield
 
 
 base = decode(z).float()
-for name in ("baseline", "cudnn_benchmark", "channels_last", "sdpa_math", "sdpa_efficient", "sdpa_cudnn",
+rec("precision_flags", {"cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+                        "matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                        "cudnn.conv.fp32_precision": getattr(getattr(torch.backends.cudnn, "conv", None),
+                                                             "fp32_precision", None)})
+for name in ("baseline", "cudnn_benchmark", "channels_last", "cudnn_benchmark_channels_last", "bf16_autocast",
+             "sdpa_math", "sdpa_efficient", "sdpa_cudnn",
              "sdpa_flash", "baseline_again"):
     try:
         with variant(name):
-            x = z.contiguous(memory_format=torch.channels_last) if name == "channels_last" else z
+            x = z.contiguous(memory_format=torch.channels_last) if name.endswith("channels_last") else z
             out = decode(x).float()
             ms = best_of_rounds(lambda: decode(x))
         rec(name, {"ms": round(ms, 2), "max_abs_diff_vs_baseline": (out - base).abs().max().item()})
@@ -94,17 +93,7 @@ def family(k):
     return "other"
 
 
-decode(z)
-torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    decode(z)
-    torch.cuda.synchronize()
-fams, kernels = {}, {}
-for evt in prof.key_averages():
-    t = getattr(evt, "device_time_total", 0) or 0
-    if t <= 0 or evt.key.startswith("aten::"):
-        continue
-    fams[family(evt.key)] = fams.get(family(evt.key), 0) + t / 1000
-    kernels[evt.key[:110]] = kernels.get(evt.key[:110], 0) + t / 1000
-rec("baseline_ms_by_family", {k: round(v, 2) for k, v in sorted(fams.items(), key=lambda kv: -kv[1])})
-rec("baseline_top_kernels_ms", {k: round(v, 2) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:20]})
+with torch.no_grad():
+    fams, kernels = kernel_breakdown(lambda: decode(z), family, top=20)
+rec("baseline_ms_by_family", fams)
+rec("baseline_top_kernels_ms", kernels)

@@ -77,7 +77,12 @@ def test_channels_last_image_keeps_its_layout(dtype):
     ours = gn.parallel_stats_group_norm(x, 32, w, b, 1e-6)
     ref = gn.parallel_stats_group_norm(x.contiguous(), 32, w, b, 1e-6)
     assert ours.is_contiguous(memory_format=torch.channels_last)
-    assert torch.allclose(ours.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
+    if dtype == torch.float32:
+        assert torch.allclose(ours, ref, atol=1e-5)
+    else:  # two low-precision roundings of the statistics: each against fp64 (channels-last merges in fp32)
+        exact = F.group_norm(x.double(), 32, w.double(), b.double(), 1e-6)
+        err_cl, err_contiguous = ((t.double() - exact).abs().max().item() for t in (ours, ref))
+        assert err_cl <= 1.5 * err_contiguous, (err_cl, err_contiguous)
 
 
 def test_refusals_name_the_problem():
