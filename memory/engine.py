@@ -23,7 +23,6 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 import torch
 
 from ..vae import untiled
-from ..vae.untiled import fast_vae
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +251,7 @@ class LeanEngine:
         """Raw latents [B,C,h,w] -> IMAGE [B,H,W,3] float32 0..1 on the CPU. Call inside ``session("vae")``."""
         vae = self.parts.vae
         z = raw_latents.to(self.stage_device("vae"), self.vae_dtype)
-        with fast_vae(vae):
+        with untiled.fast_vae(vae):
             image = untiled.decode(vae, z)
         return (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
 
@@ -261,7 +260,7 @@ class LeanEngine:
         """IMAGE [B,H,W,3] 0..1 -> raw latents (the distribution's mean). Call inside ``session("vae")``."""
         vae = self.parts.vae
         x = image.permute(0, 3, 1, 2).to(self.stage_device("vae"), self.vae_dtype) * 2 - 1
-        with fast_vae(vae):
+        with untiled.fast_vae(vae):
             return untiled.encode(vae, x).float().cpu()
 
     def time_ids(self, height: int, width: int, batch: int) -> torch.Tensor:

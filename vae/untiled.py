@@ -27,17 +27,18 @@ from typing import Iterator, Optional
 
 import torch
 
-from .attention import run_attention, spec_from_diffusers, tf32_like_convolutions
+from .attention import AttentionSpec, run_attention, spec_from_diffusers, tf32_like_convolutions
 from .group_norm import parallel_group_norms
 
 
 class _RunAttentionProcessor:
-    """A diffusers attention processor for the VAE's self-attention blocks: ``run_attention`` on the whole map.
+    """A diffusers attention processor for one VAE self-attention block: ``run_attention`` on the whole map, with
+    the block's ``AttentionSpec`` built once. Calls it cannot serve (cross-attention, masks, a time embedding) go to
+    the block's own processor."""
 
-    Calls it cannot serve (cross-attention, masks, a time embedding) go to the block's own processor."""
-
-    def __init__(self, original):
+    def __init__(self, original, spec: AttentionSpec):
         self.original = original
+        self.spec = spec
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
                  attention_mask: Optional[torch.Tensor] = None, temb: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -45,35 +46,34 @@ class _RunAttentionProcessor:
                 or hidden_states.dim() != 4:
             return self.original(attn, hidden_states, encoder_hidden_states=encoder_hidden_states,
                                  attention_mask=attention_mask, temb=temb)
-        return run_attention(spec_from_diffusers(attn), hidden_states, tf32=tf32_like_convolutions(hidden_states))
+        return run_attention(self.spec, hidden_states, tf32=tf32_like_convolutions(hidden_states))
 
 
-def _attention_blocks(vae: torch.nn.Module) -> list:
-    """The VAE's diffusers self-attention blocks that ``run_attention`` can run (the SD VAE's mid blocks)."""
-    blocks = []
+def _attention_specs(vae: torch.nn.Module) -> list:
+    """(block, spec) for the VAE's diffusers self-attention blocks that ``run_attention`` can run (the mid blocks)."""
+    found = []
     for m in vae.modules():
         if hasattr(m, "processor") and hasattr(m, "to_q"):
             try:
-                spec_from_diffusers(m)
+                found.append((m, spec_from_diffusers(m)))
             except TypeError:
                 continue
-            blocks.append(m)
-    return blocks
+    return found
 
 
 @contextlib.contextmanager
 def fast_vae(vae: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Inside the block ``vae`` runs with grid-wide GroupNorms and ``run_attention`` attention (module docstring)."""
-    blocks = _attention_blocks(vae)
-    originals = [b.processor for b in blocks]
+    found = _attention_specs(vae)
+    originals = [block.processor for block, _ in found]
     try:
-        for b, original in zip(blocks, originals):
-            b.processor = _RunAttentionProcessor(original)
+        for (block, spec), original in zip(found, originals):
+            block.processor = _RunAttentionProcessor(original, spec)
         with parallel_group_norms(vae):
             yield vae
     finally:
-        for b, original in zip(blocks, originals):
-            b.processor = original
+        for (block, _), original in zip(found, originals):
+            block.processor = original
 
 
 def _layout(x: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,6 @@ from ...memory.engine import LeanEngine
 from ...vae.adapters import decoder_program
 from ...vae.exact import ExactConfig, run_exact
 from ...vae import untiled
-from ...vae.untiled import fast_vae
 from ...vae.targets import from_engine
 from ...vae.tiled import MIN_TILE, activation_budget
 from .streams import StageStreams, Timeline, pinned_empty
@@ -174,7 +173,7 @@ class DecodeStage:
         with engine.session("vae"):
             dev = engine.stage_device("vae")
             try:
-                with fast_vae(vae):  # one swap for the batch's images
+                with untiled.fast_vae(vae):  # one swap for the batch's images
                     for j in range(b):
                         bridge.check_interrupted()
                         z = (latents[j:j + 1] / self.scale).to(dev, engine.vae_dtype)

@@ -76,7 +76,7 @@ def test_calls_it_cannot_serve_go_to_the_blocks_own_processor():
         seen.append(encoder_hidden_states is not None)
         return hidden_states
 
-    proc = untiled._RunAttentionProcessor(original)
+    proc = untiled._RunAttentionProcessor(original, untiled.spec_from_diffusers(attn))
     h = torch.randn(1, 64, 4, 4)
     ctx = torch.randn(1, 16, 64)
     assert proc(attn, h, encoder_hidden_states=ctx) is h and seen == [True]
