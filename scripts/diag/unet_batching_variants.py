@@ -5,6 +5,9 @@ weights, 1024 px) at 1 and 8 images, times replays in alternating rounds, and re
 1 -> 8 gain, and the output's largest relative difference from the default variant (same inputs). Variants:
 default; SDPA restricted to cuDNN / flash / mem-efficient attention; channels-last weights and input; the
 pack's grid-wide GroupNorm (``vae.group_norm``) forced on every UNet GroupNorm; cuDNN autotuning (``bench``);
+diffusers' feed-forward chunking ``ffc<dim>_<size>`` (dim 0 = batch, 1 = tokens); micro-batching ``mb<rows>``
+(every transformer and resnet block runs on batch chunks of ``rows`` and concatenates; ``mbt<rows>``: transformer
+blocks only), which tests whether the batch loses by spilling activations that fit L2 at one image;
 combinations. Then a kernel-time
 breakdown (torch profiler, grouped by kernel family) of one default replay at 1 and at 8 images, so the gain can
 be located. Usage (device, pack importable): python scripts/diag/unet_batching_variants.py [variants,...] [--no-profile]
@@ -40,6 +43,44 @@ INPUTS = {B: unet_inputs("sdxl", 2 * B, 128, device=dev) for B in (1, 8)}
 
 
 @contextlib.contextmanager
+def micro_batched(model, rows, which):
+    """Instance-level forwards that split every batch-sized tensor argument into chunks of ``rows`` and
+    concatenate the outputs: the activations of one chunk may stay in L2 between a block's kernels."""
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    types = (Transformer2DModel,) if which == "t" else (Transformer2DModel, ResnetBlock2D)
+    patched = []
+
+    def wrap(mod):
+        original = mod.forward
+
+        def forward(*args, **kwargs):
+            batch = args[0].shape[0]
+            if batch <= rows:
+                return original(*args, **kwargs)
+            cut = lambda v, i: v[i:i + rows] if torch.is_tensor(v) and v.ndim and v.shape[0] == batch else v
+            outs = []
+            for i in range(0, batch, rows):
+                o = original(*[cut(a, i) for a in args], **{k: cut(v, i) for k, v in kwargs.items()})
+                outs.append(o[0] if isinstance(o, tuple) else (o.sample if hasattr(o, "sample") else o))
+            cat = torch.cat(outs)
+            o0 = original.__self__.__class__.__name__
+            return cat if o0 == "ResnetBlock2D" else (cat,)
+        mod.forward = forward
+        patched.append(mod)
+
+    for m in model.modules():
+        if isinstance(m, types):
+            wrap(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+@contextlib.contextmanager
 def variant(name):
     parts = name.split("+")
     stack = contextlib.ExitStack()
@@ -54,6 +95,16 @@ def variant(name):
     if "bench" in parts:  # cuDNN autotuning during the warm-up calls before capture
         torch.backends.cudnn.benchmark = True
         stack.callback(lambda: setattr(torch.backends.cudnn, "benchmark", False))
+    for p in parts:  # ffc<dim>_<size>: diffusers' feed-forward chunking (dim 0 = batch, 1 = tokens)
+        if p.startswith("ffc"):
+            dim, size = p[3:].split("_")
+            blocks = [m for m in unet.modules() if hasattr(m, "set_chunk_feed_forward")]
+            for b in blocks:
+                b.set_chunk_feed_forward(int(size), int(dim))
+            stack.callback(lambda: [b.set_chunk_feed_forward(None, 0) for b in blocks])
+        if p.startswith("mb"):  # run every transformer / resnet block on batch chunks of this many rows
+            which = "t" if p.startswith("mbt") else "all"
+            stack.enter_context(micro_batched(unet, int(p[3:] if which == "t" else p[2:]), which))
     if "gn" in parts:
         old = gn.MIN_GROUP_ELEMENTS
         gn.MIN_GROUP_ELEMENTS = 1
