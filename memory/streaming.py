@@ -329,6 +329,9 @@ class BlockStreamer:
 
     Hooks are named (``self.handles``: name -> handle) and removed by :meth:`remove`, which also puts every weight
     back on the host. Not re-entrant: one forward at a time per UNet (forwards on several streams serialise).
+    A forward that raises midway (out of memory inside a block, an interrupt) still ends its schedule: the end hook
+    is registered with ``always_call``, joins the copy stream as a finished forward would, and leaves the streamer
+    ready for the next forward (the Stream Scheduler retries a failed batch on the same engine).
     """
 
     def __init__(self, unet: torch.nn.Module, schedule: StreamSchedule, device: torch.device, dtype: torch.dtype):
@@ -343,6 +346,7 @@ class BlockStreamer:
         self.copies_issued = 0
         self._cursor = 0
         self._active = False
+        self._depth = 0  # UNet forwards entered and not yet ended (> 1 only while a nested call is refused)
         try:
             self._build()
         except BaseException as exc:
@@ -397,7 +401,7 @@ class BlockStreamer:
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self, modules: dict) -> None:
         self.handles["unet.begin"] = self.unet.register_forward_pre_hook(self._begin)
-        self.handles["unet.end"] = self.unet.register_forward_hook(self._end)
+        self.handles["unet.end"] = self.unet.register_forward_hook(self._end, always_call=True)
         for i, u in enumerate(self.schedule.order):
             mod = modules[u.name]
             self.handles[f"{u.name}.before"] = mod.register_forward_pre_hook(lambda m, a, i=i: self._before(i))
@@ -410,6 +414,7 @@ class BlockStreamer:
             self.copies_issued += 1
 
     def _begin(self, module, args) -> None:
+        self._depth += 1  # counted before the check: the refused call's own end hook (always called) uncounts it
         if self._active:
             raise RuntimeError("the streamed UNet was entered twice without finishing (re-entrant call)")
         self._active = True
@@ -421,8 +426,7 @@ class BlockStreamer:
         if not self._active:
             raise RuntimeError(f"UNet block {self.schedule.order[i].name} ran outside a UNet forward; streamed "
                                f"blocks can only run inside the whole UNet")
-        if i != self._cursor:
-            self._active = False
+        if i != self._cursor:  # the UNet's end hook (always called) closes the schedule
             raise RuntimeError(f"UNet block order changed: expected {self.schedule.order[self._cursor].name}, "
                                f"got {self.schedule.order[i].name}; re-apply the VRAM policy")
         self._cursor += 1
@@ -437,10 +441,16 @@ class BlockStreamer:
             self._issue(ks)
 
     def _end(self, module, args, output) -> None:
-        self._active = False
-        if self._cursor != len(self.schedule.order):
+        """Runs after every UNet forward, also one that raised (``output`` is then ``None``)."""
+        self._depth -= 1
+        if self._depth > 0:  # the end of a refused nested call: the outer forward is still running
+            return
+        was_active, self._active = self._active, False
+        if not was_active:  # this forward failed before its schedule began: nothing to join
+            return
+        self.copier.end()  # a failed forward joins too: the next one orders after every copy it issued
+        if output is not None and self._cursor != len(self.schedule.order):
             raise RuntimeError(f"UNet forward ran {self._cursor} of {len(self.schedule.order)} blocks")
-        self.copier.end()
 
     # ----------------------------------------------------------------- teardown
     def remove(self) -> None:

@@ -167,3 +167,46 @@ def test_failed_stream_build_leaves_model_whole(monkeypatch):
     with torch.no_grad():
         plain = unet(x, torch.tensor(500), encoder_hidden_states=ctx).sample
     assert (plain - reference).abs().max().item() <= TOL  # no weight lost to a half-built arena
+
+
+def test_stream_forward_that_fails_midway_leaves_engine_usable():
+    """An out-of-memory (here: any error) inside a streamed block must not wedge the streamer: the next forward
+    runs and gives the same output as before (the Stream Scheduler retries a failed batch on the same engine)."""
+    engine = _engine("sd1", "stream")
+    ref = _unet_call(engine)
+    streamer = engine.placement.streamer
+    sched = streamer.schedule
+    block = dict(engine.parts.unet.named_modules())[sched.order[len(sched.order) // 2].name]
+
+    def fail(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected: out of memory inside a streamed block")
+
+    block.forward = fail
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="injected"):
+            _unet_call(engine)
+    finally:
+        del block.forward
+    assert (_unet_call(engine) - ref).abs().max().item() == 0.0
+
+
+def test_stream_refuses_a_nested_forward_and_recovers():
+    """A UNet called again from inside one of its own blocks is refused by name; the outer forward fails with it and
+    the next plain forward runs normally."""
+    engine = _engine("sd1", "stream")
+    ref = _unet_call(engine)
+    streamer = engine.placement.streamer
+    block = dict(engine.parts.unet.named_modules())[streamer.schedule.order[1].name]
+    original = block.forward
+
+    def nested(*args, **kwargs):
+        _unet_call(engine)
+        return original(*args, **kwargs)
+
+    block.forward = nested
+    try:
+        with pytest.raises(RuntimeError, match="entered twice"):
+            _unet_call(engine)
+    finally:
+        del block.forward
+    assert (_unet_call(engine) - ref).abs().max().item() == 0.0

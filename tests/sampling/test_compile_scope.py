@@ -88,11 +88,9 @@ def test_scope_setting_is_validated(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scope", ["transformers+resnets", "blocks+resnets"])
-def test_gpu_regional_compile_matches_eager_fp32(monkeypatch, scope):
+def test_gpu_regional_compile_matches_eager_fp32(monkeypatch, strict_fp32, scope):
     """fp32, TF32 off: the regionally compiled sampler computes the eager one (rel <= 1e-4 after 6 steps)."""
     monkeypatch.setenv(comp.ENV_COMPILE_SCOPE, scope)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     eng = tiny_engine("sdxl", device="cuda", dtype=torch.float32)
     base = dict(seed=3, steps=6, cfg=5.0, width=64, height=64, batch_size=2, positive="a", negative="b")
     eager = sample(eng, SamplerSettings(acceleration="none", **base), quiet=True)["samples"]

@@ -230,11 +230,9 @@ def test_gpu_acceleration_matches_eager_fp16(gpu_engines, fp32_references, famil
 
 
 @pytest.mark.gpu
-def test_gpu_compile_fp32_matches_eager_fp32(monkeypatch):
+def test_gpu_compile_fp32_matches_eager_fp32(strict_fp32):
     """In fp32 (TF32 off for this test) the compiled graph computes the eager function: rel <= 1e-4 after 6 steps
     (fp32 reassociation is ~1e-6 per op). This separates a compile bug from fp16 rounding."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     eng = tiny_engine("sd1", device="cuda", dtype=torch.float32)
     s = dict(steps=6, batch_size=2)
     eager = _eager(eng, **s)

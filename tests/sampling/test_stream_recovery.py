@@ -114,6 +114,38 @@ def test_oom_on_every_large_batch_shrinks_until_it_fits(engine):
     _close(result.latents, _refs(engine, s))
 
 
+def test_oom_inside_a_streamed_block_is_recovered_under_the_stream_policy():
+    """The real case on a tight budget: the OOM is raised inside a block the ``stream`` policy streams, midway
+    through the UNet's schedule; the retried batch runs on the same streamed UNet."""
+    from leandiffusion.memory.load import build_engine
+    from leandiffusion.memory.plan import GiB, module_bytes
+    from leandiffusion.memory.policies import stream_working_minimum_gb
+    from leandiffusion.tests.kit import tiny_parts
+
+    parts = tiny_parts("sd1")
+    budget = stream_working_minimum_gb(parts, "cpu") + 0.3 * module_bytes(parts.unet, torch.float32) / GiB
+    eng = build_engine(parts, "stream", budget, device="cpu")
+    streamer = eng.placement.streamer
+    block = dict(parts.unet.named_modules())[streamer.schedule.order[streamer.schedule.streamed[-1]].name]
+    original, calls = block.forward, []
+
+    def fail_on_the_big_batch(hidden, *args, **kwargs):
+        calls.append(hidden.shape[0])
+        if hidden.shape[0] > 2:
+            raise OOM("injected: CUDA out of memory inside a streamed block")
+        return original(hidden, *args, **kwargs)
+
+    s = _settings(max_batch=2)
+    block.forward = fail_on_the_big_batch
+    try:
+        result = run_stream(eng, s, quiet=True)
+    finally:
+        del block.forward
+    assert result.oom_retries == 1 and result.batch_sizes == (1, 1, 1)
+    assert 4 in calls  # the injected failure really happened inside the schedule
+    _close(result.latents, _refs(eng, s))
+
+
 def test_oom_at_batch_1_reports_what_was_tried(engine):
     eng, _ = _with_unet(engine, lambda rows, i: True)
     with pytest.raises(OOM, match=r"batch sizes tried: \[2, 1\]") as info:

@@ -31,6 +31,7 @@ import torch
 
 from leandiffusion.bench.models import full_vae
 from leandiffusion.tests.kit import tiny_components
+from leandiffusion.tests.kit.precision import strict_fp32
 from leandiffusion.vae.targets import from_module
 from leandiffusion.vae.tiled import tiled_decode, tiled_encode
 
@@ -44,21 +45,12 @@ DTYPE = {"fp32-ieee": torch.float32, "fp32-default": torch.float32, "fp16": torc
 
 @contextlib.contextmanager
 def _precision(mode):
-    """TF32 off for cuDNN convolutions and cuBLAS matmuls inside the block for ``fp32-ieee``; flags restored."""
+    """TF32 off for cuDNN convolutions and cuBLAS matmuls inside the block for ``fp32-ieee``; settings restored."""
     if mode != "fp32-ieee":
         yield
         return
-    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
-    cudnn = torch.backends.cudnn
-    try:
-        if matmul_tf32:
-            torch.backends.cuda.matmul.allow_tf32 = False
-        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
-                         allow_tf32=False):
-            yield
-    finally:
-        if matmul_tf32:
-            torch.backends.cuda.matmul.allow_tf32 = True
+    with strict_fp32():
+        yield
 
 
 def _img(x):
@@ -79,13 +71,11 @@ def tiny_vae_and_reference():
 def test_exact_decode_cuda_vs_fp64(tiny_vae_and_reference, mode, budget):
     """See the module docstring: tiled error vs fp64 within FACTOR x the untiled error + FLOOR (same dtype)."""
     base_vae, z, ref = tiny_vae_and_reference
-    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     vae = copy.deepcopy(base_vae).to(CUDA, DTYPE[mode])
     with _precision(mode):
         with torch.no_grad():
             untiled = _img(vae.decode(z.to(CUDA, DTYPE[mode])).sample)
         tiled = tiled_decode(from_module(vae), z, tile_size=128, overlap=32, budget_bytes=budget, quiet=True)
-    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == prev  # flags restored
     assert tiled.shape == ref.shape
     err_untiled = (untiled - ref).abs().max().item()
     err_tiled = (tiled.double() - ref).abs().max().item()
