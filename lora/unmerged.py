@@ -115,11 +115,14 @@ class _SharedDown:
     self-attention, ``to_k/to_v`` of a cross-attention, ``q_proj/k_proj/v_proj`` of CLIP): one GEMM
     ``H = x @ cat(down_i).T`` replaces one GEMM per sibling; member ``i`` reads its column slice of ``H``.
 
-    The first member called computes ``H`` and remembers ``x`` (identity); a member called with the same tensor
-    object reuses ``H``, one called with another tensor recomputes (so a sibling fed a different input, e.g.
-    ``to_q`` of a cross-attention, is still exact). The cache is dropped after the last sibling read it (no tensor
-    outlives the attention call; a model calling the siblings out of order only loses the sharing), at detach, and
-    is never used while ``torch.compile`` traces (a plain per-member GEMM then).
+    The first member (``rows.start == 0``) always computes ``H`` and remembers ``x`` (identity); a later member
+    called with the same tensor object reuses ``H``, one called with another tensor recomputes (so a sibling fed a
+    different input, e.g. ``to_q`` of a cross-attention, is still exact). The cache is dropped after the last
+    sibling read it (no tensor outlives the attention call; a model calling the siblings out of order only loses
+    the sharing), at detach, and is never used while ``torch.compile`` traces (a plain per-member GEMM then).
+    A forward that raised between two siblings leaves its ``H`` behind; the next forward never reads it, because
+    its first member recomputes: identity alone would not do, since a cross-attention's ``to_k``/``to_v`` read the
+    sampler's static context buffer, the same tensor object on the next forward with other contents.
     """
 
     __slots__ = ("down", "size", "x", "h", "__weakref__")
@@ -129,7 +132,7 @@ class _SharedDown:
         self.x = self.h = None
 
     def get(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
-        if self.x is not x:
+        if rows.start == 0 or self.x is not x:  # the first member: a cached H is a failed forward's leftover
             self.x, self.h = x, F.linear(x, self.down)
         h = self.h[..., rows]
         if rows.stop == self.down.shape[0]:  # the last sibling (modules call them in order): drop the cache

@@ -43,7 +43,13 @@ ENV_MAX_GRAPHS = "LEANDIFFUSION_MAX_GRAPHS"
 
 
 class CudaGraphBackend:
-    """Captures a callable into a ``torch.cuda.CUDAGraph`` (after ``warmup`` eager runs on a side stream)."""
+    """Captures a callable into a ``torch.cuda.CUDAGraph`` (after ``warmup`` eager runs on a side stream).
+
+    A warm-up or capture that raises (out of memory, say) leaves nothing behind for the caller's next work (the
+    sampler's retry or eager fallback, which reuses the same buffers): the caller's stream is ordered after every
+    warm-up kernel already enqueued, and cuBLAS holds no workspace from the failed graph's pool (it would keep
+    that pool reserved: 32 MiB measured on an H100, 2026-11-22).
+    """
 
     name = "cuda"
 
@@ -51,17 +57,24 @@ class CudaGraphBackend:
         self.warmup = warmup
 
     def capture(self, fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
+        current = torch.cuda.current_stream(device)
         side = shared_stream(device, "capture-warmup")  # one per device: see shared_streams.py
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    fn()
+        finally:
+            current.wait_stream(side)  # also after a failed warm-up: its queued kernels write the step's buffers
         forget_library_workspaces(device)  # this graph's cuBLAS workspace must come from its own pool (memory/cap.py)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA work of other threads (ComfyUI's previews, say) must not invalidate the capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            fn()
+        try:
+            # thread_local: CUDA work of other threads (ComfyUI's previews, say) must not invalidate the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                fn()
+        except BaseException:
+            forget_library_workspaces(device)  # a workspace taken from the failed graph's pool would pin that pool
+            raise
         return graph.replay
 
 

@@ -1,6 +1,7 @@
 """CPU guards for the unmerged fast path: shared down projections of sibling Linears are exact (also when a
-sibling is fed another input), leave no cached tensor behind, and the forward adds no host-built tensor; strength
-writes are refused while a CUDA-graph capture is (faked as) running, leaving nothing attached.
+sibling is fed another input), leave no cached tensor behind, are recomputed after a forward that raised between
+two siblings (the static context buffer is the same tensor next time), and the forward adds no host-built tensor;
+strength writes are refused while a CUDA-graph capture is (faked as) running, leaving nothing attached.
 """
 import pytest
 import torch
@@ -65,6 +66,40 @@ def test_shared_down_is_exact_and_leaves_no_cache(cross, strategy):
         assert (a - b).abs().max().item() <= 1e-5
     base = attn(x)
     assert all(torch.equal(a, b) for a, b in zip(base, [F.linear(x, m.weight, m.bias) for m in attn.children()]))
+
+
+@torch.no_grad()
+def test_forward_raising_between_siblings_leaves_no_stale_down():
+    """A k/v-only cross-attention LoRA (Custom Diffusion style): ``to_k`` computes the shared down GEMM of the
+    context, then the forward raises before ``to_v`` reads it (out of memory in a CUDA-graph capture, which the
+    sampler answers by running the step eagerly in the same session). The context is the sampler's static buffer,
+    the same tensor object on the next forward with new contents (reloaded; after a capture, values never
+    computed), so the next forward must compute the down GEMM again instead of reading the leftover."""
+    torch.manual_seed(0)
+    attn = _Attn()
+    targets = [t for t in _targets(attn) if t.module_name in ("blk.to_k", "blk.to_v")]
+    binding = UnmergedBinding(("k",), targets, "t")
+    assert len(binding._shared) == 1 and binding._shared[0].size == 2
+    x, ctx = torch.randn(2, 7, 24), torch.randn(2, 5, 24)
+    failing = [True]
+
+    def fail_once(module, args):
+        if failing.pop() if failing else False:
+            raise torch.OutOfMemoryError("injected")
+
+    attn.to_v.register_forward_pre_hook(fail_once)
+    binding.attach({"unet": 0.7})
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="injected"):
+            attn(x, ctx)
+        ctx.copy_(torch.randn(2, 5, 24))  # the same buffer, loaded with the next run's conditioning
+        _, k, v, _ = attn(x, ctx)
+    finally:
+        binding.detach({"unet": 0.7})
+    for got, t in zip((k, v), targets):
+        want = F.linear(ctx, t.module.weight, t.module.bias) + 0.7 * F.linear(F.linear(ctx, t.layer.down), t.layer.up)
+        err = (got - want).abs().max().item()
+        assert err <= 1e-5, f"{t.module_name}: max abs diff {err:.3g}"
 
 
 class _HostTensors(TorchDispatchMode):

@@ -147,3 +147,42 @@ def test_strategy_matches_hook_path_under_graph_replay(tmp_path, monkeypatch):
     assert err[strategy] <= max(2 * err["hook"], 2e-3)
     assert launches
     assert all("forward" not in m.__dict__ for m in engine.parts.unet.modules())
+
+
+@torch.no_grad()
+def test_capture_failing_between_siblings_then_eager_fallback_is_exact(tmp_path):
+    """A k/v-only cross-attention LoRA (Custom Diffusion style) and a capture that runs out of memory between
+    ``to_k`` and ``to_v``: the sampler runs the step eagerly in the same session, with the same context buffer (the
+    loader's buffer pool). That run must equal an eager run; before the fix ``to_k`` reused the shared down GEMM
+    the failed capture recorded but never computed (1.8 off in the final latents, H100, 2026-11-22)."""
+    from leandiffusion.memory.load import build_engine
+    from leandiffusion.sampling.graph_runner import GraphRunner
+    from leandiffusion.sampling.loop import sample
+    from leandiffusion.sampling.settings import SamplerSettings
+    from leandiffusion.tests.kit import tiny_parts
+
+    parts = tiny_parts("sd1")
+    engine = build_engine(parts, "full", device="cuda")
+    try:
+        kv = re.compile(r"attn2\.(to_k|to_v)$")
+        path = lf.write(lf.kohya_state_dict({"unet": parts.unet}, {"unet": kv}, rank=4), tmp_path / "kv.safetensors")
+        view = inject_lora(engine, path, 1.0, 1.0)
+        settings = dict(positive="a boat", negative="rain", seed=11, steps=4, cfg=7.0, width=64, height=64)
+        want = sample(view, SamplerSettings(acceleration="none", **settings), quiet=True)["samples"]
+
+        def short_of_memory_while_capturing(module, args):
+            if torch.cuda.is_current_stream_capturing():
+                raise torch.OutOfMemoryError("injected: out of memory during capture")
+
+        to_v = next(m for n, m in parts.unet.named_modules() if n.endswith("attn2.to_v"))
+        handle = to_v.register_forward_pre_hook(short_of_memory_while_capturing)
+        runner = GraphRunner()
+        try:
+            got = sample(view, SamplerSettings(acceleration="cuda_graph", **settings), runner=runner,
+                         quiet=True)["samples"]
+        finally:
+            handle.remove()
+        assert runner.captures(engine) == 0  # the capture failed: this was the eager fallback
+        assert torch.equal(got, want)
+    finally:
+        engine.placement.remove()

@@ -4,8 +4,10 @@ On the CPU a stand-in backend (it "captures" by keeping the step callable) exerc
 ``gpu`` tests capture real CUDA graphs and torch.compile the tiny UNet (fp16, within 5e-3 relative of eager).
 Guards: a recapture per run (slow), a missing recapture when the shape/layout/adapter structure/weights change
 (stale graph = wrong or crashing replay), a stale guidance scale or LoRA strength baked into a graph, graphs that
-keep a collected model alive, and a CPU run that fails instead of falling back.
+keep a collected model alive, a CPU run that fails instead of falling back, and a failed warm-up or capture that
+leaves the caller's stream unjoined or its graph's pool pinned by a cuBLAS workspace.
 """
+import contextlib
 import gc
 import logging
 import weakref
@@ -134,6 +136,71 @@ def test_capture_short_of_memory_alone_runs_eagerly(engine, caplog):
         out = sample(engine, _settings(), runner=runner, quiet=True)["samples"]
     assert torch.equal(out, _eager(engine))
     assert runner.cached_keys(engine) == [] and "running eagerly" in caplog.text
+
+
+class _FakeCuda:
+    """torch.cuda's streams and graphs as a log, so ``CudaGraphBackend`` runs on the CPU: the test sees the order in
+    which the caller's stream joins the warm-up stream and cuBLAS's workspaces are forgotten."""
+
+    def __init__(self, monkeypatch):
+        from leandiffusion.sampling import graph_runner
+
+        self.log = []
+        self.capturing = False
+        fake = self
+
+        class Stream:
+            def __init__(self, name):
+                self.name = name
+
+            def wait_stream(self, other):
+                fake.log.append(f"{self.name} waits for {other.name}")
+
+        class Graph:
+            def replay(self):
+                return None
+
+        @contextlib.contextmanager
+        def graph(g, **kwargs):
+            self.capturing = True
+            try:
+                yield
+            finally:
+                self.capturing = False
+
+        main, side = Stream("caller"), Stream("warm-up")
+        monkeypatch.setattr(graph_runner, "shared_stream", lambda device, role: side)
+        monkeypatch.setattr(graph_runner, "forget_library_workspaces", lambda device: self.log.append("forget"))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+
+
+@pytest.mark.parametrize("fail_at", ["warm-up", "capture"])
+def test_cuda_backend_failing_midway_leaves_the_stream_joined_and_no_workspace(monkeypatch, fail_at):
+    """A warm-up step or the capture raising (out of memory) must not leave the caller's stream unordered after the
+    warm-up kernels already queued (the sampler's retry or eager fallback reuses the step's buffers), nor cuBLAS
+    holding a workspace from the failed graph's pool (it kept 32 MiB reserved on an H100)."""
+    from leandiffusion.sampling.graph_runner import CudaGraphBackend
+
+    cuda = _FakeCuda(monkeypatch)
+    steps = []
+
+    def step():
+        steps.append("capture" if cuda.capturing else "warm-up")
+        cuda.log.append(f"{steps[-1]} step")
+        if steps[-1] == fail_at and (fail_at == "capture" or len(steps) == 2):
+            raise torch.OutOfMemoryError("injected")
+
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        CudaGraphBackend(warmup=2).capture(step, torch.device("cuda", 0))
+    joined = ["warm-up waits for caller", "warm-up step", "warm-up step", "caller waits for warm-up"]
+    assert cuda.log == (joined if fail_at == "warm-up" else joined + ["forget", "capture step", "forget"])
+    cuda.log.clear()
+    replay = CudaGraphBackend(warmup=2).capture(lambda: cuda.log.append("step"), torch.device("cuda", 0))
+    assert callable(replay) and cuda.log == ["warm-up waits for caller", "step", "step", "caller waits for warm-up",
+                                             "forget", "step"]
 
 
 def test_budget_release_drops_this_models_graphs_only(engine):
@@ -294,6 +361,35 @@ def test_gpu_graph_outlives_an_evicted_graph_and_released_workspaces(gpu_engines
     got = run(width=72)  # replays the second
     torch.cuda.synchronize()
     assert runner.captures(engine) == 2 and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_failed_capture_leaves_no_memory_reserved():
+    """A capture that raises (out of memory in the sampler's retry path) must not leave its graph's pool reserved:
+    cuBLAS took its workspace from that pool during the capture and kept it (32 MiB on an H100 before the fix)."""
+    from leandiffusion.sampling.graph_runner import CudaGraphBackend
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(2048, 2048, device=dev)
+    out = {}
+
+    def step():
+        out["y"] = a @ a
+        if torch.cuda.is_current_stream_capturing():
+            raise torch.OutOfMemoryError("injected")
+
+    before = torch.cuda.memory_reserved(dev)  # a collected heap, no workspaces (tests/conftest.py)
+    try:
+        CudaGraphBackend().capture(step, dev)
+    except torch.OutOfMemoryError:
+        pass  # the exception (and its frames, the graph among them) goes here
+    else:
+        raise AssertionError("the injected error did not propagate")
+    out.clear()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved(dev) == before
 
 
 def test_compile_presets_name_real_inductor_options(monkeypatch):
