@@ -9,7 +9,9 @@ Invariants
   name (plus its ``epoch`` - bumped when it re-placed the weights - and ``graph_key`` when it has them), every
   adapter's ``graph_key`` (LoRA strengths are *not* part of it: they live in persistent device tensors the adapter
   writes at attach time) and a fingerprint of the UNet's parameter/buffer addresses (moved weights invalidate the
-  graph instead of replaying reads of freed memory). A different key captures again; the same key replays.
+  graph instead of replaying reads of freed memory). A different key captures again; the same key replays. A
+  cached graph keeps its view's adapters alive, so a LoRA binding (whose buffers the graph reads) is the one any
+  later view with the same key gets, never a new one at other addresses.
 - Capture happens inside ``engine.session("unet")`` after a warm-up on a side stream (cuBLAS/cuDNN/Triton/
   inductor initialisation must not happen during capture). Graphs are cached per ``ModelParts`` (weakly: a
   collected model drops its graphs), at most ``LEANDIFFUSION_MAX_GRAPHS`` (default 2) per model, least recently
@@ -101,7 +103,7 @@ def graph_key(engine: LeanEngine, program_key: Hashable, compiled: bool) -> Hash
 class CapturedStep:
     program: StepProgram
     replay: Callable[[], None]
-    adapters: tuple = ()  # keeps id()-keyed adapters alive while their graph is cached
+    adapters: tuple = ()  # every adapter of the captured view, kept alive while its graph is cached (step_for)
     replays: int = 0
     device: Optional[torch.device] = None
 
@@ -185,8 +187,12 @@ class GraphRunner:
         else:
             logger.info("CUDA-graph capture of the UNet step took %.2f s", elapsed)
         prepare(program)
-        id_keyed = tuple(a for a in engine.adapters if getattr(a, "graph_key", None) is None)
-        captured = CapturedStep(program, replay, id_keyed, device=torch.device(engine.device))
+        # Invariant: a cache hit replays reads of the very buffers attached at capture. An adapter's graph_key names
+        # its structure only (a LoRA binding's key), and the buffers belong to the binding object, which LoRA views
+        # share through a weak map (lora.adapter). Keeping every adapter (hence its binding) alive while the graph
+        # is cached means a view injected later with the same key gets this binding, never a new one elsewhere
+        # (id()-keyed adapters need it too: their id must not be reused while the graph lives).
+        captured = CapturedStep(program, replay, tuple(engine.adapters), device=torch.device(engine.device))
         entry.graphs[full_key] = captured
         entry.captures += 1
         return captured

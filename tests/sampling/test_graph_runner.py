@@ -3,7 +3,8 @@
 On the CPU a stand-in backend (it "captures" by keeping the step callable) exercises the cache and key logic; the
 ``gpu`` tests capture real CUDA graphs and torch.compile the tiny UNet (fp16, within 5e-3 relative of eager).
 Guards: a recapture per run (slow), a missing recapture when the shape/layout/adapter structure/weights change
-(stale graph = wrong or crashing replay), a stale guidance scale or LoRA strength baked into a graph, graphs that
+(stale graph = wrong or crashing replay), a stale guidance scale or LoRA strength baked into a graph, a cache hit
+for a LoRA view whose binding (the buffers the graph reads) was collected and made again elsewhere, graphs that
 keep a collected model alive, a CPU run that fails instead of falling back, and a failed warm-up or capture that
 leaves the caller's stream unjoined or its graph's pool pinned by a cuBLAS workspace.
 """
@@ -419,3 +420,36 @@ def test_captures_warm_up_on_one_stream_per_device():
     assert shared_stream(dev, "capture-warmup") is same
     assert shared_stream(dev, "vae") is not same
     assert same != torch.cuda.current_stream(dev)
+
+
+def test_cached_graph_keeps_the_lora_binding_it_reads(tmp_path):
+    """A graph replays the addresses of the LoRA buffers attached at capture (factors, strength-scaled ``up_s``),
+    while its key names the LoRA only by structure. When the view is dropped (ComfyUI drops a node's old output
+    once its strength changes, before the injector runs again) and the same file is injected again, the new view
+    must get the binding the graph was captured with; a new binding would put the buffers elsewhere and the
+    cache hit would replay reads of freed memory (wrong image on a GPU). The sampler gets its conditioning from
+    outside (as with CLIPTextEncode inputs), so no prompt-cache key keeps the first view's adapter alive."""
+    from leandiffusion.lora import inject_lora
+    from leandiffusion.sampling.cfg import encode_conditioning
+    from leandiffusion.tests.lora import lorafiles as lf
+
+    eng = tiny_engine("sd1")
+    path = lf.write(lf.kohya_state_dict({"unet": eng.parts.unet}, {"unet": lf.ATTN_FF}), tmp_path / "l.safetensors")
+    cond = encode_conditioning(eng, "a boat", "rain", 1, True, 64, 64)
+    runner = GraphRunner(StandInBackend())
+    run = lambda e: sample(e, _settings(), conditioning=cond, runner=runner, quiet=True)["samples"]  # noqa: E731
+
+    view = inject_lora(eng, path, strength=1.0)
+    run(view)
+    captured = weakref.ref(view.adapters[0].binding)
+    del view
+    gc.collect()
+    again = inject_lora(eng, path, strength=0.5)
+    out = run(again)
+    assert runner.captures(eng) == 1  # replayed: same structure, another strength
+    assert again.adapters[0].binding is captured()  # ... so it must be the binding whose buffers the graph reads
+    assert torch.equal(out, sample(again, _settings(acceleration="none"), conditioning=cond, quiet=True)["samples"])
+    ref = weakref.ref(eng.parts)  # the bindings the cache keeps do not keep the model alive
+    del eng, again
+    gc.collect()
+    assert ref() is None
