@@ -1,4 +1,4 @@
-"""Load a LoRA file onto a device once, and cache it per (path, mtime, size, device, dtype, components).
+"""Load a LoRA file onto a device once, and cache it per (path, file identity, device, dtype, components).
 
 Invariant: a ``LoadedLora`` is immutable and model-independent; its layers hold the factors on the target
 device and dtype with the file's scale folded into ``up`` (``up_loaded = (alpha / rank) * up_file``, computed in
@@ -6,7 +6,7 @@ fp32 and rounded once; each loaded layer's ``scale`` is 1.0). Views and bindings
 
 Cache: a bounded strong LRU (``MAX_CACHED`` most recent) plus a weak map, so a LoRA stays loaded as long as any
 engine view uses it and a re-run of an unchanged workflow does not re-read the file. A file changed on disk
-(mtime or size) is a new key.
+(mtime, size, inode or ctime: also a copy that kept the old size and mtime) is a new key.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ _WEAK: "weakref.WeakValueDictionary[tuple, LoadedLora]" = weakref.WeakValueDicti
 
 @dataclass(frozen=True, eq=False)
 class LoadedLora:
-    key: tuple  # (path, mtime_ns, size, device, dtype, components)
+    key: tuple  # (path, mtime_ns, size, inode, ctime_ns, device, dtype, components)
     parsed: ParsedLora  # layers on the device, scale folded into up
     name: str
 
@@ -42,8 +42,10 @@ class LoadedLora:
 
 
 def _file_key(path: Path) -> tuple:
+    """Identifies a file's contents without reading them: a file replaced by rename has another inode, one rewritten
+    in place another ctime, even when a copy kept the old size and mtime (``cp -p``, ``rsync -a``)."""
     st = path.stat()
-    return str(path.resolve()), st.st_mtime_ns, st.st_size
+    return str(path.resolve()), st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns
 
 
 def to_device(parsed: ParsedLora, device: torch.device, dtype: torch.dtype,

@@ -51,10 +51,11 @@ def find_embedding(name: str, available: Optional[list[str]] = None) -> Optional
 
 
 def file_signature(relative: str) -> tuple:
-    """(path, size, mtime) of an embedding file: part of the prompt cache key, so editing a file invalidates."""
+    """(path, size, mtime, inode, ctime) of an embedding file: part of the prompt cache key, so editing or replacing
+    a file invalidates, also when a copy kept the old size and mtime (``cp -p``, ``rsync -a``)."""
     path = bridge.resolve_model(FOLDER, relative, "embedding")
     st = path.stat()
-    return (str(path), st.st_size, st.st_mtime_ns)
+    return (str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 def _concat_matching(tensors: list, width: int) -> Optional[torch.Tensor]:
@@ -87,7 +88,7 @@ def _select(obj, key: str, width: int, name: str) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _load_file(path: str, size: int, mtime_ns: int):
+def _load_file(path: str, *signature: int):  # signature: the rest of file_signature, so a changed file is a miss
     if path.lower().endswith(".safetensors"):
         from safetensors.torch import load_file
 
@@ -102,8 +103,7 @@ def _load_file(path: str, size: int, mtime_ns: int):
 
 def load_embedding(relative: str, key: str, width: int) -> torch.Tensor:
     """Vectors ``[n, width]`` float32 (CPU) of the embedding file ``relative`` for the encoder ``key``."""
-    path, size, mtime = file_signature(relative)
-    obj = _load_file(path, size, mtime)
+    obj = _load_file(*file_signature(relative))
     tensor = _select(obj, key, width, relative)
     if not torch.is_tensor(tensor):
         raise ValueError(f"embedding:{relative}: expected a tensor under the selected key, got {type(tensor).__name__}")

@@ -1,7 +1,8 @@
 """The LeanLoraInjector node contract, and the loader's cache and alpha conventions.
 
 Guards: node ID / inputs / COMBO from the loras folder; the node returns a view and leaves its input unchanged;
-files are cached per (path, mtime, size, device, dtype) and re-read when changed; PEFT alphas from ``.alpha`` keys,
+files are cached per (path, mtime, size, inode, ctime, device, dtype) and re-read when changed (also by a copy that kept
+size and mtime); PEFT alphas from ``.alpha`` keys,
 metadata and rsLoRA; no alpha means alpha = rank.
 """
 import json
@@ -54,6 +55,20 @@ def test_cache_per_file_identity(tmp_path):
     assert load_lora(path, "cpu", torch.float64) is not a
     lf.write(lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, seed=9), path)
     os.utime(path, ns=(1, 1))
+    b = load_lora(path, "cpu", torch.float32)
+    assert b is not a and not torch.equal(b.parsed.layers[0].down, a.parsed.layers[0].down)
+
+
+def test_cache_sees_a_copy_that_kept_size_and_mtime(tmp_path):
+    """``cp -p`` / ``rsync -a`` of another LoRA with the same shapes: same size, same mtime, new contents."""
+    clear_cache()
+    c = tiny_components("sd1")
+    path = lf.write(lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}), tmp_path / "a.safetensors")
+    a = load_lora(path, "cpu", torch.float32)
+    st = os.stat(path)
+    lf.write(lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, seed=9), path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
     b = load_lora(path, "cpu", torch.float32)
     assert b is not a and not torch.equal(b.parsed.layers[0].down, a.parsed.layers[0].down)
 

@@ -214,3 +214,9 @@ def test_cache_is_used_by_default_and_invalidated_by_embedding_edit(models_dir):
     os.utime(models_dir / "e.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     b = encode_texts(engine, ["embedding:e cat"])[0]
     assert count.calls == 2 and not torch.equal(a.context, b.context)
+    st = os.stat(models_dir / "e.safetensors")  # a copy that kept size and mtime (cp -p): still a new key
+    save_file({"emb_params": _vectors(1, 64, 7)}, str(models_dir / "e.safetensors"))
+    os.utime(models_dir / "e.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(models_dir / "e.safetensors").st_size == st.st_size
+    c = encode_texts(engine, ["embedding:e cat"])[0]
+    assert count.calls == 3 and not torch.equal(b.context, c.context)
