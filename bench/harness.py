@@ -241,7 +241,21 @@ def _json_safe(value):
     return value
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: a failed or
+    interrupted write leaves the previous file whole (or no file), never a truncated one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json(records, path: Path) -> None:
     """Write a JSON-like value (a list of records, or a report document) as strict JSON (NaN -> null)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(records), indent=1))
+    write_text_atomic(path, json.dumps(_json_safe(records), indent=1))

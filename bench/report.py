@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Iterable, Optional
@@ -458,21 +459,27 @@ def write_charts(doc: dict, out_dir, backend: str = "auto") -> list[Path]:
     for kind in chart_kinds(doc):
         panels = chart_groups(doc, kind)
         path = out_dir / CHART_FILES[kind]
-        render(panels, TITLES[kind], subtitle, path)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")  # keeps the format suffix
+        try:
+            render(panels, TITLES[kind], subtitle, tmp)
+            os.replace(tmp, path)  # a drawing error never leaves a half-written chart over the last good one
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         written.append(path)
     return written
 
 
 def write_all(doc: dict, out_dir, charts: bool = True, backend: str = "auto") -> list[Path]:
     """Write bench.json, BENCHMARKS.md and (optionally) the charts into ``out_dir``; returns the paths."""
-    from .harness import write_json
+    from .harness import write_json, write_text_atomic
 
     out_dir = Path(out_dir)
     doc = dict(doc, records=[normalise_record(r) for r in doc.get("records", [])])
     write_json(doc, out_dir / "bench.json")
     chart_paths = write_charts(doc, out_dir, backend) if charts else [
         out_dir / CHART_FILES[k] for k in chart_kinds(doc) if (out_dir / CHART_FILES[k]).exists()]
-    (out_dir / "BENCHMARKS.md").write_text(benchmarks_markdown(doc, [p.name for p in chart_paths]))
+    write_text_atomic(out_dir / "BENCHMARKS.md", benchmarks_markdown(doc, [p.name for p in chart_paths]))
     return [out_dir / "bench.json", out_dir / "BENCHMARKS.md", *chart_paths]
 
 

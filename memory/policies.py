@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import traceback
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -97,7 +98,8 @@ def apply_vram_policy(parts: ModelParts, policy: str | VramPolicy = "auto", *, d
         requested = VramPolicy(policy)
     except ValueError as exc:
         raise ValueError(f"vram_policy={policy!r}: expected one of {[p.value for p in VramPolicy]}") from exc
-    if isinstance(vram_budget_gb, bool) or not isinstance(vram_budget_gb, (int, float)) or not vram_budget_gb > 0:
+    if isinstance(vram_budget_gb, bool) or not isinstance(vram_budget_gb, (int, float)) or not vram_budget_gb > 0 \
+            or not math.isfinite(vram_budget_gb):
         raise ValueError(f"vram_budget_gb={vram_budget_gb!r}: expected a positive number of GB")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():

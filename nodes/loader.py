@@ -44,7 +44,7 @@ class LeanModelLoader:
         }}
 
     def load(self, model, vram_policy, vram_budget_gb, weight_dtype, vae_dtype):
-        engine = load_engine(model, vram_policy, float(vram_budget_gb), weight_dtype, vae_dtype)
+        engine = load_engine(model, vram_policy, vram_budget_gb, weight_dtype, vae_dtype)  # checked there
         return (engine, engine.plan)
 
 

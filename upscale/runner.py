@@ -310,6 +310,11 @@ def _validate(upscaler, images, output_scale, tile_size, tile_overlap) -> None:
     if min(h, w) < upscaler.min_size:
         raise ValueError(f"image is {w}x{h} px, smaller than the {upscaler.min_size}x{upscaler.min_size} px "
                          f"{upscaler.arch} accepts; enlarge it first")
+    for name, value, kind in (("output_scale", output_scale, (int, float)), ("tile_size", tile_size, int),
+                              ("tile_overlap", tile_overlap, int)):
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise TypeError(f"{name}={value!r}: expected {'a number' if kind is not int else 'an int'} "
+                            f"(see the node's {name} input)")
     if not (output_scale == 0 or 0.25 <= output_scale <= 16):
         raise ValueError(f"output_scale={output_scale}: use 0 (the model's native scale) or 0.25..16")
     if not (tile_size == 0 or MIN_TILE <= tile_size <= MAX_TILE):

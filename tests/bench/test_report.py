@@ -162,3 +162,63 @@ def test_chart_labels_tell_ambiguous_records_apart():
     d = doc([rec(notes="acceleration=none; x"), rec(notes="acceleration=cuda_graph; x")])
     labels = [item[0] for _, items in report.chart_groups(d, "time") for item in items]
     assert labels == ["c · step_ms (acceleration=none)", "c · step_ms (acceleration=cuda_graph)"]
+
+
+def test_interrupted_report_write_keeps_the_last_good_files(tmp_path, monkeypatch):
+    """bench.json / BENCHMARKS.md are rewritten after every suite: a write that fails midway (disk full, kill) must
+    leave the previous files whole, not truncated ones that lose the run's measurements."""
+    import builtins
+    import io
+
+    report.write_all(doc([rec()]), tmp_path, charts=False)
+    good = {n: (tmp_path / n).read_bytes() for n in ("bench.json", "BENCHMARKS.md")}
+    real_open = io.open
+
+    class HalfWriter:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, data):
+            self.fh.write(data[:len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    def failing_open(file, mode="r", *args, **kwargs):
+        fh = real_open(file, mode, *args, **kwargs)
+        return HalfWriter(fh) if "w" in mode else fh
+
+    monkeypatch.setattr(io, "open", failing_open)
+    monkeypatch.setattr(builtins, "open", failing_open)
+    with pytest.raises(OSError, match="No space"):
+        report.write_all(doc([rec(), rec(case="d")]), tmp_path, charts=False)
+    monkeypatch.undo()
+    assert {n: (tmp_path / n).read_bytes() for n in good} == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["BENCHMARKS.md", "bench.json"]
+
+
+def test_failed_chart_render_keeps_the_last_good_chart(tmp_path, monkeypatch):
+    from PIL import Image
+
+    d = doc([rec()])
+    report.write_charts(d, tmp_path, backend="pillow")
+    good = (tmp_path / "time.png").read_bytes()
+
+    def broken_save(self, fp, *args, **kwargs):
+        with open(fp, "wb") as fh:
+            fh.write(b"\x89PNG\r\n")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Image.Image, "save", broken_save)
+    with pytest.raises(OSError, match="No space"):
+        report.write_charts(d, tmp_path, backend="pillow")
+    monkeypatch.undo()
+    assert (tmp_path / "time.png").read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["time.png"]

@@ -64,6 +64,8 @@ def test_files_load_through_the_node(models_dir):
     (("tiny-random (test)", "full", 4.0, "fp8", "auto"), "weight_dtype='fp8'"),
     (("tiny-random (test)", "full", 4.0, "auto", "int8"), "vae_dtype='int8'"),
     (("tiny-random (test)", "turbo", 4.0, "auto", "auto"), "vram_policy='turbo'"),
+    (("tiny-random (test)", "full", float("inf"), "auto", "auto"), "vram_budget_gb=inf"),
+    (("tiny-random (test)", "full", "4 GB", "auto", "auto"), "vram_budget_gb='4 GB'"),  # was float()'s bare error
 ])
 def test_bad_inputs_give_clear_errors(models_dir, args, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):

@@ -110,6 +110,7 @@ def test_budget_below_minimum_states_it():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(policy="fastest"), "vram_policy='fastest'"),
     (dict(vram_budget_gb=-1.0), "vram_budget_gb=-1.0"),
+    (dict(vram_budget_gb=float("inf")), "vram_budget_gb=inf"),  # was a bare OverflowError
     (dict(dtype=torch.int8), "dtype=torch.int8"),
     (dict(working_shape=(2, 0, 8)), "working_shape"),
 ])

@@ -155,6 +155,17 @@ def test_bad_arguments(kwargs, match):
         upscale_images(up, _img(1, 8, 8), **{"device": "cpu", **kwargs})
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(output_scale="2"), "output_scale='2'"), (dict(output_scale=None), "output_scale=None"),
+    (dict(tile_size=None), "tile_size=None"), (dict(tile_size=40.5), "tile_size=40.5"),
+    (dict(tile_overlap="8"), "tile_overlap='8'"),
+])
+def test_wrong_argument_types_are_named(kwargs, match):
+    up = build_upscaler(H.random_compact(num_conv=1))  # was a bare "'<=' not supported between ..." TypeError
+    with pytest.raises(TypeError, match=match):
+        upscale_images(up, _img(1, 8, 8), **{"device": "cpu", **kwargs})
+
+
 def test_bad_images():
     up = build_upscaler(H.random_rrdb(unshuffle=4))  # x1 model: needs at least 4x4 px
     with pytest.raises(ValueError, match="smaller than the 4x4"):
