@@ -142,10 +142,7 @@ class BenchContext:
         """Write ``result()`` to the sink (atomically), when the context has one."""
         if self.sink is None:
             return
-        self.sink.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.sink.with_name(self.sink.name + ".tmp")
-        tmp.write_text(json.dumps(_json_safe(self.result(status, error)), indent=1))
-        os.replace(tmp, self.sink)
+        write_json(self.result(status, error), self.sink)
 
     def record(self, case: str, metric: str, ours: float, peer: Optional[float] = None, peer_name: str = "",
                target: Optional[float] = None, target_kind: str = "", lower_is_better: bool = True,
@@ -241,19 +238,26 @@ def _json_safe(value):
     return value
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``: a failed or
-    interrupted write leaves the previous file whole (or no file), never a truncated one."""
+@contextlib.contextmanager
+def replaced_atomically(path: Path):
+    """Yields a temporary path beside ``path`` (same suffix, so writers that pick a format from it still work); when
+    the block ends without error it replaces ``path`` (``os.replace``). A failed or interrupted write leaves the
+    previous file whole (or no file), never a truncated one, and removes the temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through :func:`replaced_atomically`."""
+    with replaced_atomically(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def write_json(records, path: Path) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Iterable, Optional
@@ -441,6 +440,8 @@ def write_charts(doc: dict, out_dir, backend: str = "auto") -> list[Path]:
 
     ``backend``: "matplotlib", "pillow" or "auto" (matplotlib when it imports, else Pillow).
     """
+    from .harness import replaced_atomically
+
     if backend not in ("auto", "matplotlib", "pillow"):
         raise ValueError(f"backend={backend!r}: expected 'auto', 'matplotlib' or 'pillow'")
     if backend == "auto":
@@ -459,13 +460,8 @@ def write_charts(doc: dict, out_dir, backend: str = "auto") -> list[Path]:
     for kind in chart_kinds(doc):
         panels = chart_groups(doc, kind)
         path = out_dir / CHART_FILES[kind]
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")  # keeps the format suffix
-        try:
+        with replaced_atomically(path) as tmp:  # a drawing error never leaves a broken chart over the last good one
             render(panels, TITLES[kind], subtitle, tmp)
-            os.replace(tmp, path)  # a drawing error never leaves a half-written chart over the last good one
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
         written.append(path)
     return written
 

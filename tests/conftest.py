@@ -39,82 +39,58 @@ def _gpu_memory_isolation(request):
     if "gpu" in request.keywords and torch.cuda.is_available():
         import gc
 
+        from leandiffusion.memory.cap import forget_library_workspaces
+
         gc.collect()
-        torch.cuda.synchronize()
-        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_workspaces is not None:  # cuBLAS keeps a workspace per stream ever used; earlier tests' streams
-            clear_workspaces()  # would otherwise hold memory that a budgeted test counts as its own
+        # cuBLAS keeps a workspace per stream ever used: earlier tests' would hold memory a budgeted test counts
+        forget_library_workspaces(torch.device("cuda", torch.cuda.current_device()))  # synchronises first
         torch.cuda.empty_cache()
     yield
 
 
-def _numeric_settings() -> dict:
-    """The process-wide switches that change which kernels run or how they round."""
+def _numeric_switches() -> dict:
+    """name -> (read, restore) for each process-wide switch that changes which kernels run or how they round
+    (``restore`` None: only reported)."""
     b = torch.backends
-    settings = {
-        "grad_enabled": torch.is_grad_enabled(),
-        "default_dtype": torch.get_default_dtype(),
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "cudnn.enabled": b.cudnn.enabled,
-        "cudnn.benchmark": b.cudnn.benchmark,
-        "cudnn.deterministic": b.cudnn.deterministic,
-        "matmul.fp16_reduced": b.cuda.matmul.allow_fp16_reduced_precision_reduction,
-        "matmul.bf16_reduced": b.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        "sdp.flash": b.cuda.flash_sdp_enabled(),
-        "sdp.mem_efficient": b.cuda.mem_efficient_sdp_enabled(),
-        "sdp.math": b.cuda.math_sdp_enabled(),
-        "sdp.cudnn": b.cuda.cudnn_sdp_enabled(),
+    attributes = [("cudnn.enabled", b.cudnn, "enabled"), ("cudnn.benchmark", b.cudnn, "benchmark"),
+                  ("cudnn.deterministic", b.cudnn, "deterministic"),
+                  ("matmul.fp16_reduced", b.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+                  ("matmul.bf16_reduced", b.cuda.matmul, "allow_bf16_reduced_precision_reduction")]
+    attributes += [(f"matmul.{name}", b.cuda.matmul, name) for name in ("fp16_accumulation", "allow_fp16_accumulation")
+                   if hasattr(b.cuda.matmul, name)]
+    switches = {
+        "grad_enabled": (torch.is_grad_enabled, torch.set_grad_enabled),
+        "default_dtype": (torch.get_default_dtype, torch.set_default_dtype),
+        "deterministic_algorithms": (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
+        "sdp.flash": (b.cuda.flash_sdp_enabled, b.cuda.enable_flash_sdp),
+        "sdp.mem_efficient": (b.cuda.mem_efficient_sdp_enabled, b.cuda.enable_mem_efficient_sdp),
+        "sdp.math": (b.cuda.math_sdp_enabled, b.cuda.enable_math_sdp),
+        "sdp.cudnn": (b.cuda.cudnn_sdp_enabled, b.cuda.enable_cudnn_sdp),
     }
-    if hasattr(b.cuda.matmul, "fp32_precision"):  # read TF32 through the API the pack writes (mixing the legacy
-        # allow_tf32 reads with fp32_precision writes is refused by PyTorch)
-        for key, owner in (("fp32_precision", b), ("matmul.fp32_precision", b.cuda.matmul),
-                           ("cudnn.fp32_precision", b.cudnn), ("cudnn.conv.fp32_precision", b.cudnn.conv)):
-            settings[key] = owner.fp32_precision
+    if hasattr(b.cuda.matmul, "fp32_precision"):  # read TF32 through the API the pack writes (PyTorch refuses legacy
+        # allow_tf32 reads once fp32_precision has been written)
+        attributes += [("fp32_precision", b, "fp32_precision"), ("matmul.fp32_precision", b.cuda.matmul,
+                        "fp32_precision"), ("cudnn.fp32_precision", b.cudnn, "fp32_precision"),
+                       ("cudnn.conv.fp32_precision", b.cudnn.conv, "fp32_precision")]
     else:
-        settings["float32_matmul_precision"] = torch.get_float32_matmul_precision()
-        settings["cudnn.allow_tf32"] = b.cudnn.allow_tf32
-        settings["matmul.allow_tf32"] = b.cuda.matmul.allow_tf32
-    for name in ("fp16_accumulation", "allow_fp16_accumulation"):
-        if hasattr(b.cuda.matmul, name):
-            settings[f"matmul.{name}"] = getattr(b.cuda.matmul, name)
+        attributes += [("cudnn.allow_tf32", b.cudnn, "allow_tf32"), ("matmul.allow_tf32", b.cuda.matmul, "allow_tf32")]
+        switches["float32_matmul_precision"] = (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision)
+    for name, owner, attr in attributes:
+        switches[name] = (lambda o=owner, a=attr: getattr(o, a), lambda v, o=owner, a=attr: setattr(o, a, v))
     if torch.cuda.is_available():
-        settings["current_stream"] = torch.cuda.current_stream().cuda_stream
-    return settings
+        switches["current_stream"] = (lambda: torch.cuda.current_stream().cuda_stream, None)
+    return switches
 
 
 @pytest.fixture(autouse=True)
 def _numeric_settings_unchanged(request):
-    before = _numeric_settings()
+    switches = _numeric_switches()
+    before = {name: read() for name, (read, _) in switches.items()}
     yield
-    after = _numeric_settings()
-    changed = {k: (before[k], after.get(k)) for k in before if after.get(k) != before[k]}
+    changed = {name: (old, switches[name][0]()) for name, old in before.items() if switches[name][0]() != old}
     if changed:
-        for key, (old, _) in changed.items():  # restore, so one leak fails one test, not every later one
-            _restore(key, old)
+        for name, (old, _) in changed.items():  # restore, so one leak fails one test, not every later one
+            restore = switches[name][1]
+            if restore is not None:
+                restore(old)
         pytest.fail(f"{request.node.nodeid} left torch settings changed (before, after): {changed}", pytrace=False)
-
-
-def _restore(key, value):
-    b = torch.backends
-    setters = {
-        "grad_enabled": torch.set_grad_enabled,
-        "default_dtype": torch.set_default_dtype,
-        "deterministic_algorithms": torch.use_deterministic_algorithms,
-        "float32_matmul_precision": torch.set_float32_matmul_precision,
-        "sdp.flash": b.cuda.enable_flash_sdp,
-        "sdp.mem_efficient": b.cuda.enable_mem_efficient_sdp,
-        "sdp.math": b.cuda.enable_math_sdp,
-        "sdp.cudnn": b.cuda.enable_cudnn_sdp,
-    }
-    if key in setters:
-        setters[key](value)
-    elif key.endswith("fp32_precision"):
-        owner = {"fp32_precision": b, "matmul.fp32_precision": b.cuda.matmul, "cudnn.fp32_precision": b.cudnn,
-                 "cudnn.conv.fp32_precision": b.cudnn.conv}[key]
-        owner.fp32_precision = value
-    elif key.startswith("cudnn."):
-        setattr(b.cudnn, key.split(".", 1)[1], value)
-    elif key.startswith("matmul."):
-        name = {"fp16_reduced": "allow_fp16_reduced_precision_reduction",
-                "bf16_reduced": "allow_bf16_reduced_precision_reduction"}.get(key[7:], key[7:])
-        setattr(b.cuda.matmul, name, value)
