@@ -5,6 +5,7 @@ weights, 1024 px) at 1 and 8 images, times replays in alternating rounds, and re
 1 -> 8 gain, and the output's largest relative difference from the default variant (same inputs). Variants:
 default; SDPA restricted to cuDNN / flash / mem-efficient attention; channels-last weights and input; the
 pack's grid-wide GroupNorm (``vae.group_norm``) forced on every UNet GroupNorm; cuDNN autotuning (``bench``);
+every GEMM through cuBLASLt (``lt``) or plain cuBLAS (``blas``); no fp16 split-K reductions (``norpr``);
 diffusers' feed-forward chunking ``ffc<dim>_<size>`` (dim 0 = batch, 1 = tokens); micro-batching ``mb<rows>``
 (every transformer and resnet block runs on batch chunks of ``rows`` and concatenates; ``mbt<rows>``: transformer
 blocks only), which tests whether the batch loses by spilling activations that fit L2 at one image;
@@ -92,6 +93,14 @@ def variant(name):
     for p in parts:
         if p in backends:
             stack.enter_context(sdpa_kernel([backends[p]]))
+    if "lt" in parts or "blas" in parts:  # every GEMM through cuBLASLt / plain cuBLAS (process-wide, restored)
+        old_blas = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt" if "lt" in parts else "cublas")
+        stack.callback(lambda: torch.backends.cuda.preferred_blas_library(old_blas))
+    if "norpr" in parts:  # no reduced-precision (fp16) split-K reductions in cuBLAS
+        old_rpr = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        stack.callback(lambda: setattr(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", old_rpr))
     if "bench" in parts:  # cuDNN autotuning during the warm-up calls before capture
         torch.backends.cudnn.benchmark = True
         stack.callback(lambda: setattr(torch.backends.cudnn, "benchmark", False))
