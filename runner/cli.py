@@ -13,17 +13,30 @@ import logging
 import os
 import signal
 import sys
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .client import ComfyClient
 from .convert import apply_overrides, load_workflow, parse_override, ui_to_api
-from .errors import EXIT_INTERRUPTED, EXIT_OK, ExecutionFailed, RunnerError, ValidationFailed, WorkflowError
+from .errors import (EXIT_INTERRUPTED, EXIT_OK, ExecutionFailed, RunnerError, ServerUnreachable, ValidationFailed,
+                     WorkflowError)
 from .local import LocalComfyUI
 from .progress import RunProgress
 
 logger = logging.getLogger(__name__)
+
+
+def _seconds(text: str) -> float:
+    """argparse type for --timeout / --start-timeout: a positive number of seconds (``inf`` = no limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (e.g. 600; inf = no limit)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", metavar="NODE.INPUT=VALUE", action="append", default=[],
                    help="override an input; NODE is a node id or a class type (all nodes of it); VALUE is parsed "
                         "as JSON when possible, else taken as a string. Repeatable.")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+    p.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
                    help="seconds the run may take once queued (default: 600)")
-    p.add_argument("--start-timeout", type=float, default=180.0, metavar="S",
+    p.add_argument("--start-timeout", type=_seconds, default=180.0, metavar="S",
                    help="seconds a started ComfyUI may take to answer (default: 180)")
     p.add_argument("--python", metavar="EXE", help="interpreter for a started ComfyUI (default: $COMFYUI_PYTHON, "
                                                     "else PATH/.venv/bin/python, else this one)")
@@ -63,10 +76,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _read_workflow(path: str) -> tuple[str, dict]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise WorkflowError(f"cannot read workflow {path}: {exc.strerror or exc}") from exc
+    try:
+        text = raw.decode("utf-8-sig")  # editors on Windows may save UTF-8 with a byte-order mark
+    except UnicodeDecodeError as exc:
+        raise WorkflowError(f"workflow {path} is not a JSON text file (it is binary, e.g. an image); pass the "
+                            f"workflow's .json file, or open the image in ComfyUI and use 'Export (API)'") from exc
     return load_workflow(text, source=path)
+
+
+def _check_server_url(url: str) -> None:
+    """Refuse a --server value that is no http(s) URL with a host and a valid port, naming it."""
+    full = url if "://" in url else "http://" + url
+    try:
+        parts = urllib.parse.urlsplit(full)
+        parts.port  # noqa: B018 -- raises ValueError for a non-numeric or out-of-range port
+    except ValueError as exc:
+        raise WorkflowError(f"--server {url}: not a URL like http://127.0.0.1:8188 ({exc})") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise WorkflowError(f"--server {url}: not a URL like http://127.0.0.1:8188 (it needs http:// or https:// "
+                            f"and a host)")
+
+
+def _check_out_dir(out: str) -> None:
+    """Refuse an --out that cannot become a writable folder before anything runs (a run's images would be lost)."""
+    path = Path(out)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "is a file" if probe == path else f"is under {probe}, which is a file"
+        raise WorkflowError(f"--out {out} {what}, not a folder; name a folder for the images")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise WorkflowError(f"--out {out}: no permission to write in {probe}; name another folder")
 
 
 def _check_known_nodes(prompt: dict, object_info: dict) -> None:
@@ -114,7 +158,10 @@ def _run(args) -> int:
     for text in args.overrides:  # refuse a malformed --set before starting anything
         parse_override(text)
     kind, workflow = _read_workflow(args.workflow)
+    if not args.convert_only:
+        _check_out_dir(args.out)
     if args.server:
+        _check_server_url(args.server)
         return run_on_server(ComfyClient(args.server), kind, workflow, args)
     comfyui = args.comfyui or os.environ.get("COMFYUI_PATH")
     if not comfyui:
@@ -128,9 +175,25 @@ def _run(args) -> int:
             print(f"ComfyUI started at {server.url}{kept}", file=sys.stderr)
         try:
             return run_on_server(ComfyClient(server.url), kind, workflow, args)
+        except (ValidationFailed, WorkflowError) as exc:  # "unknown node type" may mean: our pack did not import
+            failure = server.pack_import_error()
+            if not failure or not any("unknown node type" in line for line in exc.lines):
+                raise
+            reason = failure[-1].split("module for custom nodes:", 1)[-1].strip()
+            raise ValidationFailed(f"the started ComfyUI could not import this pack: {reason}",
+                                   [f"the started ComfyUI could not import this pack ({server.pack_dir}): {reason}; "
+                                    f"install the pack's requirements.txt with ComfyUI's python ({server.python})",
+                                    "  ComfyUI's log:"] + failure) from exc
         except ExecutionFailed as exc:  # the server's traceback is in its log, which goes away with the server
             exc.lines += ["  the end of ComfyUI's log:"] + server.log_tail(20)
             raise
+        except ServerUnreachable as exc:  # our own server went away mid-run: say so, with the log that says why
+            code = server.exited(wait=5)
+            if code is None:
+                raise
+            raise ServerUnreachable(f"ComfyUI exited with code {code} during the run",
+                                    [f"ComfyUI exited with code {code} during the run ({exc}); the end of its log:"]
+                                    + server.log_tail(20)) from exc
 
 
 def _raise_keyboard_interrupt(signum, frame):

@@ -13,6 +13,7 @@ Endpoints used (ComfyUI 0.3.x): ``GET /system_stats``, ``GET /object_info``, ``P
 """
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -130,6 +131,12 @@ class ComfyClient:
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as exc:
             reason = getattr(exc, "reason", exc)
             raise ServerUnreachable(f"ComfyUI is not reachable at {self.base_url}: {reason}") from exc
+        except http.client.IncompleteRead as exc:  # the server went away in the middle of its answer
+            raise ServerUnreachable(f"ComfyUI at {self.base_url} stopped answering in the middle of a reply "
+                                    f"({exc})") from exc
+        except http.client.HTTPException as exc:  # something answered, but not in HTTP (another service's port)
+            raise ServerUnreachable(f"{self.base_url} did not answer in HTTP ({type(exc).__name__}: {exc}); "
+                                    f"is this a ComfyUI server?") from exc
 
     def get_json(self, path: str, query: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
         status, raw = self.request("GET", path, query=query, timeout=timeout)
@@ -179,6 +186,18 @@ class ComfyClient:
         entry = self.get_json(f"/history/{urllib.parse.quote(prompt_id)}")
         return entry.get(prompt_id) if isinstance(entry, dict) else None
 
+    def in_queue(self, prompt_id: str) -> Optional[bool]:
+        """Whether ``GET /queue`` lists ``prompt_id`` as running or pending; ``None`` when the server cannot say."""
+        status, raw = self.request("GET", "/queue")
+        try:
+            body = json.loads(raw) if status == 200 else None
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return None
+        items = list(body.get("queue_running") or []) + list(body.get("queue_pending") or [])
+        return any(isinstance(item, (list, tuple)) and len(item) > 1 and item[1] == prompt_id for item in items)
+
     # ----------------------------------------------------------------------------------------- websocket
     def open_websocket(self, client_id: str):
         """A connected ``websocket-client`` socket for ``/ws?clientId=``, or ``None`` (the runner then polls)."""
@@ -209,7 +228,14 @@ class ComfyClient:
             if now >= deadline:
                 self.cancel(prompt_id)
                 raise ExecutionFailed(f"the workflow did not finish within --timeout {timeout:g} s; it was cancelled")
-            message = self._receive(ws, min(poll_interval, deadline - now)) if ws is not None else None
+            message = None
+            if ws is not None:
+                try:
+                    message = self._receive(ws, min(poll_interval, deadline - now))
+                except ServerUnreachable as exc:  # the run may go on (a proxy cut an idle socket): poll instead
+                    logger.warning("%s; following the run by polling /history", exc)
+                    ws = None
+                    continue
             if ws is None:
                 time.sleep(max(0.0, min(poll_interval, deadline - time.monotonic())))
             if message is not None:
@@ -229,6 +255,13 @@ class ComfyClient:
                 entry = self.history(prompt_id)
                 finished = bool(entry and (entry.get("status") or {}).get("completed") is not None
                                 and entry.get("status", {}).get("status_str") in ("success", "error"))
+                # Neither finished nor queued (and still no history after asking the queue: it may have just
+                # finished): deleted from the queue, the queue cleared, or the server restarted.
+                if (entry is None and self.in_queue(prompt_id) is False
+                        and self.history(prompt_id) is None):
+                    raise ExecutionFailed(f"prompt {prompt_id} is no longer in ComfyUI's queue and has no result: "
+                                          f"it was deleted from the queue (or the queue was cleared, or ComfyUI "
+                                          f"restarted)")
         return self._final_history(prompt_id, deadline)
 
     @staticmethod
@@ -267,6 +300,8 @@ class ComfyClient:
             for kind, data in status.get("messages") or []:
                 if kind == "execution_error":
                     raise ExecutionFailed("a node failed", describe_execution_error(data))
+                if kind == "execution_interrupted":
+                    raise ExecutionFailed(f"the run was interrupted on the server (node {data.get('node_id')})")
             raise ExecutionFailed("ComfyUI reports the run failed (see its log)")
         return entry
 
@@ -291,25 +326,53 @@ class ComfyClient:
             raise ExecutionFailed(f"could not fetch output image {subfolder + '/' if subfolder else ''}{filename} "
                                   f"from /view (HTTP {status})")
         folder = out_dir / subfolder
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".partial-{uuid.uuid4().hex}{Path(filename).suffix}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, as for any saved file
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".partial-{uuid.uuid4().hex}{Path(filename).suffix}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies, as for any saved file
+        except OSError as exc:
+            raise ExecutionFailed(f"could not save {filename} in {folder}: {exc.strerror or exc}") from exc
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
-            target = _unique(folder / filename)
-            os.replace(tmp, target)
-        except BaseException:
+            target = _place_without_overwriting(tmp, folder / filename)
+        except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise ExecutionFailed(f"could not save {filename} in {folder}: {exc.strerror or exc}") from exc
             raise
         return target
+
+
+def _numbered(path: Path, n: int) -> Path:
+    return path if n == 0 else path.with_name(f"{path.stem}_{n}{path.suffix}")
 
 
 def _unique(path: Path) -> Path:
     """``path``, or ``name_1.ext``, ``name_2.ext`` ... when it exists: earlier runs' images are never overwritten."""
     n = 0
-    candidate = path
-    while candidate.exists():
+    while _numbered(path, n).exists():
         n += 1
-        candidate = path.with_name(f"{path.stem}_{n}{path.suffix}")
-    return candidate
+    return _numbered(path, n)
+
+
+def _place_without_overwriting(tmp: Path, path: Path) -> Path:
+    """Give the complete file ``tmp`` the name ``path`` (or ``name_N.ext``, the first free one) and return it.
+
+    The name is claimed with a hard link, which fails if the name exists, so a file that appears between looking
+    and placing (a second runner saving into the same ``--out``) is never overwritten. Where the filesystem has no
+    hard links, the checked rename (``_unique`` then ``os.replace``) is the fallback."""
+    n = 0
+    while True:
+        candidate = _numbered(path, n)
+        try:
+            os.link(tmp, candidate)
+        except FileExistsError:
+            n += 1
+            continue
+        except OSError:  # no hard links here (FAT, some network shares)
+            candidate = _unique(path)
+            os.replace(tmp, candidate)
+            return candidate
+        os.unlink(tmp)
+        return candidate

@@ -20,7 +20,8 @@ Graph rules, as the editor applies them:
 - muted nodes (mode 2) are dropped together with the inputs they feed; bypassed nodes (mode 4) are dropped and each
   consumer is rewired to the bypassed node's input of the same type (same slot index first, then the first match);
 - ``Note`` / ``MarkdownNote`` are ignored; any other type missing from ``/object_info`` is an error naming the node.
-Subgraphs (the editor's ``definitions.subgraphs``) are not expanded: such files must be exported in API format.
+Subgraphs (the editor's ``definitions.subgraphs``) and group nodes (``extra.groupNodes``) are not expanded: such files
+must be exported in API format.
 """
 from __future__ import annotations
 
@@ -202,6 +203,13 @@ def _check_no_subgraphs(workflow: dict) -> None:
     if used:
         raise WorkflowError(f"nodes {', '.join(used)} are subgraphs, which the converter does not expand; "
                             f"export the workflow from ComfyUI with 'Export (API)' and run that file")
+    # The editor's older "group nodes": type "workflow>NAME" ("workflow/NAME" before), defined in extra.groupNodes.
+    groups = ((workflow.get("extra") or {}).get("groupNodes")) or {}
+    grouped = [f"node {n.get('id')} ({n.get('type')})" for n in workflow["nodes"]
+               if any(str(n.get("type")) == f"workflow{sep}{name}" for name in groups for sep in ">/")]
+    if grouped:
+        raise WorkflowError(f"{', '.join(grouped)}: group node, which the converter does not expand; export the "
+                            f"workflow from ComfyUI with 'Export (API)' and run that file")
 
 
 def ui_to_api(workflow: dict, object_info: dict) -> dict:

@@ -142,9 +142,14 @@ class LocalComfyUI:
             self.log_file = log_file
             cmd = self.command(port, config)
             logger.info("starting ComfyUI: %s", " ".join(cmd))
-            self.proc = subprocess.Popen(cmd, cwd=self.comfyui_path, stdin=subprocess.DEVNULL, stdout=self._log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            try:
+                self.proc = subprocess.Popen(cmd, cwd=self.comfyui_path, stdin=subprocess.DEVNULL, stdout=self._log,
+                                             stderr=subprocess.STDOUT, start_new_session=True,
+                                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            except OSError as exc:
+                raise ServerUnreachable(f"cannot run ComfyUI's interpreter {self.python}: {exc.strerror or exc}; "
+                                        f"point --python (or COMFYUI_PYTHON) at the python of ComfyUI's environment"
+                                        ) from exc
             self.url = f"http://127.0.0.1:{port}"
             self._wait_ready()
             return self.url
@@ -199,6 +204,27 @@ class LocalComfyUI:
                 self._last_log = self.log_text()
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
+
+    def exited(self, wait: float = 0.0) -> Optional[int]:
+        """The server's exit code once it has exited (waiting up to ``wait`` seconds), else ``None``."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=wait) if wait > 0 else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
+
+    def pack_import_error(self, context: int = 15) -> list[str]:
+        """The log lines ending in ComfyUI's "Cannot import <this pack> module for custom nodes: ..." (with the
+        traceback before it), indented; empty when the pack imported (or the log does not say)."""
+        names = {str(self.pack_dir)}
+        if self.tmp is not None:
+            names.add(str(self.tmp / "custom_nodes" / PACK_LINK_NAME))
+        lines = self.log_text().splitlines()
+        for i, line in enumerate(lines):
+            if "Cannot import " in line and any(f"Cannot import {name} module" in line for name in names):
+                return ["  " + text for text in lines[max(0, i - context + 1):i + 1]]
+        return []
 
     def log_text(self) -> str:
         path = getattr(self, "log_file", None)

@@ -27,7 +27,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 set +e
 PYTHONPATH="$LINKS${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m leandiffusion.run "$PACK/workflows/quickstart.api.json" \
-  --comfyui "$COMFYUI_PATH" --out "$OUT" "${EXTRA[@]}" "$@"
+  --comfyui "$COMFYUI_PATH" --out "$OUT" ${EXTRA[@]+"${EXTRA[@]}"} "$@"
 code=$?
 set -e
 if [ "$code" -eq 0 ]; then

@@ -115,6 +115,19 @@ def test_subgraphs_are_refused_with_the_fix():
         ui_to_api(workflow, OBJECT_INFO)
 
 
+@pytest.mark.parametrize("node_type", ["workflow>Upscale pair", "workflow/Upscale pair"])
+def test_group_nodes_are_refused_with_the_fix(node_type):
+    # Bug: an editor "group node" (extra.groupNodes; type "workflow>NAME", "workflow/NAME" in older editors) was
+    # reported as "unknown node type; install the node pack that does", sending users looking for a node pack.
+    workflow = {"nodes": [_node(1, "EmptyImage", [8, 8, 1, 0]), _node(4, node_type, [8, 8])], "links": [],
+                "extra": {"groupNodes": {"Upscale pair": {"nodes": [], "links": []}}}}
+    with pytest.raises(WorkflowError) as info:
+        ui_to_api(workflow, OBJECT_INFO)
+    assert info.value.lines == [info.value.lines[0]]
+    line = info.value.lines[0]
+    assert "node 4" in line and "group node" in line and "Export (API)" in line and "install" not in line
+
+
 def test_only_notes_is_an_error():
     with pytest.raises(WorkflowError, match="no node that ComfyUI can execute"):
         ui_to_api({"nodes": [_node(1, "Note", ["x"])], "links": []}, OBJECT_INFO)

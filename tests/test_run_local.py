@@ -137,3 +137,68 @@ def test_cli_interrupted_mid_run_stops_comfyui(fake_comfyui_dir, tmp_path, sig):
     assert proc.returncode == EXIT_INTERRUPTED, stderr
     assert "interrupted" in stderr
     assert not _alive(_server_pid(fake_comfyui_dir))
+
+
+# --------------------------------------------------------------------------------------------- failures of the server
+def test_missing_interpreter_is_exit_4_naming_it(fake_comfyui_dir, tmp_path, capsys):
+    # Bug: --python (or COMFYUI_PYTHON) naming a missing interpreter died with a FileNotFoundError traceback.
+    from leandiffusion.runner.cli import main
+
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    code = main([str(FIXTURES / "core_image.api.json"), "--comfyui", str(fake_comfyui_dir), "--python",
+                 str(missing), "-q", "--out", str(tmp_path / "out")])
+    assert code == EXIT_UNREACHABLE
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and str(missing) in lines[0]
+
+
+@pytest.mark.parametrize("websocket", [True, False])
+def test_server_dying_mid_run_names_its_exit_and_log(fake_comfyui_dir, tmp_path, capsys, websocket):
+    # Bug: a started ComfyUI that died during the run (killed for memory, a crash in a kernel) gave only "lost the
+    # websocket connection" / "not reachable", and its log -- the one place saying why -- was deleted with it.
+    from leandiffusion.runner.cli import main
+
+    (fake_comfyui_dir / "main.py").write_text(
+        "import os, runpy, sys\n"
+        f"ns = runpy.run_path({str(FAKE)!r})\n"
+        "def crash(self, *a):\n"
+        "    import time; time.sleep(0.5)\n"
+        "    print('fake fatal: CUDA error: an illegal memory access', flush=True)\n"
+        "    os._exit(9)\n"
+        "ns['FakeComfyUI']._execute = crash\n"
+        f"ns['FakeComfyUI'].drop_websocket = {not websocket}\n"
+        "sys.argv = sys.argv\n"
+        "ns['_serve_as_main']()\n")
+    code = main([str(FIXTURES / "core_image.api.json"), "--comfyui", str(fake_comfyui_dir), "--python",
+                 sys.executable, "-q", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == EXIT_UNREACHABLE, err
+    assert "error: ComfyUI exited with code 9 during the run" in err
+    assert "fake fatal: CUDA error" in err
+    assert not _alive(_server_pid(fake_comfyui_dir))
+
+
+def test_pack_that_failed_to_import_is_named_not_unknown_nodes(fake_comfyui_dir, tmp_path, capsys):
+    # Bug: when the pack failed to import in the runner's own ComfyUI (a missing dependency in ComfyUI's
+    # environment), the user read "unknown node type ... install the node pack that does" -- for the pack the
+    # runner had just linked in -- and the log with the import error was deleted with the server.
+    from leandiffusion.runner.cli import main
+
+    (fake_comfyui_dir / "main.py").write_text(
+        "import runpy, sys\n"
+        "args = sys.argv[1:]\n"
+        "cfg = open(args[args.index('--extra-model-paths-config') + 1]).read()\n"
+        "nodes = [l.split(':', 1)[1].strip() for l in cfg.splitlines() if 'custom_nodes:' in l][0]\n"
+        "print('Traceback (most recent call last):', flush=True)\n"
+        "print(\"ModuleNotFoundError: No module named 'diffusers'\", flush=True)\n"
+        "print(f\"Cannot import {nodes}/leandiffusion module for custom nodes: No module named 'diffusers'\", "
+        "flush=True)\n"
+        f"runpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
+    workflow = PACK_ROOT / "workflows" / "quickstart.api.json"
+    code = main([str(workflow), "--comfyui", str(fake_comfyui_dir), "--python", sys.executable, "-q",
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors[0].startswith("error: the started ComfyUI could not import this pack") and "unknown node type" not in err
+    assert "No module named 'diffusers'" in err
