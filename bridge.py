@@ -111,26 +111,52 @@ def _folder_roots(folder: str) -> list[Path]:
     return [Path(base) / folder] if base else []
 
 
+def _in_link_cycle(dirpath: str, root: str) -> bool:
+    """True when ``dirpath`` (under ``root``) is the same real folder as one of its ancestors (a link cycle)."""
+    real = os.path.realpath(dirpath)
+    parent = os.path.dirname(dirpath)
+    while len(parent) >= len(root):
+        if os.path.realpath(parent) == real:
+            return True
+        if parent == root:
+            break
+        parent = os.path.dirname(parent)
+    return False
+
+
 def list_models(folder: str, extensions: tuple[str, ...] = (".safetensors",), dirs: bool = False) -> list[str]:
-    """Names (relative paths with '/') of files with ``extensions`` (or sub-folders when ``dirs``) in ``folder``."""
+    """Names (relative paths with '/') of files with ``extensions`` (or sub-folders when ``dirs``) in ``folder``.
+
+    Links are followed, files and sub-folders alike, as ComfyUI's own model lists do (``folder_paths`` walks with
+    ``followlinks=True``); a link cycle is entered once. Dangling links are left out.
+    """
     names: set[str] = set()
+    suffixes = tuple(e.lower() for e in extensions)
     for root in _folder_roots(folder):
         if not root.is_dir():
             continue
         if dirs:
             names.update(p.name for p in root.iterdir() if p.is_dir())
             continue
-        for path in root.rglob("*"):
-            if path.is_file() and path.name.lower().endswith(tuple(e.lower() for e in extensions)):
-                names.add(path.relative_to(root).as_posix())
+        top = str(root)
+        for dirpath, subdirs, filenames in os.walk(top, followlinks=True):
+            if dirpath != top and _in_link_cycle(dirpath, top):
+                subdirs[:] = []
+                continue
+            for filename in filenames:
+                full = os.path.join(dirpath, filename)
+                if filename.lower().endswith(suffixes) and os.path.isfile(full):
+                    names.add(Path(os.path.relpath(full, top)).as_posix())
     return sorted(names)
 
 
 def resolve_model(folder: str, name: str, input_name: str = "model_name") -> Path:
     """Resolve ``name`` to a file or folder inside one of ``folder``'s roots.
 
-    Refuses absolute paths and ``..`` escapes: a model name resolves only inside its model folder.
-    Raises ``ValueError`` naming the input, the value and what to do.
+    Refuses absolute paths and ``..`` escapes: a model *name* resolves only inside its model folder. Links that
+    the user placed inside the folder are followed, as ComfyUI's ``folder_paths.get_full_path`` does (and as
+    :func:`list_models` lists them). Returns the resolved path. Raises ``ValueError`` naming the input, the value
+    and what to do.
     """
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{input_name}: expected a model name from the '{folder}' folder, got {name!r}")
@@ -147,14 +173,9 @@ def resolve_model(folder: str, name: str, input_name: str = "model_name") -> Pat
             f"models/{folder}/, outside ComfyUI set {MODELS_ENV} to a folder that has a '{folder}' sub-folder"
         )
     for root in roots:
-        root_resolved = root.resolve()
-        path = (root / candidate).resolve()
-        try:
-            path.relative_to(root_resolved)
-        except ValueError:
-            continue  # a symlink that escapes the folder is refused too
-        if path.exists():
-            return path
+        path = root / candidate
+        if path.exists():  # follows links; a dangling one does not exist
+            return path.resolve()
     searched = ", ".join(str(r) for r in roots)
     raise ValueError(f"{input_name}={name!r} was not found in the '{folder}' folder(s): {searched}")
 

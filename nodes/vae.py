@@ -57,7 +57,8 @@ class LeanTiledVAEEncode:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"pixels": ("IMAGE", {"tooltip": "The image to encode (cropped to multiples of 8)."}),
+        return {"required": {"pixels": ("IMAGE", {"tooltip": "The image to encode (cropped to multiples of 8; an alpha "
+                                                             "channel is dropped, as VAE Encode does)."}),
                              **_TILING},
                 "optional": dict(_MODELS)}
 

@@ -43,10 +43,52 @@ def test_resolve_refuses_absolute_path(models_dir):
         bridge.resolve_model("checkpoints", str(models_dir / "secret.safetensors"))
 
 
-def test_resolve_refuses_symlink_escape(models_dir):
-    (models_dir / "checkpoints" / "link.safetensors").symlink_to(models_dir / "secret.safetensors")
-    with pytest.raises(ValueError, match="not found"):
-        bridge.resolve_model("checkpoints", "link.safetensors")
+@pytest.fixture
+def linked_models(models_dir, tmp_path_factory):
+    """Model folders as users link them (ComfyUI follows links: ``folder_paths`` walks with ``followlinks=True``
+    and ``get_full_path`` joins without resolving): a checkpoint file linked from elsewhere, a linked sub-folder
+    of checkpoints, a linked diffusers folder (e.g. a Hugging Face cache snapshot) and a link cycle."""
+    shared = tmp_path_factory.mktemp("shared")
+    (shared / "big.safetensors").write_bytes(b"x")
+    (shared / "lib" / "deep").mkdir(parents=True)
+    (shared / "lib" / "c.safetensors").write_bytes(b"x")
+    (shared / "lib" / "deep" / "d.safetensors").write_bytes(b"x")
+    (shared / "snapshot").mkdir()
+    (shared / "snapshot" / "model_index.json").write_text("{}")
+    ckpt = models_dir / "checkpoints"
+    (ckpt / "big.safetensors").symlink_to(shared / "big.safetensors")
+    (ckpt / "shared").symlink_to(shared / "lib", target_is_directory=True)
+    (ckpt / "sub" / "loop").symlink_to(ckpt, target_is_directory=True)  # a cycle must not hang the listing
+    (ckpt / "dangling.safetensors").symlink_to(shared / "gone.safetensors")
+    (models_dir / "diffusers").mkdir()
+    (models_dir / "diffusers" / "sdxl").symlink_to(shared / "snapshot", target_is_directory=True)
+    return models_dir, shared
+
+
+def test_list_models_follows_links_like_comfyui(linked_models):
+    # bug: files under a linked sub-folder were missing from the menus (pathlib's rglob does not enter links)
+    assert bridge.list_models("checkpoints") == ["a.safetensors", "big.safetensors", "shared/c.safetensors",
+                                                 "shared/deep/d.safetensors", "sub/b.safetensors"]
+    assert bridge.list_models("diffusers", dirs=True) == ["sdxl"]
+
+
+@pytest.mark.parametrize("folder,name,target", [
+    ("checkpoints", "big.safetensors", "big.safetensors"),
+    ("checkpoints", "shared/deep/d.safetensors", "lib/deep/d.safetensors"),
+    ("diffusers", "sdxl", "snapshot"),
+])
+def test_resolve_follows_links_the_menu_lists(linked_models, folder, name, target):
+    # bug: a linked model was listed in the node's menu, then refused as "not found" when the node ran
+    _, shared = linked_models
+    assert bridge.resolve_model(folder, name, "model") == (shared / target).resolve()
+
+
+def test_resolve_still_refuses_name_escapes_with_links_present(linked_models):
+    # following links the user placed never lets a *name* leave the folder
+    with pytest.raises(ValueError, match="outside"):
+        bridge.resolve_model("checkpoints", "shared/../../secret.safetensors", "model")
+    with pytest.raises(ValueError, match="dangling.safetensors.*not found"):
+        bridge.resolve_model("checkpoints", "dangling.safetensors", "model")
 
 
 def test_resolve_missing_names_folder(models_dir):

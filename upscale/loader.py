@@ -28,21 +28,32 @@ OUTPUT_SCALE_KEY = "leandiffusion.output_scale"
 EXTENSIONS = (".safetensors", ".pth", ".pt", ".ckpt")
 
 
+# Containers trainers wrap weights in (BasicSR/Real-ESRGAN "params_ema"/"params", traiNNer "params-ema", ...): the
+# keys spandrel's ``canonicalize_state_dict`` unwraps (what ComfyUI's own upscale loader accepts), EMA first.
+WRAPPER_KEYS = ("params_ema", "params-ema", "params", "state_dict", "model_state_dict", "model", "net")
+# Prefixes removed when every key carries them (DataParallel's "module.", old BasicSR generators' "netG.").
+COMMON_PREFIXES = ("module.", "netG.")
+
+
 def _unwrap(obj, path: Path) -> dict:
     if isinstance(obj, Mapping):
-        for key in ("params_ema", "params", "state_dict", "model_state_dict"):
+        for key in WRAPPER_KEYS:
             inner = obj.get(key)
             if isinstance(inner, Mapping) and inner:
                 obj = inner
                 break
+        else:
+            if len(obj) == 1 and isinstance(next(iter(obj.values())), Mapping):  # one unknown wrapping key
+                obj = next(iter(obj.values()))
     if not isinstance(obj, Mapping) or not obj:
         raise ValueError(f"{path}: holds {type(obj).__name__}, not a state dict of tensors; an upscaler file "
                          f"must be a (possibly 'params_ema'-wrapped) mapping of layer names to tensors")
     sd = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
     if not sd:
         raise ValueError(f"{path}: the mapping holds no tensors, so it is not a model's weights")
-    if all(k.startswith("module.") for k in sd):
-        sd = {k[len("module."):]: v for k, v in sd.items()}
+    for prefix in COMMON_PREFIXES:
+        if all(k.startswith(prefix) for k in sd):
+            sd = {k[len(prefix):]: v for k, v in sd.items()}
     return sd
 
 

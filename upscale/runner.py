@@ -220,7 +220,7 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
     ``out`` when given. One tile is copied in; several are accumulated into a zeroed output."""
     _, h, w = chw.shape
     s = upscaler.scale
-    tiles = plan(h, w, tile, overlap, upscaler.multiple_of)
+    tiles = plan(h, w, tile, overlap, upscaler.multiple_of, upscaler.min_size)
     single = len(tiles) == 1
     if out is None:
         out = torch.empty((h * s, w * s, upscaler.out_channels), dtype=torch.float32)
@@ -284,6 +284,17 @@ def _release_frames(exc: BaseException) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
+
+
+def _pad_to(chw: torch.Tensor, hp: int, wp: int) -> torch.Tensor:
+    """Pad [C, H, W] at the bottom/right to [C, hp, wp] as spandrel does: reflection (at most ``side - 1`` rows,
+    torch's limit), then edge replication for whatever an image shorter than the alignment still needs."""
+    _, h, w = chw.shape
+    rh, rw = min(hp - h, h - 1), min(wp - w, w - 1)
+    x = F.pad(chw.unsqueeze(0), (0, rw, 0, rh), mode="reflect") if rh or rw else chw.unsqueeze(0)
+    if (hp - h - rh) or (wp - w - rw):
+        x = F.pad(x, (0, wp - w - rw, 0, hp - h - rh), mode="replicate")
+    return x[0]
 
 
 def _resize(hwc: torch.Tensor, out_h: int, out_w: int) -> torch.Tensor:
@@ -358,7 +369,7 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
         work_bytes = budget
     scale = output_scale or upscaler.native_output_scale
     out_h, out_w = max(1, round(h * scale)), max(1, round(w * scale))
-    n_tiles = len(plan(hp, wp, min(tile, max(hp, wp)), tile_overlap, m))
+    n_tiles = len(plan(hp, wp, min(tile, max(hp, wp)), tile_overlap, m, upscaler.min_size))
     logger.info("ESRGAN upscale: %s on %s %s %s, %dx%d x%d, tile %d + %d context (%d tiles/image)",
                 upscaler.arch, dev, dtype, layout, w, h, b, tile, tile_overlap, n_tiles)
     module = _placed_module(upscaler, dev, dtype, layout)
@@ -369,7 +380,7 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
             for i in range(b):
                 chw = images[i].permute(2, 0, 1).to(torch.float32)
                 if (hp, wp) != (h, w):
-                    chw = F.pad(chw.unsqueeze(0), (0, wp - w, 0, hp - h), mode="reflect")[0]
+                    chw = _pad_to(chw, hp, wp)
                 direct = (hp, wp) == (h, w) and (out_h, out_w) == (h * upscaler.scale, w * upscaler.scale)
                 y = _upscale_with_retry(upscaler, module, chw, dev, dtype, tile, tile_overlap, work_bytes,
                                         lambda: bar.update(1), layout, result[i] if direct else None)

@@ -12,6 +12,9 @@ Per axis of length ``L`` (already a multiple of ``m``, the model's alignment), w
   centres, ``w_right(j) = (j + 0.5) / (2 f s)`` and ``w_left = 1 - w_right``, so the weights of every output
   pixel sum to 1 (a partition of unity; 2-D weights are products of the 1-D ones, which keeps the property).
 
+A window shorter than the model's smallest accepted side (``min_window``, spandrel's ``minimum``: RealCUGAN,
+SCUNet ...) is widened to it inside ``[0, L)``; that only adds context, so kept parts and weights are unchanged.
+
 Every kept pixel therefore sees at least ``o - f >= 3o/4`` pixels of real context on each interior side. When that is at
 least the model's receptive-field radius (SRVGGNetCompact: ``num_conv + 2``), the tiled result equals the untiled
 one up to float rounding; for RRDBNet (receptive field wider than any practical overlap) the remaining error is
@@ -39,11 +42,13 @@ def _round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
-def plan_axis(length: int, tile: int, overlap: int, multiple: int = 1) -> list[Span]:
-    """Spans covering ``[0, length)`` (see the module docstring); ``length`` must be a multiple of ``multiple``."""
-    if length <= 0 or tile <= 0 or overlap < 0 or multiple <= 0 or length % multiple:
-        raise ValueError(f"plan_axis(length={length}, tile={tile}, overlap={overlap}, multiple={multiple}): "
-                         f"need positive sizes, overlap >= 0 and length a multiple of multiple")
+def plan_axis(length: int, tile: int, overlap: int, multiple: int = 1, min_window: int = 1) -> list[Span]:
+    """Spans covering ``[0, length)`` (see the module docstring); ``length`` must be a multiple of ``multiple``
+    and at least ``min_window``."""
+    if length <= 0 or tile <= 0 or overlap < 0 or multiple <= 0 or length % multiple or length < min_window:
+        raise ValueError(f"plan_axis(length={length}, tile={tile}, overlap={overlap}, multiple={multiple}, "
+                         f"min_window={min_window}): need positive sizes, overlap >= 0, length a multiple of "
+                         f"multiple and at least min_window")
     if length <= tile:
         return [Span(0, length, 0, length, 0, 0)]
     o = _round_up(overlap, multiple)
@@ -57,8 +62,12 @@ def plan_axis(length: int, tile: int, overlap: int, multiple: int = 1) -> list[S
         first, last = i == 0, i == len(bounds) - 2
         keep0 = a if first else a - f
         keep1 = b if last else b + f
-        spans.append(Span(keep0, keep1, max(0, a - o), min(length, b + o), 0 if first else 2 * f,
-                          0 if last else 2 * f))
+        win0, win1 = max(0, a - o), min(length, b + o)
+        short = _round_up(min_window, multiple) - (win1 - win0)
+        if short > 0:  # widen to the model's minimum: more context below the border first, then above
+            win1 = min(length, win1 + short)
+            win0 = max(0, win1 - _round_up(min_window, multiple))
+        spans.append(Span(keep0, keep1, win0, win1, 0 if first else 2 * f, 0 if last else 2 * f))
     return spans
 
 
@@ -75,10 +84,11 @@ def axis_weights(span: Span, scale: int, device=None) -> torch.Tensor:
     return w
 
 
-def plan(height: int, width: int, tile: int, overlap: int, multiple: int = 1) -> list[tuple[Span, Span]]:
+def plan(height: int, width: int, tile: int, overlap: int, multiple: int = 1,
+         min_window: int = 1) -> list[tuple[Span, Span]]:
     """All ``(row_span, col_span)`` tiles, row-major."""
-    rows = plan_axis(height, tile, overlap, multiple)
-    cols = plan_axis(width, tile, overlap, multiple)
+    rows = plan_axis(height, tile, overlap, multiple, min_window)
+    cols = plan_axis(width, tile, overlap, multiple, min_window)
     return [(r, c) for r in rows for c in cols]
 
 

@@ -104,6 +104,12 @@ def _check(ae) -> bool:
                     f"(no decoder.up_blocks or decoder.up); exact tiling supports those two")
 
 
+def _resampling_factor(stages: list, kind: str) -> int:
+    """2 ** (number of 2x resamplers): 8 for SD / SDXL / 16-channel VAEs (3 of 4 levels resample), 4 or 16 for
+    3- or 5-level autoencoders, which the row algebra handles the same way."""
+    return 2 ** sum(1 for st in stages for op in st.ops if op.kind == kind)
+
+
 def decoder_program(ae) -> Program:
     """Stages of ``post_quant_conv`` + decoder of ``ae`` (diffusers or LDM ``AutoencoderKL``)."""
     diff = _check(ae)
@@ -153,7 +159,7 @@ def decoder_program(ae) -> Program:
         stages.append(_tail(dec.norm_out, None, dec.conv_out, "decoder.out"))
         out_ch = int(dec.conv_out.out_channels)
     in_ch = int((pqc if pqc is not None else dec.conv_in).in_channels)
-    return Program(stages, in_ch, out_ch, 8, "decoder", latent_channels=in_ch)
+    return Program(stages, in_ch, out_ch, _resampling_factor(stages, "up2"), "decoder", latent_channels=in_ch)
 
 
 def encoder_program(ae) -> Program:
@@ -198,4 +204,5 @@ def encoder_program(ae) -> Program:
         tail.ops.append(_conv(qc, "quant_conv"))
     stages.append(tail)
     out_ch = int((qc if qc is not None else enc.conv_out).out_channels)
-    return Program(stages, int(enc.conv_in.in_channels), out_ch, -8, "encoder", latent_channels=out_ch // 2)
+    return Program(stages, int(enc.conv_in.in_channels), out_ch, -_resampling_factor(stages, "down2"), "encoder",
+                   latent_channels=out_ch // 2)

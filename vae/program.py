@@ -118,6 +118,11 @@ class Program:
     kind: str  # "decoder" | "encoder"
     latent_channels: int = 4
 
+    @property
+    def factor(self) -> int:
+        """Image pixels per latent pixel along each axis: 2 ** (number of up/downsamplers); 8 for SD's VAEs."""
+        return abs(self.scale)
+
 
 def fuse(first: Stage, second: Stage) -> Stage:
     """One chain computing ``first`` then ``second`` (``first`` must have no residual)."""

@@ -4,7 +4,8 @@ Invariants
 - IMAGE / LATENT conventions (GUIDE section 6): ``tiled_decode`` takes raw latents ``[B, C, h, w]`` and returns
   ``[B, 8h, 8w, 3]`` float32 in 0..1 on the CPU; ``tiled_encode`` takes an IMAGE ``[B, H, W, 3]`` (cropped to
   multiples of 8 about the centre, as ComfyUI's VAEEncode does) and returns the latent distribution's mean
-  ``[B, C, H/8, W/8]`` float32 on the CPU, in the raw latent space.
+  ``[B, C, H/8, W/8]`` float32 on the CPU, in the raw latent space. 8 is the SD VAEs' factor; an autoencoder with
+  another number of 2x resamplers (4x, 16x) uses its own (``Program.factor``).
 - ``exact``: tiled == untiled up to floating-point error (``exact.py``). ``blend``: linear cross-fade of
   overlapping tiles (``blend.py``).
 - Memory: tiles are bounded by ``tile_size`` (image pixels; 0 = auto from the free VRAM and, under the loader's
@@ -131,9 +132,10 @@ def tiled_decode(target: VaeTarget, latents: torch.Tensor, tile_size: int = 0, o
     program = decoder_program(target.ae)
     latents = _check_latents(latents, program.latent_channels)
     b, _, h, w = latents.shape
+    f = program.factor
     with target.enter():
         budget = activation_budget(target, budget_bytes)
-        out = torch.empty((b, 8 * h, 8 * w, program.out_channels), dtype=torch.float32)
+        out = torch.empty((b, f * h, f * w, program.out_channels), dtype=torch.float32)
         with bridge.ProgressBar(b * len(program.stages), "Tiled VAE decode", quiet) as bar:
             for i in range(b):
                 z = latents[i:i + 1].detach().float()
@@ -146,13 +148,13 @@ def tiled_decode(target: VaeTarget, latents: torch.Tensor, tile_size: int = 0, o
 
                         return run_exact(program, z[0].permute(1, 2, 0).contiguous(), cfg, head,
                                          program.out_channels, lambda: bar.update(1))
-                    tile0 = tile_size or max(8 * h, 8 * w)
+                    tile0 = tile_size or max(f * h, f * w)
                 else:
                     def run(tile, bud, z=z):
-                        img = run_blend(target.decode_fn, z, tile // 8, overlap // 8, (8, 1), target.device,
+                        img = run_blend(target.decode_fn, z, tile // f, overlap // f, (f, 1), target.device,
                                         target.dtype)
                         return ((img[0] + 1.0) / 2.0).clamp_(0.0, 1.0).permute(1, 2, 0)
-                    tile0 = tile_size or _blend_tile(budget, target.dtype, max(8 * h, 8 * w))
+                    tile0 = tile_size or _blend_tile(budget, target.dtype, max(f * h, f * w))
                 out[i] = _run_with_retry(run, tile0, budget, target.device, "tiled VAE decode")
     return out
 
@@ -182,18 +184,23 @@ def tiled_encode(target: VaeTarget, pixels: torch.Tensor, tile_size: int = 0, ov
     """IMAGE [B, H, W, 3] -> raw latents (distribution mean) [B, C, H/8, W/8] (see the module docstring)."""
     validate_tiling(tile_size, overlap, seam_mode)
     program = encoder_program(target.ae)
-    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 4 or pixels.shape[-1] != program.in_channels:
-        raise ValueError(f"pixels: expected an IMAGE [B, H, W, {program.in_channels}], got "
-                         f"{getattr(pixels, 'shape', type(pixels).__name__)}")
-    if pixels.shape[1] < 8 or pixels.shape[2] < 8:
-        raise ValueError(f"pixels: image {pixels.shape[2]}x{pixels.shape[1]} is smaller than 8x8 px")
-    pixels = crop_to_multiple(pixels)
+    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 4 or pixels.shape[-1] < program.in_channels:
+        got = f"shape {tuple(pixels.shape)} ({pixels.shape[-1]} channel(s))" if isinstance(pixels, torch.Tensor) \
+            and pixels.ndim == 4 else getattr(pixels, "shape", type(pixels).__name__)
+        raise ValueError(f"pixels: expected an IMAGE [B, H, W, {program.in_channels}], got {got}; convert the "
+                         f"image to RGB first")
+    pixels = pixels[..., :program.in_channels]  # an alpha channel is dropped, as ComfyUI's VAE Encode does
+    f = program.factor
+    if pixels.shape[1] < f or pixels.shape[2] < f:
+        raise ValueError(f"pixels: image {pixels.shape[2]}x{pixels.shape[1]} is smaller than {f}x{f} px, the "
+                         f"smallest image this VAE encodes (one latent pixel); enlarge it first")
+    pixels = crop_to_multiple(pixels, f)
     b, h, w, _ = pixels.shape
     lat = program.latent_channels
     enc_program = _with_input_affine(program)
     with target.enter():
         budget = activation_budget(target, budget_bytes)
-        out = torch.empty((b, lat, h // 8, w // 8), dtype=torch.float32)
+        out = torch.empty((b, lat, h // f, w // f), dtype=torch.float32)
         with bridge.ProgressBar(b * len(program.stages), "Tiled VAE encode", quiet) as bar:
             for i in range(b):
                 x = pixels[i].detach().float().contiguous()
@@ -207,8 +214,8 @@ def tiled_encode(target: VaeTarget, pixels: torch.Tensor, tile_size: int = 0, ov
                 else:
                     def run(tile, bud, x=x):
                         img = (x.permute(2, 0, 1)[None] * 2.0 - 1.0)
-                        return run_blend(target.encode_fn, img, tile, overlap, (1, 8), target.device,
-                                         target.dtype, align=8)[0]
+                        return run_blend(target.encode_fn, img, tile, overlap, (1, f), target.device,
+                                         target.dtype, align=f)[0]
                     tile0 = tile_size or _blend_tile(budget, target.dtype, max(h, w))
                 out[i] = _run_with_retry(run, tile0, budget, target.device, "tiled VAE encode")
     return out

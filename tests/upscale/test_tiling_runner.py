@@ -19,15 +19,17 @@ from leandiffusion.upscale.tiling import axis_weights, plan_axis
 from leandiffusion.upscale.runner import upscale_images
 
 
-@pytest.mark.parametrize("length,tile,overlap,m", [(100, 32, 8, 1), (97, 40, 32, 1), (128, 32, 0, 4),
-                                                   (64, 64, 32, 1), (250, 33, 30, 2), (1000, 512, 32, 1)])
-def test_plan_axis_invariants(length, tile, overlap, m):
-    spans = plan_axis(length, tile, overlap, m)
+@pytest.mark.parametrize("length,tile,overlap,m,min_window", [
+    (100, 32, 8, 1, 1), (97, 40, 32, 1, 1), (128, 32, 0, 4, 1), (64, 64, 32, 1, 1), (250, 33, 30, 2, 1),
+    (1000, 512, 32, 1, 1), (100, 32, 0, 1, 40), (100, 32, 8, 1, 64), (128, 32, 0, 4, 37), (40, 8, 0, 1, 40)])
+def test_plan_axis_invariants(length, tile, overlap, m, min_window):
+    spans = plan_axis(length, tile, overlap, m, min_window)
     cover = torch.zeros(length * 3)
     o = -(-overlap // m) * m
     for i, s in enumerate(spans):
         assert 0 <= s.win0 <= s.keep0 < s.keep1 <= s.win1 <= length
         assert s.win0 % m == 0 and s.win1 % m == 0
+        assert s.win1 - s.win0 >= min_window  # the model's smallest accepted side
         cover[s.keep0 * 3:s.keep1 * 3] += axis_weights(s, 3)
         if len(spans) > 1:
             assert s.keep1 - s.keep0 <= tile + m + o  # core (<= tile, rounded to m) plus the bands
