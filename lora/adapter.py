@@ -51,6 +51,18 @@ class LoraAdapter:
     def graph_key(self) -> tuple:
         return ("lora",) + self.binding.key
 
+    @property
+    def affects_text(self) -> bool:
+        """True when the LoRA has text-encoder layers (the prompt cache keys on it: ``sampling.prompt_encoder``)."""
+        return any(c != "unet" for c in self.binding.components)
+
+    @property
+    def cache_key(self) -> tuple:
+        """What the text encoders' output depends on: the binding's structure and the text strengths. Plain values
+        only, so a cached prompt never keeps this adapter (its binding, LoRA factors and the model's targeted
+        modules) alive, and a view re-made with another UNet strength reuses the cached prompts."""
+        return ("lora",) + self.binding.key + tuple((c, s) for c, s in self.strengths if c != "unet")
+
     def strength_of(self, component: str) -> float:
         return dict(self.strengths).get(component, 0.0)
 

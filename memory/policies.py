@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from .. import bridge
-from .budget import stage_budget
+from .budget import release_device_caches, stage_budget
 from .engine import ModelParts, modules_of_stage
 from .families import family_defaults
 from .hostmem import ModuleSwap
@@ -349,7 +349,12 @@ class ModelPlacement:
 
     # ----------------------------------------------------------------- lifetime
     def release(self) -> None:
-        """Free this placement's device memory now (ComfyUI asked); the next ``enter`` places everything again."""
+        """Free this placement's device memory now (ComfyUI asked); the next ``enter`` places everything again.
+
+        The model's registered device caches (its captured CUDA graphs, ``memory.budget``) go too: they read the
+        weights at their current addresses and the placement's epoch, both replaced by the next ``enter``, so they
+        could never be replayed again, while their static buffers and memory pools would stay reserved."""
+        release_device_caches(self.parts)
         if self._live:
             logger.info("releasing %s placement of %s", self.name, self.plan.model)
             self._teardown()

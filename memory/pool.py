@@ -4,6 +4,10 @@ Invariants
 - ``get(role, shape, dtype)`` returns *the same tensor* for the same key every time (allocated on first use), so
   a repeated run with the same shapes allocates no new device memory and keeps the same addresses (which is what a
   replayed CUDA graph needs). A role is a slot: two buffers alive at once need two roles ("cond", "uncond").
+- Bounded: each role keeps its ``max_per_role`` most recently used keys (default ``DEFAULT_MAX_PER_ROLE``); a new
+  shape beyond that drops the role's least recently used buffer from the pool. Without the bound every image size,
+  batch and prompt length a session ever used stayed allocated for the life of the model. A dropped buffer stays
+  valid for whoever still holds it (a cached CUDA graph's program holds its own buffers).
 - Contents are not cleared between uses unless ``zero=True``; callers overwrite what they take.
 - ``stats()`` counts allocations; a test asserts that a second identical run adds none.
 - ``release()`` drops every buffer (the engine's placement calls it when ComfyUI frees memory); buffers still
@@ -20,6 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
+DEFAULT_MAX_PER_ROLE = 4  # > the graph runner's default of 2 cached graphs per model (sampling/graph_runner.py)
+
 
 @dataclass(frozen=True)
 class PoolStats:
@@ -32,8 +38,11 @@ class PoolStats:
 class BufferPool:
     """Keyed, address-stable device buffers (see the module docstring)."""
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device="cpu", max_per_role: int = DEFAULT_MAX_PER_ROLE):
+        if isinstance(max_per_role, bool) or not isinstance(max_per_role, int) or max_per_role < 1:
+            raise ValueError(f"max_per_role={max_per_role!r}: expected an int >= 1 (buffers kept per role)")
         self.device = torch.device(device)
+        self.max_per_role = max_per_role
         self._buffers: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
         self._lock = threading.Lock()
         self._allocations = 0
@@ -57,6 +66,9 @@ class BufferPool:
         with self._lock:
             buf = self._buffers.get(key)
             if buf is None:
+                same_role = [k for k in self._buffers if k[0] == role]  # least recently used first
+                for old in same_role[:max(0, len(same_role) - self.max_per_role + 1)]:
+                    del self._buffers[old]
                 buf = torch.empty(key[1], dtype=dtype, device=dev)
                 self._buffers[key] = buf
                 self._allocations += 1

@@ -54,3 +54,23 @@ def test_zero_like_trim_release():
 def test_bad_arguments(args, err):
     with pytest.raises(err):
         BufferPool("cpu").get(*args)
+
+
+def test_each_role_keeps_a_bounded_number_of_shapes():
+    """Unbounded growth: every distinct shape (image size, batch, prompt length) used to stay allocated forever."""
+    pool = BufferPool("cpu", max_per_role=2)
+    held = [pool.get("latents", (b, 4, 8, 8)) for b in range(1, 11)]
+    noise = pool.get("noise", (1, 4, 8, 8))
+    assert pool.stats().buffers == 3
+    assert pool.get("latents", (10, 4, 8, 8)) is held[-1] and pool.get("noise", (1, 4, 8, 8)) is noise
+    assert pool.get("latents", (9, 4, 8, 8)) is held[-2]
+    again = pool.get("latents", (1, 4, 8, 8))  # evicted long ago: a new buffer; the old one stays valid for its holder
+    assert again is not held[0] and held[0].shape == (1, 4, 8, 8)
+    assert pool.get("latents", (9, 4, 8, 8)) is held[-2]  # the most recently used shapes stay
+    assert pool.stats().buffers == 3
+    default = BufferPool("cpu")
+    for b in range(1, 50):
+        default.get("latents", (b,))
+    assert default.stats().buffers == default.max_per_role
+    with pytest.raises(ValueError, match="max_per_role"):
+        BufferPool("cpu", max_per_role=0)
