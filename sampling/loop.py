@@ -5,6 +5,9 @@ Invariants (what makes the output equal diffusers' ``StableDiffusion(XL)Pipeline
 - Noise: one ``torch.Generator("cpu").manual_seed(seed)``; the initial noise is drawn first, in float32, for the
   whole batch shape ``[batch, C, h, w]`` (ComfyUI's and diffusers' convention); with eta > 0 every step then draws
   its variance noise of the same shape from the same generator, in step order (as ``DDIMScheduler.step`` does).
+  A ``latent_image`` with a ``batch_index`` (ComfyUI's Latent From Batch / Repeat Latent Batch) draws as ComfyUI's
+  ``prepare_noise`` does: one ``[1, C, h, w]`` draw per index up to the largest, row ``i`` taking draw
+  ``batch_index[i]``, so image 3 of a batch regenerates alone; the output LATENT keeps the ``batch_index``.
 - txt2img starts from that noise (DDIM's ``init_noise_sigma`` is 1). img2img (a ``latent_image``, or ``denoise``
   < 1) runs the last ``int(steps * denoise)`` timesteps of the ``steps`` schedule and starts from
   ``add_noise(latent * scaling_factor, noise, first timestep)``. Without a ``latent_image`` an img2img run starts
@@ -76,6 +79,34 @@ def _batch_latents(samples: torch.Tensor, batch_size: int) -> torch.Tensor:
     return torch.cat([samples] * (total // b)) if total > b else samples
 
 
+def _batch_index(latent_image: dict, rows: int, total: int) -> Optional[list]:
+    """The LATENT's ``batch_index`` (one non-negative int per row), repeated to ``total`` rows the way ComfyUI's
+    Repeat Latent Batch extends it; ``None`` when the LATENT has none."""
+    index = latent_image.get("batch_index")
+    if index is None:
+        return None
+    if isinstance(index, torch.Tensor):
+        index = index.tolist()
+    if not isinstance(index, (list, tuple)) or len(index) != rows \
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in index):
+        raise ValueError(f"latent_image['batch_index'] = {index!r}: expected {rows} non-negative ints, one per "
+                         f"latent row (as Latent From Batch writes it); remove the key or rebuild the latent")
+    index = list(index)
+    offset = max(index) - min(index) + 1
+    return index + [i + k * offset for k in range(1, total // rows) for i in index]
+
+
+def initial_noise(shape: tuple, generator: torch.Generator, batch_index: Optional[list] = None) -> torch.Tensor:
+    """The run's starting noise (float32, CPU): one draw of the whole ``shape``, or with a ``batch_index`` one
+    ``[1, C, h, w]`` draw per index ``0..max`` with row ``i`` taking draw ``batch_index[i]`` (ComfyUI's
+    ``comfy.sample.prepare_noise``)."""
+    if batch_index is None:
+        return torch.randn(shape, generator=generator, dtype=torch.float32)
+    draws = [torch.randn((1,) + tuple(shape[1:]), generator=generator, dtype=torch.float32)
+             for _ in range(max(batch_index) + 1)]
+    return torch.cat([draws[i] for i in batch_index])
+
+
 def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional[dict] = None,
            conditioning: Optional[Conditioning] = None, runner: Optional[GraphRunner] = None,
            quiet: bool = False, positive_cond: Any = None, negative_cond: Any = None) -> dict:
@@ -92,8 +123,11 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
     scale = parts.vae_scaling_factor
     factor = vae_scale_factor(engine)
     init = None
+    batch_index = None
     if latent_image is not None:
-        init = _batch_latents(_check_latent(engine, latent_image).float().cpu(), s.batch_size)
+        rows = _check_latent(engine, latent_image)
+        init = _batch_latents(rows.float().cpu(), s.batch_size)
+        batch_index = _batch_index(latent_image, rows.shape[0], init.shape[0])
         height, width = init.shape[2] * factor, init.shape[3] * factor
     else:
         height, width = s.height, s.width
@@ -105,7 +139,7 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
         else tuple(init.shape)
 
     generator = torch.Generator(device="cpu").manual_seed(s.seed)
-    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+    noise = initial_noise(shape, generator, batch_index)
     x_init = noise if not img2img else ddim.add_noise(config, init * scale, noise, schedule.start_timestep)
 
     if conditioning is None:
@@ -119,7 +153,10 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
     with engine.session("unet"):
         x = denoise(engine, conditioning, x_init, schedule, s.cfg, s.cfg_mode, s.acceleration, generator,
                     runner=runner, quiet=quiet)
-    return {"samples": x.float().cpu() / scale}
+    out = {"samples": x.float().cpu() / scale}
+    if batch_index is not None:
+        out["batch_index"] = batch_index
+    return out
 
 
 def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional[GraphRunner]) -> str:
