@@ -124,8 +124,10 @@ def _in_link_cycle(dirpath: str, root: str) -> bool:
     return False
 
 
-def list_models(folder: str, extensions: tuple[str, ...] = (".safetensors",), dirs: bool = False) -> list[str]:
-    """Names (relative paths with '/') of files with ``extensions`` (or sub-folders when ``dirs``) in ``folder``.
+def list_models(folder: str, extensions: tuple[str, ...] = (".safetensors",), marker: Optional[str] = None) -> list[str]:
+    """Names (relative paths with '/') of files with ``extensions`` in ``folder``, or, with ``marker``, of the
+    sub-folders at any depth that hold a file named ``marker`` (diffusers folders: ``model_index.json``, as
+    ComfyUI's DiffusersLoader lists them).
 
     Links are followed, files and sub-folders alike, as ComfyUI's own model lists do (``folder_paths`` walks with
     ``followlinks=True``); a link cycle is entered once. Dangling links are left out.
@@ -135,13 +137,14 @@ def list_models(folder: str, extensions: tuple[str, ...] = (".safetensors",), di
     for root in _folder_roots(folder):
         if not root.is_dir():
             continue
-        if dirs:
-            names.update(p.name for p in root.iterdir() if p.is_dir())
-            continue
         top = str(root)
         for dirpath, subdirs, filenames in os.walk(top, followlinks=True):
             if dirpath != top and _in_link_cycle(dirpath, top):
                 subdirs[:] = []
+                continue
+            if marker is not None:
+                if dirpath != top and marker in filenames:
+                    names.add(Path(os.path.relpath(dirpath, top)).as_posix())
                 continue
             for filename in filenames:
                 full = os.path.join(dirpath, filename)

@@ -33,9 +33,10 @@ VAE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 
 
 def model_choices() -> list[str]:
-    """The node's ``model`` COMBO: the tiny model, checkpoints (``.safetensors``) and diffusers folders."""
+    """The node's ``model`` COMBO: the tiny model, checkpoints (``.safetensors``) and diffusers folders (any
+    sub-folder of ``diffusers/`` holding a ``model_index.json``, at any depth, as ComfyUI's DiffusersLoader)."""
     return [TINY_CHOICE] + bridge.list_models("checkpoints", (".safetensors",)) + \
-        bridge.list_models("diffusers", dirs=True)
+        bridge.list_models("diffusers", marker="model_index.json")
 
 
 @functools.lru_cache(maxsize=1)

@@ -69,7 +69,7 @@ def test_list_models_follows_links_like_comfyui(linked_models):
     # bug: files under a linked sub-folder were missing from the menus (pathlib's rglob does not enter links)
     assert bridge.list_models("checkpoints") == ["a.safetensors", "big.safetensors", "shared/c.safetensors",
                                                  "shared/deep/d.safetensors", "sub/b.safetensors"]
-    assert bridge.list_models("diffusers", dirs=True) == ["sdxl"]
+    assert bridge.list_models("diffusers", marker="model_index.json") == ["sdxl"]
 
 
 @pytest.mark.parametrize("folder,name,target", [

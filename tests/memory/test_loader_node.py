@@ -39,6 +39,19 @@ def test_model_list_has_checkpoints_and_folders(models_dir):
     assert "tiny-sd1.safetensors" in choices and "tiny-sd2" in choices
 
 
+def test_nested_diffusers_folders_are_listed_and_load_like_comfyuis_diffusers_loader(models_dir):
+    """ComfyUI's DiffusersLoader lists every folder under diffusers/ that holds a model_index.json, at any depth.
+    Bug: the menu listed top-level folder names only, so an organisation folder ("stabilityai") was offered and
+    failed ("has no model_index.json") while the model inside it was never offered."""
+    save_diffusers_folder(tiny_components("sd1"), models_dir / "diffusers" / "org" / "tiny-sd1-nested")
+    (models_dir / "diffusers" / "not-a-model").mkdir()
+    choices = LeanModelLoader.INPUT_TYPES()["required"]["model"][0]
+    assert "org/tiny-sd1-nested" in choices and "tiny-sd2" in choices
+    assert "org" not in choices and "not-a-model" not in choices
+    engine, _ = LeanModelLoader().load("org/tiny-sd1-nested", "full", 4.0, "fp32", "auto")
+    assert engine.family == "sd1"
+
+
 def test_tiny_model_loads_and_is_cached_per_process():
     node = LeanModelLoader()
     load_mod._tiny_cached.cache_clear()
