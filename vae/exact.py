@@ -46,7 +46,6 @@ class ExactConfig:
     dtype: torch.dtype
     budget_bytes: int  # activations on the device (stores + one band), excluding weights
     tile_px: int = 0  # if > 0: a band holds at most tile_px**2 image pixels' worth of rows
-    pool: object = None
     work_floor: float = 0.3  # share of the budget kept for band work when placing stores
     # the budget is a hard limit on the device memory the process holds (the loader's ``stream`` policy): copies run
     # on the compute stream and cached blocks go back to the driver after each stage (see ``run_exact``)
@@ -269,12 +268,11 @@ def run_exact(program: Program, sample_hwc: torch.Tensor, cfg: ExactConfig, head
         last = idx == len(planned) - 1
         oc, oh, ow = ps.out_shape
         if last:
-            out_store = HostStore(oh, ow, head_channels, torch.float32, cfg.device, streams, pool=cfg.pool,
-                                  role="vae-output")
+            out_store = HostStore(oh, ow, head_channels, torch.float32, cfg.device, streams)
         elif ps.out_on_device:
             out_store = DeviceStore(oh, ow, oc, cfg.dtype, cfg.device, streams)
         else:
-            out_store = HostStore(oh, ow, oc, cfg.dtype, cfg.device, streams, pool=cfg.pool)
+            out_store = HostStore(oh, ow, oc, cfg.dtype, cfg.device, streams)
         work = cfg.budget_bytes - getattr(store, "nbytes", 0) - out_store.nbytes
         logger.debug("stage %s in=%s out=%s on_device=%s work=%.0f MB", ps.stage.name, ps.in_shape, ps.out_shape,
                      ps.out_on_device, work / 2**20)

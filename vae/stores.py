@@ -11,8 +11,7 @@ viewed as ``[1, C, rows, W]`` in ``channels_last`` format (what cuDNN's fast NHW
   band's device memory before its copy has finished. Reads of a store wait for all of its earlier writes (event).
   On the CPU the same code runs with plain copies (so tests exercise it).
 
-Pinned host memory comes from PyTorch's caching host allocator (reused across calls), or from ``pool`` when the
-engine's buffer pool offers ``host_buffer(role, shape, dtype)``.
+Pinned host memory comes from PyTorch's caching host allocator (reused across calls).
 """
 from __future__ import annotations
 
@@ -87,14 +86,12 @@ class HostStore:
     on_device = False
 
     def __init__(self, h: int, w: int, c: int, dtype: torch.dtype, device: torch.device, streams: Streams,
-                 pool=None, role: str = "vae-store", data: Optional[torch.Tensor] = None):
+                 data: Optional[torch.Tensor] = None):
         self.shape = (h, w, c)
         self.device = device
         self.streams = streams
         if data is not None:
             self.data = data
-        elif pool is not None and hasattr(pool, "host_buffer"):
-            self.data = pool.host_buffer(role, (h, w, c), dtype)
         else:
             self.data = torch.empty((h, w, c), dtype=dtype, pin_memory=streams.cuda)
         self.nbytes = 0  # device bytes

@@ -26,7 +26,6 @@ class VaeTarget:
     enter: Callable[[], Any] = field(default=contextlib.nullcontext)  # context manager factory
     # what the loader's hard VRAM budget leaves now for the call's working memory (bytes; None: no budget)
     room: Optional[Callable[[], Optional[int]]] = None
-    pool: Any = None
     latent_channels: Optional[int] = None
 
     @property
@@ -55,7 +54,7 @@ def from_engine(engine) -> VaeTarget:
     vae = engine.parts.vae
     room = (lambda: room_bytes(engine)) if budgeted_plan(engine) is not None else None
     return VaeTarget(vae, engine.stage_device("vae"), engine.vae_dtype, lambda: engine.session("vae"),
-                     room, engine.pool, int(vae.config.latent_channels))
+                     room, int(vae.config.latent_channels))
 
 
 def from_comfy(vae) -> VaeTarget:
@@ -72,7 +71,7 @@ def from_comfy(vae) -> VaeTarget:
         bridge.load_comfy_model(patcher)
         yield
 
-    return VaeTarget(ae, device, dtype, enter, None, None, getattr(vae, "latent_channels", None))
+    return VaeTarget(ae, device, dtype, enter, None, getattr(vae, "latent_channels", None))
 
 
 def from_module(ae: torch.nn.Module, device=None, dtype=None) -> VaeTarget:

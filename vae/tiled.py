@@ -141,7 +141,7 @@ def tiled_decode(target: VaeTarget, latents: torch.Tensor, tile_size: int = 0, o
                 z = latents[i:i + 1].detach().float()
                 if seam_mode == "exact":
                     def run(tile, bud, z=z):
-                        cfg = ExactConfig(target.device, target.dtype, bud, tile, target.pool)
+                        cfg = ExactConfig(target.device, target.dtype, bud, tile)
 
                         def head(y):
                             return ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0)
@@ -206,7 +206,7 @@ def tiled_encode(target: VaeTarget, pixels: torch.Tensor, tile_size: int = 0, ov
                 x = pixels[i].detach().float().contiguous()
                 if seam_mode == "exact":
                     def run(tile, bud, x=x):
-                        cfg = ExactConfig(target.device, target.dtype, bud, tile, target.pool)
+                        cfg = ExactConfig(target.device, target.dtype, bud, tile)
                         res = run_exact(enc_program, x, cfg, lambda y: y[:, :lat].float(), lat,
                                         lambda: bar.update(1))
                         return res.permute(2, 0, 1)

@@ -201,7 +201,7 @@ class DecodeStage:
             while True:
                 error = None
                 try:
-                    cfg = ExactConfig(target.device, target.dtype, budget, tile, target.pool,
+                    cfg = ExactConfig(target.device, target.dtype, budget, tile,
                                       strict_budget=self.decode_budget is not None)
                     return run_exact(program, z, cfg, lambda y: ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0),
                                      program.out_channels)
