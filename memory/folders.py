@@ -72,8 +72,10 @@ def load_diffusers_folder(folder: Path) -> dict:
     scheduler = json.loads(sched_file.read_text()) if sched_file.is_file() else {}
     if family == "sd2" and scheduler.get("prediction_type") == "v_prediction":
         family = "sd2-v"
+    # the family's defaults, overridden by every key of the folder's own config (as diffusers'
+    # DDIMScheduler.from_pretrained(folder) takes them: rescale_betas_zero_snr, trained_betas, thresholding ...)
     defaults = dict(family_defaults(family)["scheduler"])
-    defaults.update({k: v for k, v in scheduler.items() if not k.startswith("_") and k in defaults})
+    defaults.update({k: v for k, v in scheduler.items() if not k.startswith("_")})
     components["scheduler_config"] = defaults
     components["family"] = family
     for module in ("unet", "vae", "text_encoder", "text_encoder_2"):

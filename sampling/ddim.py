@@ -22,12 +22,15 @@ step as device scalars; diffusers stays the reference in the tests.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 SPACINGS = ("leading", "trailing", "linspace")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
@@ -255,6 +258,25 @@ def ddim_step(config: Mapping[str, Any], steps: int, model_output: torch.Tensor,
     return out.to(sample.dtype)
 
 
+def pipeline_config(config: Mapping[str, Any], sdxl: bool) -> dict:
+    """The scheduler config diffusers' pipeline of the family really samples with (a copy; ``config`` is untouched).
+
+    ``StableDiffusionPipeline`` and ``StableDiffusionImg2ImgPipeline`` (SD1.x / SD2.x) rewrite an outdated config
+    when they are built: ``steps_offset`` != 1 becomes 1 and ``clip_sample=True`` becomes False (a missing key counts
+    as ``DDIMScheduler``'s default, 0 and True), with a deprecation warning. The SDXL pipelines keep the config.
+    """
+    out = dict(config)
+    if not sdxl:
+        if _cfg(out, "steps_offset") != 1 or _cfg(out, "clip_sample") is True:
+            logger.info("scheduler config steps_offset=%r clip_sample=%r is outdated; sampling with steps_offset=1 "
+                        "and clip_sample=False as diffusers' Stable Diffusion pipelines do",
+                        _cfg(out, "steps_offset"), _cfg(out, "clip_sample"))
+        out["steps_offset"] = 1
+        if _cfg(out, "clip_sample") is True:
+            out["clip_sample"] = False
+    return out
+
+
 def config_with(config: Mapping[str, Any], **overrides) -> dict:
     """A copy of ``config`` with ``overrides`` (never mutates the model's config)."""
     out = dict(config)
@@ -264,4 +286,4 @@ def config_with(config: Mapping[str, Any], **overrides) -> dict:
 
 __all__: Sequence[str] = ("SPACINGS", "PREDICTION_TYPES", "DDIMSchedule", "make_schedule", "timesteps", "betas",
                           "alphas_cumprod", "final_alpha_cumprod", "img2img_start", "step_scalars", "add_noise",
-                          "ddim_step", "check_config", "config_with")
+                          "ddim_step", "check_config", "config_with", "pipeline_config")

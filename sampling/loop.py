@@ -2,6 +2,8 @@
 
 Invariants (what makes the output equal diffusers' ``StableDiffusion(XL)Pipeline`` / ``...Img2ImgPipeline`` with
 ``DDIMScheduler``, same seed on a CPU generator, ``output_type="latent"`` divided by the VAE scaling factor):
+- Schedule: the model's scheduler config as the family's diffusers pipeline runs it (``ddim.pipeline_config``: the
+  SD1.x/SD2.x pipelines rewrite ``steps_offset`` to 1 and ``clip_sample`` to False), with the chosen spacing.
 - Noise: one ``torch.Generator("cpu").manual_seed(seed)``; the initial noise is drawn first, in float32, for the
   whole batch shape ``[batch, C, h, w]`` (ComfyUI's and diffusers' convention); with eta > 0 every step then draws
   its variance noise of the same shape from the same generator, in step order (as ``DDIMScheduler.step`` does).
@@ -119,7 +121,8 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
         raise TypeError(f"lean_model: expected a LEAN_MODEL from the Memory Pool Loader, got {type(engine).__name__}")
     s = settings.validated()
     parts = engine.parts
-    config = ddim.config_with(parts.scheduler_config, timestep_spacing=s.timestep_spacing)
+    config = ddim.config_with(ddim.pipeline_config(parts.scheduler_config, parts.is_sdxl),
+                              timestep_spacing=s.timestep_spacing)
     scale = parts.vae_scaling_factor
     factor = vae_scale_factor(engine)
     init = None

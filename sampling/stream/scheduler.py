@@ -136,7 +136,8 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     parts = engine.parts
     factor = vae_scale_factor(engine)
     latent_shape = (parts.latent_channels, s.height // factor, s.width // factor)
-    config = ddim.config_with(parts.scheduler_config, timestep_spacing=s.timestep_spacing)
+    config = ddim.config_with(ddim.pipeline_config(parts.scheduler_config, parts.is_sdxl),
+                              timestep_spacing=s.timestep_spacing)  # as the Fused DDIM Sampler
     schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
     args = (engine, s, latent_shape, schedule, runner, timeline, quiet, positive_cond, negative_cond)
     if budgeted_plan(engine) is None:

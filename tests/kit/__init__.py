@@ -24,9 +24,9 @@ def _cached_components(family: str, seed: int) -> dict:
 
 
 def tiny_components(family: str = "sd1", seed: int = 0) -> dict:
-    """Fresh copies of the tiny model's modules (safe to modify)."""
+    """Fresh copies of the tiny model's components, modules and configs alike (safe to modify)."""
     cached = _cached_components(family, seed)
-    return {k: (copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v) for k, v in cached.items()}
+    return {k: copy.deepcopy(v) for k, v in cached.items()}
 
 
 def tiny_parts(family: str = "sd1", seed: int = 0) -> ModelParts:
