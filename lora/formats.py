@@ -7,8 +7,10 @@ Supported layouts
   LDM naming (``input_blocks_4_1_...``, SDXL trainers); resolving it is ``keymap``'s job. Linear layers and
   conv "LoCon" layers (``lora_down`` a kxk conv with the base conv's kernel, ``lora_up`` a 1x1 conv).
 - diffusers / PEFT: ``<component>.<module>.lora_A.weight`` / ``.lora_B.weight`` (also the older
-  ``.lora.down/.lora.up`` and ``.lora_linear_layer.down/.up`` spellings), ``<component>`` one of ``unet``,
-  ``text_encoder``, ``text_encoder_2``. Alphas come from ``<module>.alpha`` keys or from the
+  ``.lora.down/.lora.up`` and ``.lora_linear_layer.down/.up`` spellings, and diffusers' attention-processor
+  spelling ``<attn>.processor.to_q_lora.down.weight`` / ``<self_attn>.to_q_lora.down.weight``, where ``to_out_lora``
+  is the UNet's ``to_out.0`` and the text encoders' ``to_q/k/v/out`` are ``q/k/v/out_proj``), ``<component>`` one
+  of ``unet``, ``text_encoder``, ``text_encoder_2``. Alphas come from ``<module>.alpha`` keys or from the
   ``lora_adapter_metadata`` JSON diffusers writes into the safetensors header (``<component>.lora_alpha``,
   ``.alpha_pattern``, ``.use_rslora``); with neither, alpha = rank (PEFT's and diffusers' convention).
 
@@ -49,6 +51,11 @@ _UNSUPPORTED_MARKERS = {
     ".w_norm": "GLoRA/OFT", "oft_": "OFT", ".b_norm": "GLoRA/OFT",
 }
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
+# diffusers' attention-processor files (0.14-0.20; its ``UNET_TO_DIFFUSERS`` / ``DIFFUSERS_OLD_TO_PEFT`` tables).
+_ATTN_PROCESSOR_KEY = re.compile(r"(?P<parent>.+?)(?:\.processor)?\.(?P<proj>to_q|to_k|to_v|to_out)_lora\."
+                                 r"(?P<role>down|up)\.weight")
+_ATTN_PROCESSOR_UNET = {"to_q": "to_q", "to_k": "to_k", "to_v": "to_v", "to_out": "to_out.0"}
+_ATTN_PROCESSOR_TEXT = {"to_q": "q_proj", "to_k": "k_proj", "to_v": "v_proj", "to_out": "out_proj"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,10 +126,17 @@ def parse_lora(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mappin
         raise ValueError(f"lora {source}: the file holds no tensors")
     _refuse_unsupported(state_dict, source)
     keys = list(state_dict)
-    if all(k.startswith(tuple(KOHYA_PREFIXES)) for k in keys):
+    kohya = [k.startswith(tuple(KOHYA_PREFIXES)) for k in keys]
+    if all(kohya):
         return ParsedLora("kohya", _parse_kohya(state_dict, source), source)
-    if any(k.endswith(tuple(_PEFT_SUFFIXES)) for k in keys):
+    if any(k.endswith(tuple(_PEFT_SUFFIXES)) or _ATTN_PROCESSOR_KEY.fullmatch(k) for k in keys):
         return ParsedLora("peft", _parse_peft(state_dict, metadata or {}, source), source)
+    if any(kohya):
+        foreign = sorted(k for k, is_kohya in zip(keys, kohya) if not is_kohya)
+        raise ValueError(f"lora {source}: a kohya LoRA file with {len(foreign)} keys that are not kohya LoRA keys "
+                         f"(lora_unet_*/lora_te*_*): {', '.join(foreign[:20])}; the injector loads LoRA weights "
+                         f"only (embedded textual inversions and other extras are not supported): remove these "
+                         f"keys from the file")
     sample = ", ".join(keys[:5])
     raise ValueError(f"lora {source}: unrecognised key layout (first keys: {sample}); expected kohya keys "
                      f"(lora_unet_*/lora_te*_* with lora_down/lora_up) or diffusers/PEFT keys (lora_A/lora_B)")
@@ -165,7 +179,7 @@ def _parse_kohya(state_dict: Mapping[str, torch.Tensor], source: str) -> tuple[L
         prefix = next(p for p in sorted(KOHYA_PREFIXES, key=len, reverse=True) if base.startswith(p))
         down, up = g[".lora_down.weight"], g[".lora_up.weight"]
         rank = _check_pair(down, up, base, source)
-        alpha = float(g[".alpha"].float().item()) if ".alpha" in g else float(rank)
+        alpha = _alpha(g[".alpha"], base, source) if ".alpha" in g else float(rank)
         layers.append(LoraLayer(KOHYA_PREFIXES[prefix], base[len(prefix):], "kohya", down, up, alpha / rank, base))
     return tuple(layers)
 
@@ -176,6 +190,10 @@ def _peft_split(key: str) -> tuple[str, str]:
             return key[: -len(suffix)], role
     if key.endswith(".alpha"):
         return key[: -len(".alpha")], "alpha"
+    m = _ATTN_PROCESSOR_KEY.fullmatch(key)
+    if m:
+        names = _ATTN_PROCESSOR_TEXT if key.startswith("text_encoder") else _ATTN_PROCESSOR_UNET
+        return f"{m['parent']}.{names[m['proj']]}", m["role"]
     return key, ""
 
 
@@ -232,13 +250,21 @@ def _parse_peft(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, s
         comp, module = _component_of(base)
         rank = _check_pair(g["down"], g["up"], base, source)
         if "alpha" in g:
-            alpha = float(g["alpha"].float().item())
+            alpha = _alpha(g["alpha"], base, source)
         else:
             pattern = _pattern_value(meta.get(f"{comp}.alpha_pattern") or {}, module)
             alpha = pattern if pattern is not None else float(meta.get(f"{comp}.lora_alpha", rank))
         denom = math.sqrt(rank) if meta.get(f"{comp}.use_rslora") else rank
         layers.append(LoraLayer(comp, module, "dotted", g["down"], g["up"], alpha / denom, base))
     return tuple(layers)
+
+
+def _alpha(tensor: torch.Tensor, name: str, source: str) -> float:
+    """The scalar of an ``.alpha`` key (files store it 0-d or as one element, in any float or int dtype)."""
+    if tensor.numel() != 1:
+        raise ValueError(f"lora {source}: layer {name} has an alpha of shape {tuple(tensor.shape)} "
+                         f"({tensor.numel()} values); expected one number; the file is corrupt or not a LoRA")
+    return float(tensor.float().item())
 
 
 def _check_pair(down: torch.Tensor, up: torch.Tensor, name: str, source: str) -> int:
