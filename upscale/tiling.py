@@ -57,16 +57,16 @@ def plan_axis(length: int, tile: int, overlap: int, multiple: int = 1, min_windo
     bounds = sorted(set(bounds))
     shortest = min(b - a for a, b in zip(bounds, bounds[1:]))
     f = min(o // 4, shortest // 2)
+    smallest = _round_up(min_window, multiple)
     spans = []
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         first, last = i == 0, i == len(bounds) - 2
         keep0 = a if first else a - f
         keep1 = b if last else b + f
         win0, win1 = max(0, a - o), min(length, b + o)
-        short = _round_up(min_window, multiple) - (win1 - win0)
-        if short > 0:  # widen to the model's minimum: more context below the border first, then above
-            win1 = min(length, win1 + short)
-            win0 = max(0, win1 - _round_up(min_window, multiple))
+        if win1 - win0 < smallest:  # widen to the model's minimum: extend the end first, then the start
+            win1 = min(length, win0 + smallest)
+            win0 = max(0, win1 - smallest)
         spans.append(Span(keep0, keep1, win0, win1, 0 if first else 2 * f, 0 if last else 2 * f))
     return spans
 
