@@ -31,3 +31,40 @@ def test_comfy_registry_metadata():
     comfy = _pyproject()["tool"]["comfy"]
     assert comfy["PublisherId"] and comfy["DisplayName"]
     assert (ROOT / comfy["Icon"]).is_file()
+
+
+_BLOCK_HEAVY = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'diffusers', 'transformers', 'safetensors', 'numpy'):
+            raise ImportError('blocked for this test: ' + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_runner_starts_without_torch_or_the_node_registry():
+    """``python -m leandiffusion.run`` is a thin HTTP client: it must start where torch is not importable (a client
+    machine talking to a remote ComfyUI). Before the package's ``__init__`` became lazy it imported the nodes."""
+    import os
+    import subprocess
+    import sys
+
+    code = _BLOCK_HEAVY + "import runpy; sys.argv = ['run', '--help']; runpy.run_module('leandiffusion.run', run_name='__main__')"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout and "--server" in proc.stdout
+
+
+def test_node_mappings_load_on_first_access():
+    import leandiffusion
+    from leandiffusion import nodes
+
+    assert leandiffusion.NODE_CLASS_MAPPINGS is nodes.NODE_CLASS_MAPPINGS
+    assert leandiffusion.NODE_DISPLAY_NAME_MAPPINGS is nodes.NODE_DISPLAY_NAME_MAPPINGS
+    assert "LeanStreamSampler" in leandiffusion.NODE_CLASS_MAPPINGS
+    import pytest
+
+    with pytest.raises(AttributeError, match="no_such_name"):
+        leandiffusion.no_such_name  # noqa: B018
