@@ -183,6 +183,27 @@ def resolve_model(folder: str, name: str, input_name: str = "model_name") -> Pat
     raise ValueError(f"{input_name}={name!r} was not found in the '{folder}' folder(s): {searched}")
 
 
+def model_fingerprint(folder: str, name: str) -> str:
+    """What a node's ``IS_CHANGED`` returns for a model-file input: a digest of the resolved file's identity
+    (path, mtime, size, inode, ctime) or, for a folder (diffusers), of every file in it. ComfyUI caches node outputs
+    by their inputs, so without this a LoRA or upscaler file replaced on disk under the same name would keep the
+    old output until the server restarts. Never raises: a name that does not resolve gives the name itself (the
+    node then reports the problem when it runs).
+    """
+    import hashlib
+
+    try:
+        path = resolve_model(folder, name)
+        paths = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        digest = hashlib.sha1(str(path).encode())
+        for item in paths:
+            st = item.stat()
+            digest.update(f"{item}|{st.st_mtime_ns}|{st.st_size}|{st.st_ino}|{st.st_ctime_ns}\n".encode())
+        return digest.hexdigest()
+    except (OSError, ValueError):
+        return str(name)
+
+
 # --------------------------------------------------------------------------------------------- memory manager
 def free_comfy_memory(bytes_needed: int, device) -> None:
     """Ask ComfyUI's memory manager to unload its own models until ``bytes_needed`` are free on ``device``."""

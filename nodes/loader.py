@@ -4,6 +4,7 @@ Argument plumbing only; the work is in ``memory/load.py`` (loading) and ``memory
 """
 from __future__ import annotations
 
+from .. import bridge
 from ..memory.load import TINY_CHOICE, VAE_DTYPES, WEIGHT_DTYPES, load_engine, model_choices
 from ..memory.policies import VramPolicy
 
@@ -42,6 +43,16 @@ class LeanModelLoader:
                 "Precision of the VAE. auto keeps the VAE in fp32 where fp16 is known to overflow (SDXL), as "
                 "ComfyUI's --no-half-vae does, and uses the weight precision otherwise.")}),
         }}
+
+    @classmethod
+    def IS_CHANGED(cls, model, **_):
+        """The checkpoint file's (or diffusers folder's files') identity: a model replaced on disk under the same name
+        loads again; the built-in tiny model never changes."""
+        if model == TINY_CHOICE:
+            return TINY_CHOICE
+        if str(model).lower().endswith(".safetensors"):
+            return bridge.model_fingerprint("checkpoints", model)
+        return bridge.model_fingerprint("diffusers", model)
 
     def load(self, model, vram_policy, vram_budget_gb, weight_dtype, vae_dtype):
         engine = load_engine(model, vram_policy, vram_budget_gb, weight_dtype, vae_dtype)  # checked there

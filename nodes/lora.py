@@ -31,14 +31,22 @@ class LeanLoraInjector:
             "strength_text_encoder": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
                                                 "tooltip": "Multiplier of the LoRA on the text encoder(s)."}),
             "target_blocks": ("STRING", {"default": "", "multiline": False,
-                                         "tooltip": "Empty: every layer the LoRA covers. Else comma-separated module "
-                                                    "prefixes in diffusers naming, e.g. 'mid_block, up_blocks.2'; add "
-                                                    "'text_encoder' (and 'text_encoder_2') to keep the text-encoder part."}),
+                                         "tooltip": "Empty: every layer the LoRA covers. Else comma-separated blocks: "
+                                                    "diffusers names ('mid_block, up_blocks.2'), ComfyUI/LDM names "
+                                                    "('middle_block, output_blocks.3') or LoRA Block Weight indices "
+                                                    "('MID, OUT03'); add 'text_encoder' (and 'text_encoder_2') to keep "
+                                                    "the text-encoder part."}),
             "mode": (["unmerged", "merged"], {"default": "unmerged",
                                               "tooltip": "unmerged: LoRA computed at run time (free strength changes). "
                                                          "merged: written into the weights per run (fastest steps, "
                                                          "restored bit-exactly after)."}),
         }}
+
+    @classmethod
+    def IS_CHANGED(cls, lora_name, **_):
+        """The LoRA file's identity: a file replaced on disk under the same name runs the node again (strength
+        changes alone do not reload anything: the loaded LoRA is cached by path and file identity)."""
+        return bridge.model_fingerprint("loras", lora_name)
 
     def inject(self, lean_model, lora_name, strength, strength_text_encoder, target_blocks, mode):
         path = bridge.resolve_model("loras", lora_name, "lora_name")

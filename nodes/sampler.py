@@ -15,6 +15,8 @@ class LeanFusedDDIMSampler:
     FUNCTION = "run"
     RETURN_TYPES = ("LATENT",)
     RETURN_NAMES = ("LATENT",)
+    OUTPUT_TOOLTIPS = ("The sampled latents (raw VAE latent space, [batch, 4, height/8, width/8]); decode them with "
+                       "Tiled VAE Decode or ComfyUI's VAE Decode.",)
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -45,7 +47,8 @@ class LeanFusedDDIMSampler:
                                    "tooltip": "Image height in pixels (multiple of 8); ignored when a latent_image "
                                               "is connected."}),
                 "batch_size": ("INT", {"default": 1, "min": 1, "max": 64,
-                                       "tooltip": "Images per run (with a latent_image: a multiple of its batch)."}),
+                                       "tooltip": "Images per run. With a latent_image: 1 samples each of its rows once; a larger "
+                                                  "value repeats its rows and must be a multiple of its batch."}),
                 "timestep_spacing": (list(SPACINGS), {"default": "leading",
                                                       "tooltip": "How the steps are spread over the 1000 training "
                                                                  "timesteps (diffusers' timestep_spacing)."}),

@@ -1,7 +1,7 @@
 """ESRGAN Upscale node: argument plumbing over ``upscale.loader`` and ``upscale.runner``."""
 from __future__ import annotations
 
-from ..bridge import list_models, resolve_model
+from ..bridge import list_models, model_fingerprint, resolve_model
 from ..upscale.loader import EXTENSIONS, load_upscaler
 from ..upscale.runner import DEVICES, MAX_OVERLAP, MAX_TILE, PRECISIONS, upscale_images
 
@@ -13,6 +13,8 @@ class LeanESRGANUpscale:
                    "together, so seams do not show; memory stays bounded for any image size.")
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("IMAGE",)
+    OUTPUT_TOOLTIPS = ("The upscaled images (IMAGE, 0..1): each side times the model's scale, or times output_scale "
+                       "when it is not 0.",)
     FUNCTION = "upscale"
 
     @classmethod
@@ -38,6 +40,11 @@ class LeanESRGANUpscale:
                                              "tooltip": "auto: fp16 on the GPU (bf16/fp32 where a model needs "
                                                         "it), fp32 on the CPU."}),
         }}
+
+    @classmethod
+    def IS_CHANGED(cls, model_name, **_):
+        """The model file's identity: a file replaced on disk under the same name runs the node again."""
+        return model_fingerprint("upscale_models", model_name)
 
     def upscale(self, image, model_name, output_scale, device, tile_size, tile_overlap, precision):
         upscaler = load_upscaler(resolve_model("upscale_models", model_name))

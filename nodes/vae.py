@@ -32,6 +32,8 @@ class LeanTiledVAEDecode:
     CATEGORY = "LeanDiffusion/vae"
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("IMAGE",)
+    OUTPUT_TOOLTIPS = ("The decoded images (IMAGE [batch, 8h, 8w, 3], 0..1), for Save Image, upscalers or any image "
+                       "node.",)
     FUNCTION = "decode"
 
     @classmethod
@@ -53,6 +55,8 @@ class LeanTiledVAEEncode:
     CATEGORY = "LeanDiffusion/vae"
     RETURN_TYPES = ("LATENT",)
     RETURN_NAMES = ("LATENT",)
+    OUTPUT_TOOLTIPS = ("The image's latents (the distribution mean, raw VAE latent space), e.g. for a sampler's "
+                       "latent_image.",)
     FUNCTION = "encode"
 
     @classmethod

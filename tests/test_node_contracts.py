@@ -27,3 +27,60 @@ def test_node_declaration(node_id, cls):
             assert isinstance(decl, tuple) and 1 <= len(decl) <= 2, name
             opts = decl[1] if len(decl) == 2 else {}
             assert opts.get("tooltip"), f"{node_id}.{name} has no tooltip"
+
+
+@pytest.mark.parametrize("node_id,cls", NODES, ids=[n for n, _ in NODES])
+def test_every_output_has_a_tooltip(node_id, cls):
+    """ComfyUI shows OUTPUT_TOOLTIPS on hover over an output slot; the Fused DDIM Sampler, ESRGAN Upscale and both
+    Tiled VAE nodes had none (found by the UX audit in a real ComfyUI's /object_info)."""
+    tips = getattr(cls, "OUTPUT_TOOLTIPS", None)
+    assert isinstance(tips, tuple) and len(tips) == len(cls.RETURN_TYPES), f"{node_id}: OUTPUT_TOOLTIPS"
+    assert all(isinstance(t, str) and t.strip() for t in tips), f"{node_id}: empty output tooltip"
+
+
+# Node -> (file-backed input, model folder, a file name in it). ComfyUI caches node outputs by their inputs alone, so
+# a model replaced on disk under the same name was never picked up before the server restarted (UX audit).
+FILE_INPUTS = {"LeanLoraInjector": ("lora_name", "loras", "style.safetensors"),
+               "LeanESRGANUpscale": ("model_name", "upscale_models", "x4.pth"),
+               "LeanModelLoader": ("model", "checkpoints", "sd15.safetensors")}
+
+
+@pytest.mark.parametrize("node_id", sorted(FILE_INPUTS))
+def test_file_backed_node_reruns_when_the_file_changes(node_id, tmp_path, monkeypatch):
+    import os
+
+    cls = NODE_CLASS_MAPPINGS[node_id]
+    name, folder, filename = FILE_INPUTS[node_id]
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(tmp_path))
+    path = tmp_path / folder / filename
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"first version")
+    first = cls.IS_CHANGED(**{name: filename, "strength": 1.0})  # other widgets come along as keyword arguments
+    assert cls.IS_CHANGED(**{name: filename}) == first, "unchanged file: the cached output must be reused"
+    replacement = tmp_path / "new"
+    replacement.write_bytes(b"second version, longer")
+    os.replace(replacement, path)
+    assert cls.IS_CHANGED(**{name: filename}) != first, f"{node_id}: a replaced {folder} file is not picked up"
+    assert cls.IS_CHANGED(**{name: "missing.safetensors"}) == "missing.safetensors"  # never raises
+
+
+def test_loader_fingerprint_of_tiny_model_and_diffusers_folder(tmp_path, monkeypatch):
+    cls = NODE_CLASS_MAPPINGS["LeanModelLoader"]
+    assert cls.IS_CHANGED(model="tiny-random (test)") == "tiny-random (test)"
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(tmp_path))
+    unet = tmp_path / "diffusers" / "my_model" / "unet"
+    unet.mkdir(parents=True)
+    (unet.parent / "model_index.json").write_text("{}")
+    (unet / "diffusion_pytorch_model.safetensors").write_bytes(b"v1")
+    first = cls.IS_CHANGED(model="my_model")
+    (unet / "diffusion_pytorch_model.safetensors").write_bytes(b"v2 with more bytes")
+    assert cls.IS_CHANGED(model="my_model") != first
+
+
+def test_stream_decode_tile_size_error_names_the_input():
+    """The Stream Scheduler Sampler reported a too-small decode_tile_size as 'tile_size=64', an input it does not
+    have (UX audit)."""
+    from leandiffusion.sampling.stream.settings import StreamSettings
+
+    with pytest.raises(ValueError, match=r"^decode_tile_size=64 is below the minimum 128 px; use 0 \(auto\)"):
+        StreamSettings.from_text("a cube", decode_tile_size=64).validated()

@@ -25,7 +25,7 @@ import torch
 
 from .. import bridge
 from .adapters import decoder_program, encoder_program
-from .blend import run_blend
+from .blend import axis_tiles, run_blend
 from .exact import ExactConfig, run_exact
 from .program import Op, Program
 from .targets import VaeTarget
@@ -89,6 +89,26 @@ def _blend_tile(budget: int, dtype: torch.dtype, limit: int) -> int:
     return int(max(MIN_TILE, min(limit, (int(math.sqrt(px)) // 64) * 64)))
 
 
+def _units_per_image(program: Program, seam_mode: str, hw: tuple, tile: int, overlap: int, align: int) -> int:
+    """Progress units per image: one per stage (exact) or one per tile (blend; ``tile``/``overlap`` in input
+    units, as ``run_blend`` cuts them)."""
+    if seam_mode == "exact":
+        return len(program.stages)
+    return len(axis_tiles(hw[0], tile, overlap, align)) * len(axis_tiles(hw[1], tile, overlap, align))
+
+
+def _capped_ticks(bar, units: int):
+    """A progress callback for one image that advances ``bar`` at most ``units`` times (an out-of-memory retry
+    with smaller tiles runs more tiles/stages again; the bar must never pass its total)."""
+    done = [0]
+
+    def tick() -> None:
+        if done[0] < units:
+            done[0] += 1
+            bar.update(1)
+    return tick
+
+
 def _free_after_oom(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -136,9 +156,12 @@ def tiled_decode(target: VaeTarget, latents: torch.Tensor, tile_size: int = 0, o
     with target.enter():
         budget = activation_budget(target, budget_bytes)
         out = torch.empty((b, f * h, f * w, program.out_channels), dtype=torch.float32)
-        with bridge.ProgressBar(b * len(program.stages), "Tiled VAE decode", quiet) as bar:
+        blend_tile = tile_size or _blend_tile(budget, target.dtype, max(f * h, f * w))
+        units = _units_per_image(program, seam_mode, (h, w), blend_tile // f, overlap // f, 1)
+        with bridge.ProgressBar(b * units, "Tiled VAE decode", quiet) as bar:
             for i in range(b):
                 z = latents[i:i + 1].detach().float()
+                tick = _capped_ticks(bar, units)
                 if seam_mode == "exact":
                     def run(tile, bud, z=z):
                         cfg = ExactConfig(target.device, target.dtype, bud, tile)
@@ -147,14 +170,14 @@ def tiled_decode(target: VaeTarget, latents: torch.Tensor, tile_size: int = 0, o
                             return ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0)
 
                         return run_exact(program, z[0].permute(1, 2, 0).contiguous(), cfg, head,
-                                         program.out_channels, lambda: bar.update(1))
+                                         program.out_channels, tick)
                     tile0 = tile_size or max(f * h, f * w)
                 else:
-                    def run(tile, bud, z=z):
+                    def run(tile, bud, z=z, tick=tick):
                         img = run_blend(target.decode_fn, z, tile // f, overlap // f, (f, 1), target.device,
-                                        target.dtype)
+                                        target.dtype, progress=tick)
                         return ((img[0] + 1.0) / 2.0).clamp_(0.0, 1.0).permute(1, 2, 0)
-                    tile0 = tile_size or _blend_tile(budget, target.dtype, max(f * h, f * w))
+                    tile0 = blend_tile
                 out[i] = _run_with_retry(run, tile0, budget, target.device, "tiled VAE decode")
     return out
 
@@ -201,21 +224,23 @@ def tiled_encode(target: VaeTarget, pixels: torch.Tensor, tile_size: int = 0, ov
     with target.enter():
         budget = activation_budget(target, budget_bytes)
         out = torch.empty((b, lat, h // f, w // f), dtype=torch.float32)
-        with bridge.ProgressBar(b * len(program.stages), "Tiled VAE encode", quiet) as bar:
+        blend_tile = tile_size or _blend_tile(budget, target.dtype, max(h, w))
+        units = _units_per_image(program, seam_mode, (h, w), blend_tile, overlap, f)
+        with bridge.ProgressBar(b * units, "Tiled VAE encode", quiet) as bar:
             for i in range(b):
                 x = pixels[i].detach().float().contiguous()
+                tick = _capped_ticks(bar, units)
                 if seam_mode == "exact":
                     def run(tile, bud, x=x):
                         cfg = ExactConfig(target.device, target.dtype, bud, tile)
-                        res = run_exact(enc_program, x, cfg, lambda y: y[:, :lat].float(), lat,
-                                        lambda: bar.update(1))
+                        res = run_exact(enc_program, x, cfg, lambda y: y[:, :lat].float(), lat, tick)
                         return res.permute(2, 0, 1)
                     tile0 = tile_size or max(h, w)
                 else:
-                    def run(tile, bud, x=x):
+                    def run(tile, bud, x=x, tick=tick):
                         img = (x.permute(2, 0, 1)[None] * 2.0 - 1.0)
                         return run_blend(target.encode_fn, img, tile, overlap, (1, f), target.device,
-                                         target.dtype, align=f)[0]
-                    tile0 = tile_size or _blend_tile(budget, target.dtype, max(h, w))
+                                         target.dtype, align=f, progress=tick)[0]
+                    tile0 = blend_tile
                 out[i] = _run_with_retry(run, tile0, budget, target.device, "tiled VAE encode")
     return out

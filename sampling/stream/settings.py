@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ...vae.tiled import validate_tiling
+from ...vae.tiled import MIN_TILE, validate_tiling
 from ..settings import MAX_SEED, SamplerSettings
 
 MAX_IMAGES_PER_PROMPT = 64
@@ -102,6 +102,9 @@ class StreamSettings:
         _int("max_batch", self.max_batch, 0, MAX_BATCH, "0 = automatic from free VRAM, else images per UNet batch")
         if isinstance(self.decode_tile_size, bool) or not isinstance(self.decode_tile_size, int):
             raise TypeError(f"decode_tile_size={self.decode_tile_size!r}: expected an int (0 = auto, else pixels)")
+        if self.decode_tile_size and self.decode_tile_size < MIN_TILE:  # named as the node's input, not 'tile_size'
+            raise ValueError(f"decode_tile_size={self.decode_tile_size} is below the minimum {MIN_TILE} px; use 0 "
+                             f"(auto) or >= {MIN_TILE}")
         validate_tiling(self.decode_tile_size, 0, "exact")
         base = self.sampler_settings(self.prompts[0] if self.prompts else "", 0)
         base = replace(base, seed=self.seed).validated()

@@ -19,6 +19,7 @@ from leandiffusion.runner.convert import input_names, load_workflow, ui_to_api
 from leandiffusion.runner.errors import EXIT_EXECUTION, EXIT_INVALID, EXIT_OK
 from leandiffusion.runner.local import PACK_LINK_NAME, PACK_ROOT
 from leandiffusion.tests.kit.clip_l import CLIP_L_FILE, SD1_CLIP_L_CHECKPOINT
+from leandiffusion.tests.integration.model_files import write_tiny_model_files
 
 pytestmark = pytest.mark.comfyui
 
@@ -157,17 +158,7 @@ def _provide_input_images(prompt, input_dir):
 @pytest.fixture(scope="module")
 def tiny_model_files(comfyui):
     """A kohya LoRA for the tiny SD1 model (UNet attention + text encoder) and a tiny compact x4 upscaler."""
-    from safetensors.torch import save_file
-
-    from leandiffusion.tests.kit import tiny_components
-    from leandiffusion.tests.lora import lorafiles
-    from leandiffusion.tests.upscale.helpers import random_compact
-
-    c = tiny_components("sd1")
-    lora = lorafiles.kohya_state_dict({"unet": c["unet"], "text_encoder": c["text_encoder"]},
-                                      {"unet": lorafiles.ATTN_FF, "text_encoder": lorafiles.TE_LINEARS})
-    lorafiles.write(lora, comfyui.models_dir / "loras" / TINY_LORA)
-    save_file(random_compact(), str(comfyui.models_dir / "upscale_models" / TINY_UPSCALER))
+    write_tiny_model_files(comfyui.models_dir, TINY_LORA, TINY_UPSCALER)
     return comfyui.models_dir
 
 
