@@ -1,9 +1,11 @@
 """Checkpoint families, detected by a declarative registry of key and shape conditions (GUIDE convention 6).
 
 Invariant: a family is decided from tensor *names and shapes only* (the safetensors header), never from class
-names, file names or tensor values, except for the one thing checkpoints do not record, SD2's prediction type
+names, file names or tensor values, except for the one thing SD2 checkpoints do not record, SD2's prediction type
 (see :func:`sd2_prediction_type`). Rules are checked in order; the first whose conditions all hold wins.
-Unsupported families (SD3, Flux, the SDXL refiner, inpainting UNets, ...) have rules too, so the error names them.
+Unsupported families (SD3, Flux, the SDXL refiner, inpainting UNets, Playground v2.5, ...) have rules too, so the
+error names them. The prediction type and noise schedule of a supported file come from the marker tensors ComfyUI
+writes and reads (``v_pred``, ``ztsnr``), see :func:`scheduler_overrides`.
 
 Detection of a supported family only says which converter to use; the converter then infers every size from
 shapes (``memory/ldm_config.py``), so a checkpoint that matches a rule but has a different layout still fails
@@ -14,7 +16,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 Shapes = Mapping[str, Sequence[int]]
 
@@ -94,6 +99,12 @@ REGISTRY: tuple[Family, ...] = (
     Family("sd-upscale", "Stable Diffusion x4 upscaler (7 input channels)", False, (Has(UNET_IN, ndim=4, axis=1, size=7),)),
     Family("stable-cascade", "Stable Cascade", False, (AnyOf((Has("clip_txt_mapper.weight"),
                                                               Has("down_blocks.1.0.channelwise.0.weight"))),)),
+    # SDXL-architecture files that sample on a different schedule (ComfyUI's ``SDXL.model_type`` keys): loading them
+    # as SDXL base would run them on the DDPM epsilon schedule and give noise, so they are refused by name.
+    Family("playground-v2.5", "Playground v2.5 (SDXL UNet with EDM sampling and its own latent scaling)", False,
+           (Has("edm_mean"), Has("edm_std"))),
+    Family("sdxl-edm-v", "EDM v-prediction SDXL (CosXL and similar; 'edm_vpred.sigma_max' key)", False,
+           (Has("edm_vpred.sigma_max"),)),
     Family("controlnet", "ControlNet (not a full checkpoint)", False,
            (AnyOf((Has("control_model.time_embed.0.weight"), Has("controlnet_cond_embedding.conv_in.weight"))),)),
     # Supported families.
@@ -119,7 +130,7 @@ def detect_family(shapes: Shapes, source: str = "checkpoint") -> Family:
             if not family.supported:
                 raise UnsupportedFamilyError(
                     f"{source}: detected family '{family.name}' ({family.display}), which LeanDiffusion does not "
-                    f"run; supported families are SD1.x, SD2.x (epsilon and v) and SDXL base")
+                    f"run; supported families are SD1.x, SD2.x (epsilon and v) and SDXL base (epsilon and v)")
             return family
     raise UnsupportedFamilyError(f"{source}: {_describe_unknown(shapes)}")
 
@@ -167,32 +178,68 @@ def _diffusers_guess(shapes: Shapes) -> Optional[str]:
     return None if name in ("v1", "v2", "xl_base") else name
 
 
-# --------------------------------------------------------------------------------------------- SD2 prediction
+# --------------------------------------------------------------------------------------------- prediction type
 _V_NAME = re.compile(r"(^|[^0-9])768([^0-9]|$)|(^|[-_.\s])v([-_.\s]|$)|v[-_]?pred", re.IGNORECASE)
+_PARAMETERIZATION = re.compile(r"^\s*parameterization:\s*[\"']?([A-Za-z_]+)[\"']?\s*(#.*)?$", re.MULTILINE)
+# ComfyUI's SD2 v-prediction test (``comfy/supported_models.py`` ``SD20.model_type``): the population standard
+# deviation of this LayerNorm bias is above 0.09 in the 768 v models and below it in the 512 epsilon models.
+SD2_V_PROBE = UNET + "output_blocks.11.1.transformer_blocks.0.norm1.bias"
+SD2_V_STD = 0.09
 
 
-def sd2_prediction_type(shapes: Shapes, path: Optional[Path] = None) -> str:
+def sd2_prediction_type(shapes: Shapes, path: Optional[Path] = None,
+                        read: Optional[Callable[[str], "torch.Tensor"]] = None) -> str:
     """SD2 checkpoints do not record epsilon vs v-prediction; decide by this documented rule, first hit wins.
 
     1. a ``v_pred`` tensor in the file (ComfyUI's convention when it saves a v-prediction model; the test kit too)
        -> ``v_prediction``;
-    2. a sidecar ``<name>.yaml`` next to the file containing ``parameterization: "v"`` (the original
-       ``v2-inference-v.yaml`` convention A1111 uses) -> ``v_prediction``;
-    3. a file name with the token ``768``, ``v`` or ``vpred`` (``v2-1_768-ema-pruned``, ``sd21-v``,
+    2. a sidecar ``<name>.yaml`` next to the file (the original ``v2-inference(-v).yaml`` convention A1111 uses):
+       ``parameterization: "v"`` -> ``v_prediction``, any other or no ``parameterization`` -> ``epsilon`` (so the
+       sidecar overrides every rule below, in both directions);
+    3. ComfyUI's own test, when the file has the full-size SD2 UNet's ``output_blocks.11`` attention and ``read``
+       gives tensor values: the standard deviation of its first transformer block's ``norm1.bias`` > 0.09 ->
+       ``v_prediction``, else ``epsilon`` (what ComfyUI's CheckpointLoaderSimple decides for the same file);
+    4. a file name with the token ``768``, ``v`` or ``vpred`` (``v2-1_768-ema-pruned``, ``sd21-v``,
        ``model_vpred``) -> ``v_prediction`` (Stability's 768 models are the v models);
-    4. otherwise ``epsilon`` (the 512 "base" models).
+    5. otherwise ``epsilon`` (the 512 "base" models).
     """
     if "v_pred" in shapes:
         return "v_prediction"
     if path is not None:
         sidecar = Path(path).with_suffix(".yaml")
         if sidecar.is_file():
-            text = sidecar.read_text(errors="replace")
-            if re.search(r"parameterization:\s*[\"']?v[\"']?\s*$", text, re.MULTILINE):
-                return "v_prediction"
-        if _V_NAME.search(Path(path).stem):
-            return "v_prediction"
+            found = _PARAMETERIZATION.search(sidecar.read_text(errors="replace"))
+            return "v_prediction" if found and found.group(1).lower() == "v" else "epsilon"
+    if read is not None and SD2_V_PROBE in shapes:
+        import torch
+
+        std = torch.std(read(SD2_V_PROBE).float(), unbiased=False).item()
+        return "v_prediction" if std > SD2_V_STD else "epsilon"
+    if path is not None and _V_NAME.search(Path(path).stem):
+        return "v_prediction"
     return "epsilon"
+
+
+def scheduler_overrides(family: str, shapes: Shapes, path: Optional[Path] = None,
+                        read: Optional[Callable[[str], "torch.Tensor"]] = None) -> tuple[str, dict]:
+    """The engine family and the scheduler-config keys a single file sets beyond its family's defaults.
+
+    - ``sd2``: :func:`sd2_prediction_type` decides between ``sd2`` and ``sd2-v``.
+    - ``sd1`` / ``sdxl``: the marker tensors ComfyUI reads (``comfy/supported_models.py`` ``SDXL.model_type``;
+      ComfyUI's ``state_dict_for_saving`` writes ``v_pred`` for every v-prediction model it saves): ``v_pred`` ->
+      ``prediction_type="v_prediction"`` (NoobAI-XL V-Pred and other v-prediction SDXL fine-tunes); ``v_pred`` with
+      ``ztsnr`` -> also the zero-terminal-SNR schedule (``rescale_betas_zero_snr=True``, Lin et al. 2023, with the
+      ``trailing`` timestep spacing that paper prescribes so sampling starts at the last, pure-noise timestep as
+      ComfyUI's samplers do from the schedule's largest sigma).
+    """
+    if family == "sd2":
+        return ("sd2-v" if sd2_prediction_type(shapes, path, read) == "v_prediction" else "sd2"), {}
+    if "v_pred" not in shapes:
+        return family, {}
+    overrides = {"prediction_type": "v_prediction"}
+    if "ztsnr" in shapes:
+        overrides.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    return family, overrides
 
 
 # --------------------------------------------------------------------------------------------- shipped defaults

@@ -12,7 +12,11 @@ Invariants
 - Modules are created on the meta device and take the file's tensors by assignment (no random init, no copy);
   the returned modules are on the CPU, in eval mode, without gradients, in the file's dtype.
 - Hand-written here (no library does it): only key-prefix fitting between transformers versions (``CLIPTextModel``
-  lost its ``text_model.`` wrapper in transformers 5.6) and dropping SD2's unused last OpenCLIP block.
+  lost its ``text_model.`` wrapper in transformers 5.6), the same fitting for old SD1 files that store CLIP-L
+  without ``text_model.`` (as ComfyUI's ``SD15.process_clip_state_dict`` renames them), and dropping SD2's unused
+  last OpenCLIP block.
+- Sampling settings a file records (``v_pred``, ``ztsnr``) or that SD2 leaves to a rule come from
+  ``families.scheduler_overrides``; every error raised while converting names the file.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing import Callable
 import torch
 
 from . import ldm_config
-from .families import detect_family, family_defaults, sd2_prediction_type
+from .families import detect_family, family_defaults, scheduler_overrides
 from .tokenizers import OPENCLIP_PAD, find_tokenizer_dir, load_clip_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,12 +51,27 @@ def read_header(path: Path) -> dict[str, tuple]:
     return shapes
 
 
+# Old SD1 files (saved with transformers < 4.?, e.g. many early SD1.x merges) name CLIP-L without the
+# ``text_model.`` level: ``cond_stage_model.transformer.embeddings...``. ComfyUI's ``SD15.process_clip_state_dict``
+# renames them; so does this loader, before detection.
+_OLD_CLIP = "cond_stage_model.transformer."
+_NEW_CLIP = "cond_stage_model.transformer.text_model."
+
+
+def canonical_name(key: str) -> str:
+    """The name the converters expect for a tensor stored under ``key`` (see ``_OLD_CLIP``)."""
+    if key.startswith(_OLD_CLIP) and not key.startswith(_NEW_CLIP):
+        return _NEW_CLIP + key[len(_OLD_CLIP):]
+    return key
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, under :func:`canonical_name` names."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            return {canonical_name(k): f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # a file can pass the header check and still fail mid-read (truncated data)
         raise ValueError(f"model={Path(path).name!r} could not be read completely ({exc}); the file is truncated or "
                          f"damaged") from exc
@@ -149,19 +168,21 @@ def convert_checkpoint(tensors: dict, shapes: dict, family: str) -> dict:
 def load_ldm_checkpoint(path: Path) -> dict:
     """Read, detect, convert: a components dict (as ``memory.tiny.build_tiny_components`` returns) for ``path``."""
     path = Path(path)
-    shapes = read_header(path)
-    family = detect_family(shapes, source=f"model={path.name!r}").name
+    source = f"model={path.name!r}"
+    shapes = {canonical_name(k): v for k, v in read_header(path).items()}
+    family = detect_family(shapes, source=source).name
     tok_dir = find_tokenizer_dir(path)  # fail on a missing tokenizer before the expensive conversion
-    engine_family = family
-    if family == "sd2" and sd2_prediction_type(shapes, path) == "v_prediction":
-        engine_family = "sd2-v"
     tensors = read_tensors(path)
-    components = convert_checkpoint(tensors, shapes, family)
+    engine_family, overrides = scheduler_overrides(family, shapes, path, read=tensors.__getitem__)
+    try:
+        components = convert_checkpoint(tensors, shapes, family)
+    except ValueError as exc:  # name the file: the converters only know tensor names
+        raise ValueError(f"{source} (detected as {family}): {exc}") from exc
     del tensors
     components["family"] = engine_family
-    components["scheduler_config"] = dict(family_defaults(engine_family)["scheduler"])
+    components["scheduler_config"] = {**family_defaults(engine_family)["scheduler"], **overrides}
     components["tokenizer"] = load_clip_tokenizer(tok_dir, pad_token=OPENCLIP_PAD if family == "sd2" else None)
     if family == "sdxl":
         components["tokenizer_2"] = load_clip_tokenizer(tok_dir, pad_token=OPENCLIP_PAD)
-    logger.info("loaded %s as %s", path.name, engine_family)
+    logger.info("loaded %s as %s%s", path.name, engine_family, f" with {overrides}" if overrides else "")
     return components
