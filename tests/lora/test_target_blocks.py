@@ -13,9 +13,7 @@ Guards (each failed on the code before this file):
 - a bad selector's message listed the first 8 top-level module names alphabetically (``add_embedding``,
   ``conv_act``... but not ``up_blocks``): it now names the input, the value and this model's valid blocks.
 """
-import os
 import re
-import sys
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from leandiffusion.lora.keymap import Target, targetable_modules
 from leandiffusion.lora.targets import filter_targets
 from leandiffusion.tests.kit import tiny_engine
 from leandiffusion.tests.lora import lorafiles as lf
+from leandiffusion.tests.kit.comfy_source import use_comfyui_source
 
 TOL = 1e-5
 UNET_ALL = re.compile(lf.ATTN_FF.pattern + "|" + lf.LOCON.pattern)
@@ -137,13 +136,7 @@ def _comfy_unet_config(cfg) -> dict:
 @pytest.mark.comfyui
 @pytest.mark.parametrize("kind", ["sd15", "sdxl", "tiny_sd1", "tiny_sdxl"])
 def test_ldm_selectors_follow_comfyui_key_map(kind):
-    path = os.environ["COMFYUI_PATH"]
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    if "comfy.model_management" not in sys.modules and not torch.cuda.is_available():
-        import comfy.cli_args
-
-        comfy.cli_args.args.cpu = True
+    use_comfyui_source()
     import comfy.utils
     from diffusers import UNet2DConditionModel
 

@@ -20,7 +20,6 @@ OpenCLIP ``logit_scale``, linear VAE attention, ComfyUI-saved SDXL, missing VAE,
 """
 import contextlib
 import importlib.machinery
-import os
 import sys
 import types
 
@@ -34,6 +33,7 @@ from leandiffusion.memory.ldm import load_ldm_checkpoint, read_header
 from leandiffusion.sampling import ddim
 from leandiffusion.tests.kit import ldm_state_dict, tiny_components, tiny_tokenizer_dir
 from leandiffusion.tests.kit.ldm import unet_to_ldm
+from leandiffusion.tests.kit.comfy_source import use_comfyui_source
 
 TOL = 1e-5
 SD2_PROBE = "model.diffusion_model.output_blocks.11.1.transformer_blocks.0.norm1.bias"
@@ -93,13 +93,7 @@ def _without_torchvision():
 @pytest.fixture(scope="module")
 def comfy_models():
     """``comfy.supported_models`` and ``comfy.model_base`` from COMFYUI_PATH (ComfyUI's detection code)."""
-    path = os.environ["COMFYUI_PATH"]
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    if "comfy.model_management" not in sys.modules and not torch.cuda.is_available():
-        import comfy.cli_args
-
-        comfy.cli_args.args.cpu = True
+    use_comfyui_source()
     # import what the loader uses first, so nothing of it is imported while the torchvision stub is in place
     import diffusers.loaders.single_file_utils  # noqa: F401
     import transformers.modeling_utils  # noqa: F401

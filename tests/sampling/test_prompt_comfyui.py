@@ -8,9 +8,7 @@ loads a checkpoint, so for tiny models the classes are built here from the tiny 
 The end-to-end check through ComfyUI's own CheckpointLoaderSimple and CLIPTextEncode nodes (a full-size CLIP-L,
 which ComfyUI needs, inside the real ComfyUI server) is ``tests/integration/test_comfyui_prompts.py``.
 """
-import os
 import random
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from safetensors.torch import save_file
 from leandiffusion.sampling.prompt_encoder import encode_texts
 from leandiffusion.sampling.prompt_parser import parse_weights
 from leandiffusion.tests.kit import tiny_components, tiny_engine, tiny_tokenizer_dir
+from leandiffusion.tests.kit.comfy_source import use_comfyui_source
 
 pytestmark = pytest.mark.comfyui
 TOL = 1e-5
@@ -34,13 +33,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def comfy():
-    path = os.environ["COMFYUI_PATH"]
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    if "comfy.model_management" not in sys.modules and not torch.cuda.is_available():
-        import comfy.cli_args
-
-        comfy.cli_args.args.cpu = True
+    use_comfyui_source()
     import comfy.sd1_clip
     import comfy.sdxl_clip
 

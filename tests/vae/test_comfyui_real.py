@@ -3,8 +3,6 @@
 Guards the adapter against drift in ComfyUI's module names/semantics: the tiled decode/encode of ComfyUI's own
 modules (``comfy.ops`` subclasses) must equal ComfyUI's own untiled ``decode``/``encode``.
 """
-import os
-import sys
 
 import pytest
 import torch
@@ -13,17 +11,14 @@ from leandiffusion.tests.kit import tiny_components
 from leandiffusion.tests.vae.ldm_tree import FakeComfyVAE, ldm_from_diffusers
 from leandiffusion.vae.targets import from_comfy
 from leandiffusion.vae.tiled import tiled_decode, tiled_encode
+from leandiffusion.tests.kit.comfy_source import use_comfyui_source
 
 pytestmark = pytest.mark.comfyui
 
 
 @pytest.fixture(scope="module")
 def comfy_ae():
-    sys.path.insert(0, os.environ["COMFYUI_PATH"])
-    import comfy.cli_args
-
-    if not torch.cuda.is_available():
-        comfy.cli_args.args.cpu = True  # as `main.py --cpu` does; must precede comfy.model_management
+    use_comfyui_source()
     from comfy.ldm.models.autoencoder import AutoencoderKL
 
     ddconfig = dict(double_z=True, z_channels=4, resolution=256, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 1, 2, 2],
