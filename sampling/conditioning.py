@@ -20,6 +20,7 @@ ControlNet, GLIGEN, hooks, timestep ranges, non-unit strength, unCLIP) raise ``V
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -27,6 +28,8 @@ from typing import Any, Optional
 import torch
 
 from ..memory.engine import LeanEngine, PromptEmbeds
+
+logger = logging.getLogger(__name__)
 
 SIZE_KEYS = ("width", "height", "crop_w", "crop_h", "target_width", "target_height")
 # keys whose given values are what a plain pair means anyway
@@ -111,11 +114,26 @@ def single_pair(conditioning: Any, input_name: str = "positive_cond") -> tuple[t
     return cond, extras
 
 
+def _warn_unapplied_text_lora(engine: LeanEngine, input_name: str) -> None:
+    """A CONDITIONING was encoded outside this engine (ComfyUI's CLIP), so a LoRA's text-encoder part on the engine
+    never reaches it: say so in the log instead of dropping it silently (the UNet part still applies)."""
+    for adapter in engine.adapters:
+        text = {c: s for c, s in getattr(adapter, "strengths", ()) if c != "unet" and s != 0}
+        if getattr(adapter, "affects_text", False) and text:
+            logger.warning(
+                "%s: LoRA %r has a text-encoder part (strength_text_encoder %s) that this CONDITIONING was not "
+                "encoded with: ComfyUI's CLIP encoded it. Only the LoRA's UNet part applies. To apply the text part, "
+                "leave %s unconnected and write the prompt in the sampler, or also load the LoRA onto the CLIP with "
+                "ComfyUI's LoraLoader", input_name, getattr(adapter, "name", "?"),
+                ", ".join(f"{c}={s:g}" for c, s in text.items()), input_name)
+
+
 def from_conditioning(conditioning: Any, engine: LeanEngine, batch: int, *, width: Optional[int] = None,
                       height: Optional[int] = None, input_name: str = "positive_cond") -> SamplerConditioning:
     """One CONDITIONING -> :class:`SamplerConditioning` for ``engine`` with ``batch`` rows (the pair's rows tiled or
     cut to ``batch``, as ComfyUI's ``repeat_to_batch_size``)."""
     cond, extras = single_pair(conditioning, input_name)
+    _warn_unapplied_text_lora(engine, input_name)
     for key, value in extras.items():
         if key in SIZE_KEYS or key == "pooled_output":
             continue

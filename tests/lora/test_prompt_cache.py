@@ -75,3 +75,25 @@ def test_cache_hits_follow_what_the_text_encoders_compute(tmp_path):
     assert encode(inject_lora(engine, unet_only, 0.8, 1.0))[0] == 0
     # the same file stacked twice is another text function than once
     assert encode(inject_lora(inject_lora(engine, both, 0.7, 0.5), both, 0.7, 0.5))[0] == 2
+
+
+def test_outside_conditioning_with_a_text_lora_is_named_in_the_log(tmp_path, caplog):
+    """A CONDITIONING from ComfyUI's CLIPTextEncode was not encoded with the LoRA's text-encoder part; the sampler
+    cannot apply it, and says so (it used to drop it silently). No warning when the text part is off or absent."""
+    import logging
+
+    from leandiffusion.sampling.conditioning import from_conditioning, to_conditioning
+
+    engine = tiny_engine("sd1")
+    both, unet_only = _files(engine, tmp_path)
+    cond = to_conditioning(encode_texts(engine, ["a cat"], cache=None)[0])
+    cases = [(inject_lora(engine, both, 0.7, 0.5), True), (inject_lora(engine, both, 0.7, 0.0), False),
+             (inject_lora(engine, unet_only, 0.7, 0.5), False), (engine, False)]
+    for view, warned in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="leandiffusion.sampling.conditioning"):
+            from_conditioning(cond, view, 1, input_name="positive_cond")
+        hits = [r.getMessage() for r in caplog.records if "text-encoder part" in r.getMessage()]
+        assert bool(hits) == warned, (view.adapters, hits)
+        if warned:
+            assert "positive_cond" in hits[0] and "text_encoder=0.5" in hits[0]
