@@ -86,10 +86,23 @@ def build_engine(parts: ModelParts, vram_policy: str = "auto", vram_budget_gb: f
 
 def load_engine(model: str, vram_policy: str = "auto", vram_budget_gb: float = 4.0, weight_dtype: str = "auto",
                 vae_dtype: str = "auto", device=None) -> LeanEngine:
-    """The node's whole job: load ``model`` and place it under the policy; returns the engine."""
+    """The node's whole job: load ``model`` and place it under the policy; returns the engine.
+
+    Progress counts three stages (read and convert the file, assemble the parts, place them under the policy);
+    Cancel is honoured between them. Nothing outlives a cancelled or failed load: the engine only exists once the
+    last stage returns."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolve_dtype(weight_dtype, "weight_dtype", dev)
     resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True)
-    components, name = load_components(model)
-    parts = parts_from_components(components, name=name)
-    return build_engine(parts, vram_policy, vram_budget_gb, weight_dtype, vae_dtype, device=dev)
+    with bridge.ProgressBar(3, desc="load model") as bar:
+        bridge.check_interrupted()
+        components, name = load_components(model)
+        bar.update(1)
+        bridge.check_interrupted()
+        parts = parts_from_components(components, name=name)
+        del components
+        bar.update(1)
+        bridge.check_interrupted()
+        engine = build_engine(parts, vram_policy, vram_budget_gb, weight_dtype, vae_dtype, device=dev)
+        bar.update(1)
+    return engine

@@ -83,3 +83,46 @@ def test_files_load_through_the_node(models_dir):
 def test_bad_inputs_give_clear_errors(models_dir, args, match):
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
         LeanModelLoader().load(*args)
+
+
+def test_load_reports_progress_and_honours_cancel_between_stages(models_dir, monkeypatch):
+    """Three progress units (read/convert, parts, placement), each reached once; Cancel between stages stops the
+    load with no engine made (the placement stage never runs after a cancel in the first stage)."""
+    from leandiffusion import bridge
+
+    events = []
+
+    class Bar:
+        def __init__(self, total, desc="", quiet=False):
+            events.append(("total", total))
+
+        def update(self, n=1):
+            events.append(("update", n))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(bridge, "ProgressBar", Bar)
+    engine, _ = LeanModelLoader().load("tiny-sd1.safetensors", "full", 4.0, "auto", "auto")
+    assert engine.family == "sd1"
+    assert events == [("total", 3)] + [("update", 1)] * 3
+
+    checks = []
+
+    def cancel_at_second_check():
+        checks.append(1)
+        if len(checks) == 2:
+            raise bridge.Interrupted("cancel")
+
+    placed = []
+    monkeypatch.setattr(load_mod, "build_engine", lambda *a, **k: placed.append(1))
+    bridge.set_interrupt_hook(cancel_at_second_check)
+    try:
+        with pytest.raises(bridge.Interrupted):
+            LeanModelLoader().load("tiny-sd1.safetensors", "full", 4.0, "auto", "auto")
+    finally:
+        bridge.set_interrupt_hook(None)
+    assert len(checks) == 2 and not placed
