@@ -204,6 +204,26 @@ def model_fingerprint(folder: str, name: str) -> str:
         return str(name)
 
 
+# --------------------------------------------------------------------------------------------- device
+def default_device():
+    """The device the pack's models run on when a node does not say: ComfyUI's device inside ComfyUI (so ``--cpu``
+    keeps the pack on the CPU, as it keeps ComfyUI's own models), else the current CUDA device, else the CPU. The
+    pack runs on CUDA or the CPU only: another ComfyUI device (MPS, XPU, DirectML) gives the CPU, with a warning."""
+    import torch
+
+    mm = _comfy_module("comfy.model_management")
+    if mm is not None and hasattr(mm, "get_torch_device"):
+        comfy_device = torch.device(mm.get_torch_device())
+        if comfy_device.type == "cuda" and torch.cuda.is_available():
+            index = torch.cuda.current_device() if comfy_device.index is None else comfy_device.index
+            return torch.device("cuda", index)
+        if comfy_device.type != "cpu":
+            logger.warning("ComfyUI runs on %s; LeanDiffusion runs on NVIDIA GPUs (CUDA) or the CPU, so its nodes "
+                           "use the CPU", comfy_device)
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 # --------------------------------------------------------------------------------------------- memory manager
 def free_comfy_memory(bytes_needed: int, device) -> None:
     """Ask ComfyUI's memory manager to unload its own models until ``bytes_needed`` are free on ``device``."""

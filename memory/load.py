@@ -70,7 +70,7 @@ def resolve_dtype(name: str, arg: str, device: torch.device, vae: bool = False) 
 def build_engine(parts: ModelParts, vram_policy: str = "auto", vram_budget_gb: float = 4.0,
                  weight_dtype: str = "auto", vae_dtype: str = "auto", device=None, **policy_kwargs) -> LeanEngine:
     """An engine over ``parts`` under ``vram_policy`` (see ``memory/policies.py``), with a buffer pool."""
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else bridge.default_device()
     placement = apply_vram_policy(parts, vram_policy, device=dev, vram_budget_gb=vram_budget_gb,
                                   dtype=resolve_dtype(weight_dtype, "weight_dtype", dev),
                                   vae_dtype=resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True), **policy_kwargs)
@@ -91,7 +91,7 @@ def load_engine(model: str, vram_policy: str = "auto", vram_budget_gb: float = 4
     Progress counts three stages (read and convert the file, assemble the parts, place them under the policy);
     Cancel is honoured between them. Nothing outlives a cancelled or failed load: the engine only exists once the
     last stage returns."""
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else bridge.default_device()
     resolve_dtype(weight_dtype, "weight_dtype", dev)
     resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True)
     with bridge.ProgressBar(3, desc="load model") as bar:

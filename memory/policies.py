@@ -101,7 +101,7 @@ def apply_vram_policy(parts: ModelParts, policy: str | VramPolicy = "auto", *, d
     if isinstance(vram_budget_gb, bool) or not isinstance(vram_budget_gb, (int, float)) or not vram_budget_gb > 0 \
             or not math.isfinite(vram_budget_gb):
         raise ValueError(f"vram_budget_gb={vram_budget_gb!r}: expected a positive number of GB")
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else bridge.default_device()
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: CUDA is not available in this process; use device='cpu'")
     if dev.type == "cuda" and dev.index is None:
@@ -214,7 +214,7 @@ def _ceil_gb(n: int) -> str:
 def stream_working_minimum_gb(parts: ModelParts, device=None, dtype: Optional[torch.dtype] = None,
                               working_shape: Optional[tuple] = None) -> float:
     """The smallest ``vram_budget_gb`` the ``stream`` policy accepts for ``parts`` (same estimate as the plan)."""
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device is not None else bridge.default_device()
     dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
     if working_shape is None:
         s = int(parts.unet.config.sample_size)

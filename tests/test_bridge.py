@@ -101,3 +101,55 @@ def test_plain_fallbacks_outside_comfyui():
     with bridge.ProgressBar(3, quiet=True) as bar:
         bar.update(3)
     assert bridge.comfy_tokenizer_dir() is None
+
+
+class _FakeModelManagement:
+    def __init__(self, device):
+        self.device = device
+
+    def get_torch_device(self):
+        return self.device
+
+    def throw_exception_if_processing_interrupted(self):
+        pass
+
+    def free_memory(self, *args, **kwargs):
+        pass
+
+    def soft_empty_cache(self):
+        pass
+
+
+@pytest.mark.parametrize("comfy_device,cuda,want,warns", [
+    ("cpu", True, "cpu", False),     # ComfyUI started with --cpu on a GPU machine: the pack stays on the CPU
+    ("mps", False, "cpu", True),     # Apple silicon: not supported, CPU with a warning
+    ("xpu", True, "cpu", True),
+])
+def test_default_device_follows_comfyuis_device(monkeypatch, caplog, comfy_device, cuda, want, warns):
+    import logging
+
+    import torch
+
+    fake = _FakeModelManagement(torch.device(comfy_device))
+    monkeypatch.setattr(bridge, "_comfy_module", lambda name: fake if name == "comfy.model_management" else None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with caplog.at_level(logging.WARNING, logger="leandiffusion.bridge"):
+        assert bridge.default_device() == torch.device(want)
+    assert any("CUDA) or the CPU" in r.getMessage() for r in caplog.records) == warns
+
+
+def test_loader_and_upscaler_follow_comfyuis_cpu_mode(monkeypatch):
+    """With ComfyUI on the CPU the loader's engine and the upscaler's ``auto`` device are the CPU, even where torch
+    sees a GPU (they used to pick CUDA whenever it was available)."""
+    import torch
+
+    from leandiffusion.memory.load import load_engine
+    from leandiffusion.upscale.runner import choose_device
+
+    fake = _FakeModelManagement(torch.device("cpu"))
+    monkeypatch.setattr(bridge, "_comfy_module", lambda name: fake if name == "comfy.model_management" else None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine; nothing may touch it
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: (_ for _ in ()).throw(AssertionError("touched CUDA")))
+    assert choose_device("auto", upscaler=None) == torch.device("cpu")
+    engine = load_engine("tiny-random (test)", "full", 4.0, "auto", "auto")
+    assert engine.device == torch.device("cpu")

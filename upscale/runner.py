@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..bridge import ProgressBar, check_interrupted, free_comfy_memory, soft_empty_cache
+from ..bridge import ProgressBar, check_interrupted, default_device, free_comfy_memory, soft_empty_cache
 from .descriptor import Upscaler
 from .tiling import Span, axis_weights, largest_keep, largest_window, plan
 
@@ -49,10 +49,11 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 # --------------------------------------------------------------------------------------------- choices
 def choose_device(device: str, upscaler: Upscaler, overlap: int = 32) -> torch.device:
-    """The device for ``device`` in ("auto", "gpu", "cpu"); "cpu" never touches CUDA."""
+    """The device for ``device`` in ("auto", "gpu", "cpu"); "cpu" never touches CUDA, and neither does "auto" when
+    ComfyUI runs on the CPU (``--cpu``; ``bridge.default_device``)."""
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: expected one of {DEVICES}")
-    if device == "cpu":
+    if device == "cpu" or (device == "auto" and default_device().type == "cpu"):  # auto follows ComfyUI's --cpu
         return torch.device("cpu")
     if not torch.cuda.is_available():
         if device == "gpu":
