@@ -92,6 +92,53 @@ def test_bypass_without_matching_input_drops_the_input():
     assert prompt["6"]["inputs"] == {"filename_prefix": "q", "images": ["1", 0]}
 
 
+
+def test_seed_input_without_the_flag_still_has_a_control_value():
+    """The editor gives every INT input named ``seed`` or ``noise_seed`` a control_after_generate widget even when the
+    spec does not announce one (ComfyUI's ``INT:seed`` / ``INT:noise_seed`` widgets; older packs rely on it), so its
+    UI-only value must be skipped; another INT without the flag has none."""
+    spec = {"input": {"required": {"noise_seed": ["INT", {"default": 0}], "steps": ["INT", {"default": 20}],
+                                   "count": ["INT", {"default": 1}], "name": ["STRING", {}]}},
+            "input_order": {"required": ["noise_seed", "steps", "count", "name"]}}
+    assert widget_slots(spec) == [("noise_seed", True, False), ("steps", False, False), ("count", False, False),
+                                  ("name", False, False)]
+    node = _node(1, "OldPackSampler", [5, "randomize", 30, 2, "fixed"])
+    assert widget_inputs(node, spec) == {"noise_seed": 5, "steps": 30, "count": 2, "name": "fixed"}
+
+
+def test_inputs_fed_by_a_muted_node_are_dropped():
+    """A muted node (mode 2) is not in the prompt, and the editor deletes every input linked to it (so ComfyUI reports
+    the input missing instead of a link to a node that does not exist)."""
+    workflow = {"nodes": [
+        _node(1, "EmptyImage", [8, 8, 1, 0], outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [1]}], mode=2),
+        _node(2, "ImageInvert", None, inputs=[{"name": "image", "type": "IMAGE", "link": 1}],
+              outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [2]}]),
+        _node(3, "SaveImage", ["p"], inputs=[{"name": "images", "type": "IMAGE", "link": 2}])],
+        "links": [[1, 1, 0, 2, 0, "IMAGE"], [2, 2, 0, 3, 0, "IMAGE"]]}
+    prompt = ui_to_api(workflow, OBJECT_INFO)
+    assert set(prompt) == {"2", "3"}
+    assert prompt["2"]["inputs"] == {}
+    assert prompt["3"]["inputs"] == {"filename_prefix": "p", "images": ["2", 0]}
+
+
+def test_bypass_passes_the_input_of_the_same_slot_first():
+    """A bypassed node with several inputs of the output's type passes through the input at the output's slot index
+    (the editor tries ``origin_slot`` first, then the inputs in order)."""
+    workflow = {"nodes": [
+        _node(1, "EmptyImage", [8, 8, 1, 0], outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [1]}]),
+        _node(2, "EmptyImage", [16, 16, 1, 0], outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [2]}]),
+        _node(3, "TwoImagesPack", None,
+              inputs=[{"name": "a", "type": "IMAGE", "link": 1}, {"name": "b", "type": "IMAGE", "link": 2}],
+              outputs=[{"name": "A", "type": "IMAGE", "links": [3]}, {"name": "B", "type": "IMAGE", "links": [4]}],
+              mode=4),
+        _node(4, "SaveImage", ["a"], inputs=[{"name": "images", "type": "IMAGE", "link": 3}]),
+        _node(5, "SaveImage", ["b"], inputs=[{"name": "images", "type": "IMAGE", "link": 4}])],
+        "links": [[1, 1, 0, 3, 0, "IMAGE"], [2, 2, 0, 3, 1, "IMAGE"], [3, 3, 0, 4, 0, "IMAGE"],
+                  [4, 3, 1, 5, 0, "IMAGE"]]}
+    prompt = ui_to_api(workflow, OBJECT_INFO)
+    assert prompt["4"]["inputs"]["images"] == ["1", 0]
+    assert prompt["5"]["inputs"]["images"] == ["2", 0]  # slot 1 -> input 1, not the first IMAGE input
+
 def test_unknown_ui_nodes_get_one_line_each():
     workflow = {"nodes": [_node(1, "Mystery", []), _node(2, "AlsoMissing", []), _node(3, "Note", ["x"])], "links": []}
     with pytest.raises(WorkflowError) as info:

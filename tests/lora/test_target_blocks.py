@@ -160,3 +160,39 @@ def test_ldm_selectors_follow_comfyui_key_map(kind):
         head, _, idx = block.partition(".")
         lbw = "MID" if head == "middle_block" else f"{'IN' if head == 'input_blocks' else 'OUT'}{int(idx):02d}"
         assert {t.module_name for t in filter_targets(targets, lbw, {"unet": unet})} == want, lbw
+
+
+def test_numbered_selectors_stop_at_the_dot_on_full_size_layouts():
+    """``input_blocks.1`` / ``IN01`` / ``output_blocks.1`` / ``encoder.layers.1`` select block 1 only, never blocks 10
+    and 11, which full-size models have (SD1.5: input_blocks and output_blocks 0-11; CLIP: 12 layers) and the tiny
+    test models do not. Runs without ComfyUI (the ``comfyui`` test above checks every block against its key map);
+    the expected modules are SD1.5's LDM layout written out by hand: input_blocks.1 = down_blocks.0's first resnet
+    and attention, output_blocks.1 = up_blocks.0's second resnet."""
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from leandiffusion.bench.models import SD15_UNET
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**SD15_UNET)
+        text = CLIPTextModel(CLIPTextConfig())  # 12 layers
+    targets = [Target("unet", n, m, None) for n, m in targetable_modules(unet).items()]
+    targets += [Target("text_encoder", n, m, None) for n, m in targetable_modules(text).items()]
+    roots = {"unet": unet, "text_encoder": text}
+
+    def chosen(selector):
+        return {(t.component, t.module_name) for t in filter_targets(targets, selector, roots)}
+
+    def under(comp, *prefixes):
+        return {(t.component, t.module_name) for t in targets
+                if t.component == comp and t.module_name.startswith(tuple(p + "." for p in prefixes))}
+
+    in1 = under("unet", "down_blocks.0.resnets.0", "down_blocks.0.attentions.0")
+    assert in1 and chosen("input_blocks.1") == in1 and chosen("IN01") == in1
+    out1 = under("unet", "up_blocks.0.resnets.1")
+    assert out1 and chosen("output_blocks.1") == out1 and chosen("OUT01") == out1
+    layer1 = {(c, n) for c, n in under("text_encoder", *{t.module_name.rsplit("encoder.layers.", 1)[0]
+                                                            + "encoder.layers.1" for t in targets
+                                                            if "encoder.layers." in t.module_name})}
+    assert len(layer1) >= 4 and chosen("text_encoder.text_model.encoder.layers.1") == layer1
+    assert chosen("down_blocks.1") == under("unet", "down_blocks.1")

@@ -97,6 +97,29 @@ def test_planned_peaks_are_ordered():
     assert peaks["full"] > peaks["balanced"] >= peaks["lowvram"] > peaks["stream"]
 
 
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_stream_keeps_text_encoders_on_the_cpu_when_they_do_not_fit_the_budget(family):
+    """Under ``stream`` the text encoders go on the device (while used) only if they fit next to the UNet's resident
+    weights: the text stage's planned peak stays within the budget at every budget from the working minimum up,
+    and the encoders run on the CPU in fp32 exactly when resident weights + text weights exceed it (written out
+    here from the plan's byte counts). Guards a plan that always puts them on the device: over a hard budget."""
+    parts = tiny_parts(family)
+    minimum = stream_working_minimum_gb(parts, "cpu")
+    unet_gb = module_bytes(parts.unet, torch.float32) / GiB
+    modes = set()
+    for fraction in (0.0, 0.1, 0.3, 0.6, 1.0, 2.0):
+        budget = minimum + fraction * unet_gb
+        plan = apply_vram_policy(tiny_parts(family), "stream", device="cpu", vram_budget_gb=budget).plan
+        resident = plan.unet_fixed_bytes + plan.unet_resident_bytes + plan.arena_bytes
+        fits = resident + plan.text_bytes <= plan.budget_bytes
+        assert plan.text_mode == ("while used" if fits else "cpu"), (fraction, plan.text_mode)
+        assert plan.peaks["text"] <= plan.budget_bytes and plan.peaks["unet"] <= plan.budget_bytes, fraction
+        if not fits:
+            assert plan.text_dtype == "fp32"
+        modes.add(plan.text_mode)
+    assert modes == {"cpu", "while used"}  # the sweep exercised both sides of the rule
+
 def test_budget_below_minimum_states_it():
     parts = tiny_parts("sd1")
     minimum = stream_working_minimum_gb(parts, "cpu")

@@ -119,3 +119,11 @@ def test_triton_kernel_in_the_loop(engines, monkeypatch):
     """The whole loop with the Triton kernel forced (interpreter on the CPU) still matches diffusers."""
     monkeypatch.setenv("LEANDIFFUSION_CFG_DDIM", "triton")
     _check(engines["sd1"], _settings(eta=0.5, steps=3, batch_size=2))
+
+
+def test_sd1_img2img_repeats_a_latent_batch_as_diffusers_does(engines):
+    """batch_size 4 over a 2-row latent [a, b]: the rows run as [a, b, a, b] (diffusers' img2img
+    ``torch.cat([init_latents] * k)``, ComfyUI's Repeat Latent Batch), not [a, a, b, b]. Rows differ by O(1)."""
+    latent = _raw_latent(2, seed=5)
+    ours = _check(engines["sd1"], _settings(denoise=0.6, steps=3, batch_size=4, cfg=2.0), latent)
+    assert (ours[1] - ours[2]).abs().max().item() > 0.1  # a misordered repeat would swap these rows

@@ -79,9 +79,10 @@ def _refs(engine, s, positive_cond=None, negative_cond=None, negative_row=lambda
     """The Fused DDIM Sampler's image for every job: prompt p's row of positive_cond (or line p), negative row."""
     refs = []
     s = dataclasses.replace(s, positive_rows=0 if positive_cond is None else positive_cond[0][0].shape[0])
-    for job in s.validated().jobs():
-        p = job.prompt_index
-        refs.append(_fused(engine, job.seed, positive="" if positive_cond is not None else s.prompts[p],
+    s = s.validated()
+    for n in range(s.n_prompts * s.images_per_prompt):
+        p = n // s.images_per_prompt  # prompt-major with seed + n, written out (not read from ``s.jobs()``)
+        refs.append(_fused(engine, s.seed + n, positive="" if positive_cond is not None else s.prompts[p],
                            negative=s.negative,
                            positive_cond=None if positive_cond is None else _row(positive_cond, p),
                            negative_cond=None if negative_cond is None else _row(negative_cond, negative_row(p)),

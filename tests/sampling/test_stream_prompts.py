@@ -46,8 +46,10 @@ def _fused(engine, prompt, seed, negative=NEGATIVE, cfg=6.0):
 
 def _compare(engine, settings, result, rel):
     s = settings.validated()
-    for n, job in enumerate(s.jobs()):
-        ref = _fused(engine, s.prompts[job.prompt_index], s.seed + n, s.negative, s.cfg)
+    for n in range(len(s.prompts) * s.images_per_prompt):
+        job = s.jobs()[n]
+        assert job.prompt_index == n // s.images_per_prompt  # prompt-major, written out independently
+        ref = _fused(engine, s.prompts[n // s.images_per_prompt], s.seed + n, s.negative, s.cfg)
         err = (result.latents[n:n + 1] - ref).abs().max().item()
         bound = 0.0 if rel is None else rel * max(1.0, ref.abs().max().item())
         assert err <= bound, f"image {n} ({s.prompts[job.prompt_index][:30]!r}): max abs diff {err:.3g} > {bound:.3g}"

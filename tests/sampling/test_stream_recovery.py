@@ -35,8 +35,9 @@ def _settings(**kw):
 
 def _refs(engine, s):
     s = s.validated()
-    return torch.cat([sample(engine, s.sampler_settings(s.prompts[j.prompt_index], j.seed), quiet=True)["samples"]
-                      for j in s.jobs()])
+    k = s.images_per_prompt  # prompt-major with seed + n, written out (not read from ``s.jobs()``)
+    return torch.cat([sample(engine, s.sampler_settings(s.prompts[n // k], s.seed + n), quiet=True)["samples"]
+                      for n in range(len(s.prompts) * k)])
 
 
 def _close(got, ref, rel=1e-5):

@@ -60,14 +60,17 @@ _ENGINES = {}
 def _check(engine, settings, result, rel=None, bound=1e-5):
     _ENGINES[id(engine)] = engine
     s = settings.validated()
-    jobs = s.jobs()
-    assert result.latents.shape[0] == len(jobs) == result.images.shape[0]
+    n_images = len(s.prompts) * s.images_per_prompt
+    assert result.latents.shape[0] == n_images == result.images.shape[0]
     worst = 0.0
-    for n, job in enumerate(jobs):
-        ref = _reference(id(engine), s.prompts[job.prompt_index], s.seed + n, s.steps, s.cfg, s.negative)
+    for n in range(n_images):
+        # prompt-major, written out here (not read from ``s.jobs()``, the code under test): image n is prompt
+        # n // images_per_prompt with seed + n
+        p = n // s.images_per_prompt
+        ref = _reference(id(engine), s.prompts[p], s.seed + n, s.steps, s.cfg, s.negative)
         err = (result.latents[n:n + 1] - ref).abs().max().item()
         limit = bound if rel is None else rel * max(1.0, ref.abs().max().item())
-        assert err <= limit, f"image {n} (prompt {job.prompt_index}, seed {s.seed + n}): max abs diff {err:.3g}"
+        assert err <= limit, f"image {n} (prompt {p}, seed {s.seed + n}): max abs diff {err:.3g}"
         worst = max(worst, err)
     return worst
 

@@ -43,6 +43,26 @@ def test_plan_axis_invariants(length, tile, overlap, m, min_window):
         assert len(spans) == 1
 
 
+
+@pytest.mark.parametrize("length,tile,overlap,m,want", [
+    # n = ceil(L / t) cores, f = min(o // 4, shortest core // 2); kept = core +- f, window = core +- o (clipped)
+    (100, 32, 8, 1, [(0, 27, 0, 33), (23, 52, 17, 58), (48, 77, 42, 83), (73, 100, 67, 100)]),  # cores of 25, f 2
+    (97, 40, 32, 1, [(0, 40, 0, 64), (24, 73, 0, 97), (57, 97, 33, 97)]),  # cores 0|32|65|97, f = 32 // 4 = 8
+    (64, 20, 40, 4, [(0, 24, 0, 56), (8, 40, 0, 64), (24, 56, 0, 64), (40, 64, 8, 64)]),  # f = 16 // 2 = 8
+])
+def test_plan_axis_feathers_the_documented_band(length, tile, overlap, m, want):
+    """The module docstring's plan, computed by hand: neighbouring kept parts overlap by 2 f and are cross-faded
+    there. Guards a plan without feathering (f = 0 still partitions the image, so the invariants above pass, but
+    an RRDB seam is then a hard edge) and a band of the wrong width."""
+    spans = plan_axis(length, tile, overlap, m)
+    assert [(s.keep0, s.keep1, s.win0, s.win1) for s in spans] == want
+    band = want[0][1] - want[1][0]
+    assert [(s.band_lo, s.band_hi) for s in spans] == [(0, band)] + [(band, band)] * (len(want) - 2) + [(band, 0)]
+    # ramp at output pixel centres (scale 2): w_right(j) = (j + 0.5) / (2 f s)
+    ramp = (torch.arange(2 * band, dtype=torch.float64) + 0.5) / (2 * band)
+    torch.testing.assert_close(axis_weights(spans[1], 2)[:2 * band].double(), ramp, atol=1e-7, rtol=0)
+    torch.testing.assert_close(axis_weights(spans[0], 2)[-2 * band:].double(), 1 - ramp, atol=1e-7, rtol=0)
+
 def _img(b, h, w, seed=0):
     return torch.rand(b, h, w, 3, generator=torch.Generator().manual_seed(seed))
 

@@ -194,3 +194,69 @@ def test_activation_budget_follows_the_budgets_room(monkeypatch, room, expected)
     assert tiled.DECODE_RESERVED_FACTOR == 2.2
     assert abs(tiled.activation_budget(target) - expected) <= 1  # (float division)
     assert tiled.activation_budget(target, budget_bytes=123) == 123  # the caller's value wins
+
+
+# ----------------------------------------------------------------------------------------------- blend weights
+def _tile_constants(calls):
+    """A stand-in for the VAE: tile k (in call order) decodes to the constant 0.1 * k, at ``factor`` x its size."""
+
+    def fn(factor):
+        def run(part):
+            calls.append(part.shape)
+            k = len(calls) - 1
+            return torch.full((1, 3, part.shape[2] * factor, part.shape[3] * factor), 0.1 * k)
+        return run
+    return fn
+
+
+def _max_steps(img):
+    """Largest change between neighbouring pixels along H and along W of a [..., H, W] map."""
+    return ((img[..., 1:, :] - img[..., :-1, :]).abs().max().item(),
+            (img[..., :, 1:] - img[..., :, :-1]).abs().max().item())
+
+
+def test_blend_cross_fades_each_overlap_with_full_linear_ramps():
+    """The module docstring's blend rule, checked on tiles that each return a constant: a pixel covered by one tile
+    is that tile's value, and across every overlap the weights rise (and fall) linearly over the whole overlap, so
+    two neighbouring pixels differ by at most (c_next - c_prev) / overlap. Guards a ramp that is missing on either
+    side of a tile (a jump of half the tiles' difference at the overlap's edge: a visible seam)."""
+    from leandiffusion.vae.blend import run_blend
+
+    calls = []
+    h, w, tile, overlap = 50, 44, 20, 6
+    out = run_blend(_tile_constants(calls)(1), torch.zeros(1, 4, h, w), tile, overlap, (1, 1), torch.device("cpu"),
+                    torch.float32)
+    ys, xs = axis_tiles(h, tile, overlap), axis_tiles(w, tile, overlap)
+    assert len(ys) >= 3 and len(xs) >= 3 and len(calls) == len(ys) * len(xs)  # interior tiles ramp on both sides
+    # tile (iy, ix) is call iy * nx + ix: value 0.1 * (nx * iy + ix); steps of 0.1 * nx along H and 0.1 along W
+    nx = len(xs)
+    step_h, step_w = _max_steps(out[0, 0].double())
+    assert step_h <= 0.1 * nx / overlap + 1e-6, step_h  # 1e-6: fp32 rounding
+    assert step_w <= 0.1 / overlap + 1e-6, step_w
+    assert out[0, 0, 0, 0].item() == pytest.approx(0.0, abs=1e-7)  # covered by tile 0 alone
+    last = 0.1 * (len(ys) * nx - 1)
+    assert out[0, 0, -1, -1].item() == pytest.approx(last, abs=1e-6)
+    # exact values on a line through overlaps along W (first tile row, covered by one row of tiles): written out
+    (s0, n0), (s1, _) = xs[0], xs[1]
+    ov = s0 + n0 - s1
+    want = torch.tensor([(p - s1 + 0.5) / ov * 0.1 for p in range(s1, s0 + n0)], dtype=torch.float64)
+    torch.testing.assert_close(out[0, 0, 0, s1:s0 + n0].double(), want, atol=1e-6, rtol=0)
+
+
+def test_blend_decode_overlap_is_the_requested_pixels(engine, monkeypatch):
+    """The decode node's ``overlap`` is in pixels: tiles (8x smaller in latent units) overlap by at least that many
+    output pixels, so the cross-fade is at least ``overlap`` px wide. The engine's VAE is replaced by tiles that
+    decode to constants (the ``decoder_program`` still reads the real VAE's layout)."""
+    from leandiffusion.vae.targets import VaeTarget
+
+    calls = []
+    monkeypatch.setattr(VaeTarget, "decode_fn", property(lambda self: _tile_constants(calls)(8)))
+    z = torch.randn(1, 4, 26, 19)  # 208 x 152 px, 128 px tiles, 32 px overlap: 2 x 2 tiles
+    (img,) = LeanTiledVAEDecode().decode({"samples": z}, 128, 32, "blend", lean_model=engine)
+    assert len(calls) == 4
+    # image = (v + 1) / 2: the tiles' values 0.1 * (2 iy + ix) become steps of 0.1 along H and 0.05 along W
+    step_h, step_w = _max_steps(img[0, :, :, 0].double())
+    assert step_h <= 0.1 / 32 + 1e-6, step_h  # 1e-6: fp32 rounding of values ~0.6 (a 16 px fade: 2x the bound)
+    assert step_w <= 0.05 / 32 + 1e-6, step_w
+    assert img[0, 0, 0, 0].item() == pytest.approx(0.5, abs=1e-6)
+    assert img[0, -1, -1, 0].item() == pytest.approx(0.65, abs=1e-6)
