@@ -144,9 +144,15 @@ def test_axis_tiles_cover_with_overlap(length, tile, overlap, align):
 
 
 # ----------------------------------------------------------------------------------------------- statistics
-def test_group_stats_merge_matches_fp64_whole():
-    """Uneven row bands merged with Chan's formula == fp64 statistics of the whole image, even with a large mean."""
-    x = torch.randn(1, 64, 37, 23, dtype=torch.float64) * 0.5 + 1000.0
+@pytest.mark.parametrize("trend", [0.0, 0.3])
+def test_group_stats_merge_matches_fp64_whole(trend):
+    """Uneven row bands merged with Chan's formula == fp64 statistics of the whole image, even with a large mean.
+    ``trend`` gives the bands different means (a row gradient) and the channels of a group different offsets, so
+    both the between-band term of the merge and the within-group spread carry real weight."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, 37, 23, dtype=torch.float64, generator=g) * 0.5 + 1000.0
+    x = x + trend * torch.arange(37, dtype=torch.float64).view(1, 1, 37, 1) \
+        + trend * 10 * torch.randn(1, 64, 1, 1, dtype=torch.float64, generator=g)
     stats = GroupStats(32)
     for a, b in ((0, 5), (5, 6), (6, 30), (30, 37)):
         stats.add(x[:, :, a:b].float())
