@@ -161,14 +161,17 @@ class BenchContext:
         passed = None
         target_text = ""
         if target is not None and target_kind:
+            # a non-finite number is stored as null: it can never be the number a target passed on (an infinite
+            # throughput or ratio would otherwise pass every ">=" target)
+            finite = math.isfinite(ours)
             if target_kind == "ratio>=":
-                passed = ratio is not None and ratio >= target
+                passed = finite and ratio is not None and math.isfinite(ratio) and ratio >= target
                 target_text = f">= {target:g}x {peer_name}"
             elif target_kind == "ours<=":
-                passed = ours <= target
+                passed = finite and ours <= target
                 target_text = f"<= {target:g} {unit}".strip()
             elif target_kind == "ours>=":
-                passed = ours >= target
+                passed = finite and ours >= target
                 target_text = f">= {target:g} {unit}".strip()
             else:
                 raise ValueError(f"target_kind={target_kind!r}: expected 'ratio>=', 'ours<=', 'ours>=' or ''")

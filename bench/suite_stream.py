@@ -209,7 +209,11 @@ def _case(ctx, case: str, kind: str, n_prompts: int, steps: int, size: int, targ
     summary = _timeline_summary(spans)
     timelines[case] = {"batch_sizes": list(first.batch_sizes), "summary": summary, "spans": spans}
 
-    # the Fused DDIM Sampler + decode, prompt by prompt
+    # the Fused DDIM Sampler + decode, prompt by prompt. Ours' CUDA graphs (one per batch shape, each with its memory
+    # pool) and its batch-sized pool buffers are dropped first, so the peer's peak memory is the peer's own: kept,
+    # they sat reserved through the peer's runs and counted in its peak (the peer recaptures its batch-1 graph in
+    # its warm-up below, outside the timing).
+    _release_run_memory(engine)
     _fused_one_by_one(engine, settings, limit=1)
     kept = {}
     with _peak(device) as fused_peak, clock_sampler(device) as fused_clock:
@@ -265,7 +269,8 @@ def _case(ctx, case: str, kind: str, n_prompts: int, steps: int, size: int, targ
         ctx.record(case, "peak_reserved_gb", ours_peak["reserved_gb"], fused_peak["reserved_gb"],
                    "fused_ddim_prompt_by_prompt", unit="GB",
                    notes="torch.cuda.max_memory_reserved during the timed runs (weights included, CUDA context "
-                         "excluded); ours holds a batch in each stage")
+                         "excluded), GiB; cache emptied before each contender, ours' graphs and pool buffers "
+                         "released before the peer's; ours holds a batch in each stage")
     if ours_clock and fused_clock:
         _record_clocks(ctx, case, ours_clock, fused_clock)
     ctx.record(case, "decode_overlap_fraction", summary["vae_overlap_fraction"], unit="",
@@ -354,14 +359,33 @@ def _budget_case(ctx, case: str, kind: str, budget_gb: float, n_prompts: int, st
     torch.cuda.empty_cache()
 
 
+def _release_run_memory(engine) -> None:
+    """Drop what a contender's runs left on the device for ``engine``: cached CUDA graphs (and their memory pools)
+    and the engine's pool buffers; the next run allocates or captures again."""
+    from ..sampling.graph_runner import default_runner
+
+    default_runner().clear(engine)
+    pool = getattr(engine, "pool", None)
+    if pool is not None and hasattr(pool, "release"):
+        pool.release()
+    gc.collect()
+
+
 class _peak:
+    """Peak reserved memory of a block, in GiB (filled on exit). Like ``harness.peak_memory``: the allocator's
+    cached free blocks are returned to the driver before the peak is reset, so blocks an earlier contender left in
+    the cache do not count in this block's peak (``max_memory_reserved`` right after a reset is the memory reserved
+    at that moment, cached blocks included)."""
+
     def __init__(self, device):
         self.device = device
         self.out = {"reserved_gb": 0.0}
 
     def __enter__(self):
         if self.device.type == "cuda":
+            gc.collect()
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         return self.out
 

@@ -101,3 +101,20 @@ def test_time_ms_is_a_median_and_peak_memory_is_zero_on_cpu():
     with peak_memory(torch.device("cpu")) as mem:
         torch.ones(10)
     assert mem == {"reserved_gb": 0.0, "allocated_gb": 0.0}
+
+
+@pytest.mark.parametrize("ours, peer, lower, kind, target", [
+    (float("inf"), None, False, "ours>=", 1.0),      # an infinite throughput is not a measurement
+    (float("inf"), 2.0, False, "ratio>=", 1.5),      # ours/peer = inf
+    (4.0, float("inf"), True, "ratio>=", 1.5),       # peer/ours = inf (a peer that never finished)
+    (float("-inf"), None, True, "ours<=", 4.0),
+])
+def test_infinite_numbers_never_pass(tmp_path, ours, peer, lower, kind, target):
+    """Audit, session 11: ``record`` promised that a non-finite ``ours`` never passes, but ``inf >= target`` and an
+    infinite ratio did pass, and JSON then stored the number as null next to ``passed: true``."""
+    ctx = make_ctx(tmp_path, sink=tmp_path / "r.json")
+    rec = ctx.record("c", "m", ours, peer, "peer" if peer is not None else "", target=target, target_kind=kind,
+                     lower_is_better=lower)
+    assert rec.passed is False
+    stored = json.loads((tmp_path / "r.json").read_text())["records"][0]
+    assert validate_record(stored) == []

@@ -222,3 +222,14 @@ def test_failed_chart_render_keeps_the_last_good_chart(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert (tmp_path / "time.png").read_bytes() == good
     assert sorted(p.name for p in tmp_path.iterdir()) == ["time.png"]
+
+
+def test_readme_block_lists_skipped_cases_next_to_the_count():
+    """Audit, session 11: a targeted case skipped for time made no record, so the README block's "N of M targets
+    pass" silently left it out of M; the block must say how many cases were skipped and which."""
+    d = doc([rec()])
+    suite(d, "s")["skipped"] = [{"case": "sdxl-1024/compile+cuda_graph", "reason": "not enough time"}]
+    block = report.readme_markdown(d, "docs/bench")
+    assert "1 case(s) skipped" in block
+    assert "skipped `s/sdxl-1024/compile+cuda_graph`: not enough time" in block
+    assert "neither passed nor failed" in block

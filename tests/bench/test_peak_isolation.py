@@ -1,0 +1,186 @@
+"""Guards that one contender's memory never counts in another contender's peak (bench audit, session 11).
+
+No GPU here: ``torch.cuda``'s allocator statistics are replaced by a small model of the caching allocator
+(active blocks, cached free blocks, the peak since the last reset), and the suites' models by stand-ins that only
+remember where ``.to()`` put them. The bugs these tests guard:
+
+- ``suite_stream._peak`` reset the peak without returning the cache to the driver, so the prompt-by-prompt peer's
+  ``peak_reserved_gb`` started at everything ours' batched runs had left cached (``max_memory_reserved`` right after
+  a reset is the memory reserved at that moment);
+- ``suite_comfyui``'s KSampler and VAEDecodeTiled cases ran ComfyUI with our full-size models still resident on
+  the GPU (built there for speed), so ComfyUI's published peaks included our UNet, text encoders and VAE.
+"""
+import contextlib
+import types
+
+import pytest
+import torch
+
+from leandiffusion.bench import suite_comfyui, suite_stream
+
+GiB = 2 ** 30
+
+
+class FakeAllocator:
+    """Caching-allocator arithmetic: freed blocks stay reserved (cached) until ``empty_cache``."""
+
+    def __init__(self):
+        self.active = 0
+        self.cached = 0
+        self.peak = 0
+
+    @property
+    def reserved(self) -> int:
+        return self.active + self.cached
+
+    def alloc(self, n: int) -> None:
+        reuse = min(self.cached, n)
+        self.cached -= reuse
+        self.active += n
+        self.peak = max(self.peak, self.reserved)
+
+    def free(self, n: int) -> None:
+        self.active -= n
+        self.cached += n
+
+    def install(self, monkeypatch) -> "FakeAllocator":
+        def empty_cache():
+            self.cached = 0
+
+        def reset_peak_memory_stats(device=None):
+            self.peak = self.reserved
+
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset_peak_memory_stats)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.peak)
+        return self
+
+
+def test_stream_peak_does_not_count_what_an_earlier_contender_left_cached(monkeypatch):
+    mem = FakeAllocator().install(monkeypatch)
+    mem.alloc(10 * GiB)  # ours' batched runs: activations and staging for a batch of eight ...
+    mem.free(10 * GiB)  # ... freed, but kept in the allocator's cache
+    with suite_stream._peak(torch.device("cuda")) as peer_peak:
+        mem.alloc(1 * GiB)  # the prompt-by-prompt peer needs 1 GiB
+        mem.free(1 * GiB)
+    assert peer_peak["reserved_gb"] == pytest.approx(1.0)  # the old _peak reported 10.0 (ours' leftovers)
+
+
+def test_stream_releases_ours_graphs_and_pool_before_the_peer(monkeypatch):
+    calls = []
+    runner = types.SimpleNamespace(clear=lambda engine=None: calls.append(("clear", engine)))
+    monkeypatch.setattr("leandiffusion.sampling.graph_runner.default_runner", lambda: runner)
+    engine = types.SimpleNamespace(pool=types.SimpleNamespace(release=lambda: calls.append(("release",))))
+    suite_stream._release_run_memory(engine)
+    assert calls == [("clear", engine), ("release",)]
+
+
+# --------------------------------------------------------------------------------------------- suite_comfyui
+class Where:
+    """A model stand-in that remembers where ``.to()`` put it (built on the GPU, like models.full_*)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.device = "cuda"
+
+    def to(self, *args, **kwargs):
+        dev = kwargs.get("device", args[0] if args else None)
+        if dev is not None and not isinstance(dev, torch.dtype):
+            self.device = torch.device(dev).type
+        return self
+
+    def state_dict(self):
+        return {}
+
+
+class FakeCtx:
+    def __init__(self):
+        self.device = torch.device("cuda")
+        self.smoke, self.quick = False, True
+        self.records, self.skipped = [], []
+
+    def record(self, case, metric, ours, *args, **kwargs):
+        self.records.append((case, metric, ours))
+
+    def skip(self, case, reason):
+        self.skipped.append((case, reason))
+
+    def has_time(self, seconds):
+        return True
+
+
+def _patch_measuring(monkeypatch):
+    monkeypatch.setattr(suite_comfyui, "time_ms", lambda fn, warmup=0, repeat=1, device=None: (fn(), 1.0)[1])
+
+    @contextlib.contextmanager
+    def peak_memory(device):
+        yield {"reserved_gb": 1.0, "allocated_gb": 1.0}
+
+    monkeypatch.setattr(suite_comfyui, "peak_memory", peak_memory)
+
+
+def test_ksampler_peer_runs_with_none_of_our_models_on_the_gpu(monkeypatch):
+    _patch_measuring(monkeypatch)
+    parts = types.SimpleNamespace(unet=Where("unet"), vae=Where("vae"), text_encoder=Where("te"),
+                                  text_encoder_2=Where("te2"))
+    ours = [parts.unet, parts.vae, parts.text_encoder, parts.text_encoder_2]
+    monkeypatch.setattr(suite_comfyui, "make_parts", lambda kind, comfy, dev, dtype: parts)
+    seen = {"comfy": [], "ours": []}
+
+    class Comfy:
+        version = "fake"
+
+        def unet_patcher(self, unet, dtype):
+            return object()
+
+        def ksampler(self, *args, **kwargs):
+            seen["comfy"].append({m.name: m.device for m in ours})
+
+        def unload_all(self):
+            pass
+
+    def make_engine(parts_, policy, budget_gb, device, dtype):  # the ``full`` placement puts everything back
+        for m in ours:
+            m.to(device)
+        return types.SimpleNamespace()
+
+    monkeypatch.setattr(suite_comfyui, "make_engine", make_engine)
+    monkeypatch.setattr(suite_comfyui, "node_fn",
+                        lambda node_id: lambda **kw: seen["ours"].append({m.name: m.device for m in ours}))
+    suite_comfyui.case_ksampler(FakeCtx(), Comfy(), "sdxl")
+    assert seen["comfy"] and seen["ours"]
+    for where in seen["comfy"]:  # the old code left all four resident: ComfyUI's SDXL peak held ~6.5 GiB of ours
+        assert set(where.values()) == {"cpu"}, where
+    for where in seen["ours"]:
+        assert set(where.values()) == {"cuda"}, where
+
+
+def test_vae_tiled_peer_runs_without_our_vae_on_the_gpu(monkeypatch):
+    _patch_measuring(monkeypatch)
+    vae = Where("vae")
+    monkeypatch.setattr(suite_comfyui, "full_vae", lambda device=None, dtype=None: vae)
+    seen = []
+
+    class Comfy:
+        version = "fake"
+
+        def vae(self, vae_, dtype):
+            return "comfy-vae"
+
+        def vae_decode_tiled(self, cvae, latent, tile, overlap):
+            seen.append(("comfyui", vae.device))
+
+        def unload_all(self):
+            pass
+
+    def decode(**kw):
+        seen.append(("ours_vae" if "lean_model" in kw else "comfy_vae", vae.device))
+
+    monkeypatch.setattr(suite_comfyui, "node_fn", lambda node_id: decode)
+    suite_comfyui.case_vae(FakeCtx(), Comfy())
+    assert {s for s, _ in seen} == {"comfyui", "ours_vae", "comfy_vae"}
+    for source, where in seen:
+        # ComfyUI's number (and ours run on ComfyUI's VAE object) must not hold our VAE's weights; ours on our VAE
+        # needs it on the GPU. The old code kept it resident throughout: ComfyUI's 0.95 GB peak held our 0.16 GiB.
+        assert where == ("cuda" if source == "ours_vae" else "cpu"), (source, where)
