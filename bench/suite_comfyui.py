@@ -263,6 +263,8 @@ def case_ksampler(ctx, comfy: Comfy, kind: str) -> None:
     # Built on the GPU (fast random init), then parked on the CPU while ComfyUI runs (its peak must not hold our
     # UNet, VAE and text encoders); our engine's ``full`` placement moves them back for our side.
     park_on_cpu(parts.unet, parts.vae, parts.text_encoder, parts.text_encoder_2)
+    extra_gib = sum(p.numel() * p.element_size() for m in (parts.vae, parts.text_encoder, parts.text_encoder_2)
+                    if m is not None for p in m.parameters()) / 2 ** 30
     g = torch.Generator("cpu").manual_seed(0)
     ctx_dim = 768 if kind == "sd15" else 2048
     context = torch.randn(1, 77, ctx_dim, generator=g).to(dtype)
@@ -304,7 +306,9 @@ def case_ksampler(ctx, comfy: Comfy, kind: str) -> None:
         record_pair(ctx, sub, "sampler_ms", ours_ms, comfy_ms, "ms", notes, comfy)
         if dev.type == "cuda":
             record_pair(ctx, sub, "peak_reserved_gb", ours_mem["reserved_gb"], comfy_mem["reserved_gb"], "GB",
-                        "one run after warm-up, weights resident", comfy)
+                        f"one run after warm-up, weights resident; ours also holds the text encoder(s) and VAE "
+                        f"({extra_gib:.2f} GiB of weights, the full policy), ComfyUI only its UNet (it is given "
+                        f"embeddings)", comfy)
     drop_engine(engine)
     del engine, parts
     free_cuda()

@@ -39,7 +39,8 @@ def graph_of(fn, warm=2):
 class Recorder:
     def __init__(self, name: str):
         self.path = os.path.join(os.environ.get("OUT", "/tmp"), name)
-        self.results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        self.results = {"device": device, "torch": torch.__version__}
 
     def __call__(self, key, value):
         self.results[key] = value
