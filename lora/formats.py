@@ -34,6 +34,8 @@ from typing import Mapping, Optional
 
 import torch
 
+from ..torchfile import load_tensors
+
 logger = logging.getLogger(__name__)
 
 COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
@@ -106,11 +108,7 @@ def read_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
             raise ValueError(f"lora file {path.name!r} is not a readable safetensors file ({exc}); "
                              f"re-download or re-export it") from exc
         return tensors, metadata
-    try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises UnpicklingError/RuntimeError/EOFError for corrupt or unsafe files
-        raise ValueError(f"lora file {path.name!r} could not be read as a torch state dict ({exc}); "
-                         f"convert it to .safetensors") from exc
+    obj = load_tensors(path, "lora file")
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from .. import bridge
+from ..torchfile import load_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +94,7 @@ def _load_file(path: str, *signature: int):  # signature: the rest of file_signa
         from safetensors.torch import load_file
 
         return load_file(path, device="cpu")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load raises UnpicklingError/RuntimeError/... for unsafe or broken pickles
-        raise ValueError(
-            f"embedding file {path} cannot be loaded safely (torch.load weights_only=True failed: {exc}); "
-            f"convert it to .safetensors") from exc
+    return load_tensors(path, "embedding file")
 
 
 def load_embedding(relative: str, key: str, width: int) -> torch.Tensor:

@@ -12,13 +12,12 @@ what ``output_scale = 0`` means for that file.
 from __future__ import annotations
 
 import logging
-import pickle
-import zipfile
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
 import torch
 
+from ..torchfile import load_tensors
 from .descriptor import Upscaler
 from .detect import detect
 
@@ -76,12 +75,7 @@ def read_state_dict(path: Union[str, Path]) -> tuple[dict, dict]:
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from exc
     else:
-        try:
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError,
-                AttributeError, KeyError, IndexError) as exc:
-            raise ValueError(f"{path}: torch.load(weights_only=True) failed (truncated, corrupt, or a pickle "
-                             f"with code objects, which is refused): {exc}") from exc
+        obj = load_tensors(path, "upscaler file")
     return _unwrap(obj, path), metadata
 
 

@@ -88,7 +88,7 @@ def test_corrupt_files(sd1, sd1_lora, tmp_path, content):
     _refused(sd1, path, r"not a readable safetensors file")
     pt = tmp_path / "bad.pt"
     pt.write_bytes(b"\x80\x04garbage")
-    _refused(sd1, pt, r"could not be read as a torch state dict")
+    _refused(sd1, pt, r"could not be read as a torch weights file")
 
 
 @pytest.mark.parametrize("bad_key,kind", [("lora_unet_x.hada_w1_a", "LoHa"), ("lora_unet_x.lokr_w1", "LoKr"),

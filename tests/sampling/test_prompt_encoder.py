@@ -155,6 +155,13 @@ def test_embedding_of_wrong_width_errors(models_dir):
         _encode(tiny_engine("sd1"), "embedding:big")
 
 
+def test_corrupt_embedding_file_errors_in_one_line(models_dir):
+    (models_dir / "bad.pt").write_bytes(b"PK\x03\x04 not really a zip archive")  # cut-short download
+    with pytest.raises(ValueError, match=r"embedding file 'bad\.pt' could not be read") as info:
+        _encode(tiny_engine("sd1"), "embedding:bad")
+    assert "\n" not in str(info.value) and "weights_only" not in str(info.value)
+
+
 # ------------------------------------------------------------------------------------------ cache
 class _Counter:
     def __init__(self, engine):

@@ -1,0 +1,52 @@
+"""torchfile: pickle-based weights are read with weights_only=True, and every failure is one short, named line."""
+import pickle
+
+import pytest
+import torch
+
+from leandiffusion.torchfile import load_tensors
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (exec, ("import os; os.environ['LEANDIFFUSION_PICKLE_RAN'] = '1'",))
+
+
+def test_plain_tensors_load(tmp_path):
+    path = tmp_path / "w.pth"
+    torch.save({"a": torch.arange(4.0)}, path)
+    assert torch.equal(load_tensors(path, "test file")["a"], torch.arange(4.0))
+
+
+def test_a_pickle_with_code_is_refused_never_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("LEANDIFFUSION_PICKLE_RAN", raising=False)
+    path = tmp_path / "evil.ckpt"
+    path.write_bytes(pickle.dumps({"x": _RunsCode()}, protocol=2))  # torch.save's protocol
+    with pytest.raises(ValueError) as err:
+        load_tensors(path, "upscaler file")
+    import os
+
+    assert "LEANDIFFUSION_PICKLE_RAN" not in os.environ
+    message = str(err.value)
+    assert message.startswith("upscaler file 'evil.ckpt' could not be read as a torch weights file: it refers to "
+                              "Python code or classes, which are refused for safety (")
+    assert "exec" in message  # the refused global is named
+    assert "\n" not in message and len(message) < 400 and "weights_only=False" not in message
+
+
+@pytest.mark.parametrize("content", [b"", b"\x80\x04garbage", "half"])
+def test_cut_short_or_garbage_is_one_named_line(tmp_path, content):
+    path = tmp_path / "w.pt"
+    if content == "half":
+        torch.save({"a": torch.zeros(1000)}, path)
+        path.write_bytes(path.read_bytes()[:700])
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"^lora file 'w.pt' could not be read as a torch weights file: ") as err:
+        load_tensors(path, "lora file")
+    message = str(err.value)
+    assert "\n" not in message and message.endswith("Re-download it if it is cut short, or convert it to .safetensors")
+    if content == "half":
+        assert "cut short or corrupt" in message
+    if content == b"\x80\x04garbage":
+        assert "not a torch weights file, or corrupt" in message

@@ -1,0 +1,53 @@
+"""The one place the pack reads a pickle-based weights file (``.pth`` / ``.pt`` / ``.ckpt`` / ``.bin``).
+
+Invariant: such files are read only with ``torch.load(..., weights_only=True)`` on the CPU, so a pickle that would
+run code is refused, never executed; every failure becomes one ``ValueError`` that names the file, says in one line
+why it could not be read and what to do. PyTorch's own message for a refused pickle is several paragraphs that end
+in advice to re-run with ``weights_only=False``, which the pack never does: only its reason line is kept.
+"""
+from __future__ import annotations
+
+import pickle
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+_LOAD_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError,
+                AttributeError, KeyError, IndexError, TypeError, ImportError)
+_REASON_MARK = "WeightsUnpickler error:"
+_MAX_REASON = 200
+
+
+def load_error_reason(exc: BaseException) -> str:
+    """One short line saying why ``torch.load(weights_only=True)`` failed (torch's advice paragraphs dropped)."""
+    text = str(exc) or type(exc).__name__
+    if _REASON_MARK in text:
+        tail = text.split(_REASON_MARK, 1)[1]
+        lines = [ln.strip() for ln in tail.strip().splitlines() if ln.strip()]
+        reason = _short(lines[0].split(". ")[0].rstrip(".")) if lines else "no reason given"  # torch's advice follows
+        if "global" in reason.lower() or "class" in reason.lower():
+            return f"it refers to Python code or classes, which are refused for safety ({reason})"
+        return f"not a torch weights file, or corrupt (the safe unpickler stopped: {reason})"
+    if isinstance(exc, EOFError) or "central directory" in text or "failed reading" in text:
+        return f"the file is cut short or corrupt ({_short(text.splitlines()[0])})"
+    return _short(text.splitlines()[0])
+
+
+def load_tensors(path: Union[str, Path], what: str) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)``; ``ValueError`` naming ``what`` and the file."""
+    path = Path(path)
+    try:
+        with warnings.catch_warnings():  # "Detected pickle protocol 4": noise next to the refusal that follows
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(str(path), map_location="cpu", weights_only=True)
+    except _LOAD_ERRORS as exc:
+        raise ValueError(f"{what} {path.name!r} could not be read as a torch weights file: {load_error_reason(exc)}. "
+                         f"Re-download it if it is cut short, or convert it to .safetensors") from exc
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_REASON else text[:_MAX_REASON - 3] + "..."
