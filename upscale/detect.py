@@ -3,7 +3,8 @@
 Invariant: detection never looks at file names or class names. Each ``ArchEntry`` holds a ``KeyCondition`` tree
 (all-of / any-of / none-of over key names) and a builder that renames the keys to the canonical naming of
 ``arch_rrdb`` / ``arch_compact``, reads every hyperparameter from tensor shapes and loads the weights strictly
-(a key too many or too few is an error, never a silently random layer). The first matching entry wins, so
+(a key too many or too few is an error, never a silently random layer). Modules are built on the meta device, so
+building one never touches torch's global random generator. The first matching entry wins, so
 entries are ordered from most to least specific.
 
 Key namings handled for RRDBNet:
@@ -108,8 +109,21 @@ def _rename_original(sd: StateDict) -> dict:
     return out
 
 
+def _construct(cls: type, *args) -> torch.nn.Module:
+    """``cls(*args)`` built on the meta device and given empty CPU storage: no random initialisation, so building
+    an upscaler neither draws from nor advances torch's global generator (ComfyUI users rely on seeds that the
+    next node draws) and costs no init time; every tensor is then written by ``_load_strict``."""
+    with torch.device("meta"):
+        module = cls(*args)
+    return module.to_empty(device="cpu")
+
+
 def _load_strict(module: torch.nn.Module, sd: StateDict, arch: str) -> None:
-    result = module.load_state_dict(dict(sd), strict=False)
+    try:
+        result = module.load_state_dict(dict(sd), strict=False)
+    except RuntimeError as exc:  # PyTorch reports tensor shape mismatches as RuntimeError
+        raise ValueError(f"{arch}: tensor shapes do not fit the detected architecture ({exc}); the file is "
+                         f"damaged or holds a variant this loader does not know") from exc
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(f"{arch}: the state dict does not fit the detected architecture; missing keys "
                          f"{result.missing_keys[:5]}, unexpected keys {result.unexpected_keys[:5]}")
@@ -156,7 +170,7 @@ def build_rrdb(sd: StateDict) -> Upscaler:
             unshuffle = u
     if 2 ** n_up < unshuffle:
         raise ValueError(f"RRDBNet with {n_up} upsampling layers and pixel-unshuffle {unshuffle} would downscale")
-    model = RRDBNet(cin // unshuffle ** 2, cout, feat, num_block, grow, n_up, unshuffle)
+    model = _construct(RRDBNet, cin // unshuffle ** 2, cout, feat, num_block, grow, n_up, unshuffle)
     _load_strict(model, sd, "RRDBNet")
     scale = model.scale
     tags = (f"{feat}nf", f"{num_block}nb", f"x{scale}") + (("unshuffle",) if unshuffle > 1 else ())
@@ -178,7 +192,7 @@ def build_compact(sd: StateDict) -> Upscaler:
     if scale * scale * cin != last_out:
         raise ValueError(f"SRVGGNetCompact: last conv has {last_out} outputs, not {cin} x a square scale")
     num_conv = (last - 2) // 2
-    model = SRVGGNetCompact(cin, cin, feat, num_conv, scale)
+    model = _construct(SRVGGNetCompact, cin, cin, feat, num_conv, scale)
     _load_strict(model, sd, "SRVGGNetCompact")
     return Upscaler(model.eval(), "SRVGGNetCompact", scale, cin, cin, min_size=1, multiple_of=1,
                     context=num_conv + 2, bytes_per_px=2 * feat + 3 * cin * scale * scale,

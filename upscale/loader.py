@@ -3,7 +3,8 @@
 Invariant: weights are read only through ``safetensors`` or ``torch.load(..., weights_only=True)``; a file that
 cannot be read, is cut short, or holds no known upscaler raises ``ValueError`` naming the file and the fix.
 Our own architectures (``detect.REGISTRY``) are tried first; any other architecture loads through ``spandrel``
-when that package imports (it does inside ComfyUI), wrapped so the runner treats it the same way.
+when that package imports (it does inside ComfyUI), wrapped so the runner treats it the same way. Building an
+upscaler leaves torch's global random generator as it was (later nodes' seeds must not depend on it).
 
 Safetensors metadata ``leandiffusion.output_scale`` (written by ``convert_ncnn`` for ncnn graphs that end in a
 fixed resize, e.g. Real-ESRGAN's animevideov3 x2/x3 which are the x4 net followed by a bicubic downscale) sets
@@ -92,7 +93,8 @@ def _spandrel_upscaler(sd: dict, path: Path) -> Optional[Upscaler]:
         logger.debug("spandrel unavailable: %s", exc)
         return None
     try:
-        desc = spandrel.ModelLoader().load_from_state_dict(sd)
+        with torch.random.fork_rng(devices=[]):  # spandrel builds with random init before loading: keep the seed
+            desc = spandrel.ModelLoader().load_from_state_dict(sd)
     except spandrel.UnsupportedModelError:
         return None
     if not isinstance(desc, spandrel.ImageModelDescriptor):
