@@ -29,11 +29,14 @@ ACCELERATIONS = tuple(a.value for a in Acceleration)
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 
-def _int(name: str, value, lo: int, hi: int, fix: str = "") -> int:
+def check_int(name: str, value, lo: int, hi: int, fix: str = "") -> int:
+    """``value`` if it is an int (not a bool) in ``lo..hi``; else ``TypeError``/``ValueError`` naming ``name``, the
+    value, the range and ``fix`` (a hint in parentheses, when given). Shared by both samplers' settings."""
+    hint = f" ({fix})" if fix else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: expected an int")
+        raise TypeError(f"{name}={value!r}: expected an int{hint}")
     if not lo <= value <= hi:
-        raise ValueError(f"{name}={value}: expected {lo}..{hi}{fix}")
+        raise ValueError(f"{name}={value}: expected {lo}..{hi}{hint}")
     return value
 
 
@@ -74,14 +77,14 @@ class SamplerSettings:
         for name in ("positive", "negative"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name}: expected a prompt string, got {type(getattr(self, name)).__name__}")
-        _int("seed", self.seed, 0, MAX_SEED)
-        _int("steps", self.steps, 1, 1000)
+        check_int("seed", self.seed, 0, MAX_SEED)
+        check_int("steps", self.steps, 1, 1000)
         for name in ("width", "height"):
-            value = _int(name, getattr(self, name), 64, 8192)
+            value = check_int(name, getattr(self, name), 64, 8192)
             if value % 8:
                 raise ValueError(f"{name}={value} is not a multiple of 8 (the VAE downsamples by 8); use "
                                  f"{value // 8 * 8} or {value // 8 * 8 + 8}")
-        _int("batch_size", self.batch_size, 1, 64)
+        check_int("batch_size", self.batch_size, 1, 64)
         cfg = _float("cfg", self.cfg, 0.0, 30.0)
         eta = _float("eta", self.eta, 0.0, 1.0)
         denoise = _float("denoise", self.denoise, 0.0, 1.0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...vae.tiled import MIN_TILE, validate_tiling
-from ..settings import MAX_SEED, SamplerSettings
+from ..settings import MAX_SEED, SamplerSettings, check_int
 
 MAX_IMAGES_PER_PROMPT = 64
 MAX_BATCH = 64
@@ -27,14 +27,6 @@ def split_prompts(text) -> tuple[str, ...]:
     if not isinstance(text, str):
         raise TypeError(f"prompts: expected text with one prompt per line, got {type(text).__name__}")
     return tuple(line.strip() for line in text.splitlines() if line.strip())
-
-
-def _int(name: str, value, lo: int, hi: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: expected an int ({fix})")
-    if not lo <= value <= hi:
-        raise ValueError(f"{name}={value}: expected {lo}..{hi} ({fix})")
-    return value
 
 
 @dataclass(frozen=True)
@@ -93,13 +85,13 @@ class StreamSettings:
         if not isinstance(self.prompts, tuple) or not all(isinstance(p, str) for p in self.prompts):
             raise TypeError("prompts: expected a tuple of prompt strings (use StreamSettings.from_text for the "
                             "node's one-prompt-per-line text)")
-        _int("positive_rows", self.positive_rows, 0, MAX_SEED, "0 = prompts from the text, else the number of "
-             "rows of positive_cond")
+        check_int("positive_rows", self.positive_rows, 0, MAX_SEED,
+                  "0 = prompts from the text, else the number of rows of positive_cond")
         if not self.positive_rows and (not self.prompts or not all(p.strip() for p in self.prompts)):
             raise ValueError("prompts: no prompt given (the text is empty or only blank lines); write one prompt "
                              "per line, or connect positive_cond")
-        _int("images_per_prompt", self.images_per_prompt, 1, MAX_IMAGES_PER_PROMPT, "images sampled per prompt")
-        _int("max_batch", self.max_batch, 0, MAX_BATCH, "0 = automatic from free VRAM, else images per UNet batch")
+        check_int("images_per_prompt", self.images_per_prompt, 1, MAX_IMAGES_PER_PROMPT, "images sampled per prompt")
+        check_int("max_batch", self.max_batch, 0, MAX_BATCH, "0 = automatic from free VRAM, else images per UNet batch")
         if isinstance(self.decode_tile_size, bool) or not isinstance(self.decode_tile_size, int):
             raise TypeError(f"decode_tile_size={self.decode_tile_size!r}: expected an int (0 = auto, else pixels)")
         if self.decode_tile_size and self.decode_tile_size < MIN_TILE:  # named as the node's input, not 'tile_size'
