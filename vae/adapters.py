@@ -110,6 +110,19 @@ def _resampling_factor(stages: list, kind: str) -> int:
     return 2 ** sum(1 for st in stages for op in st.ops if op.kind == kind)
 
 
+def _mid_stages(mid, diffusers: bool) -> list[Stage]:
+    """The middle block (ResNet, attention, ResNet), the same in the encoder and the decoder."""
+    if not diffusers:
+        return [_resnet(mid.block_1, "mid.block_1", False), _attention(mid.attn_1, "mid.attn_1", False),
+                _resnet(mid.block_2, "mid.block_2", False)]
+    stages = [_resnet(mid.resnets[0], "mid.resnets.0", True)]
+    for i, (attn, res) in enumerate(zip(mid.attentions, mid.resnets[1:])):
+        if attn is not None:
+            stages.append(_attention(attn, f"mid.attentions.{i}", True))
+        stages.append(_resnet(res, f"mid.resnets.{i + 1}", True))
+    return stages
+
+
 def decoder_program(ae) -> Program:
     """Stages of ``post_quant_conv`` + decoder of ``ae`` (diffusers or LDM ``AutoencoderKL``)."""
     diff = _check(ae)
@@ -123,12 +136,7 @@ def decoder_program(ae) -> Program:
         if getattr(dec, "up_blocks", None) is None or type(dec.conv_norm_out).__name__ == "SpatialNorm":
             raise TypeError("unsupported diffusers decoder (SpatialNorm); this VAE needs ComfyUI's own VAE Decode (Tiled)")
         stages.append(Stage("chain", head + [_conv(dec.conv_in, "decoder.conv_in")], name="conv_in"))
-        mid = dec.mid_block
-        stages.append(_resnet(mid.resnets[0], "mid.resnets.0", True))
-        for i, (attn, res) in enumerate(zip(mid.attentions, mid.resnets[1:])):
-            if attn is not None:
-                stages.append(_attention(attn, f"mid.attentions.{i}", True))
-            stages.append(_resnet(res, f"mid.resnets.{i + 1}", True))
+        stages += _mid_stages(dec.mid_block, True)
         for bi, block in enumerate(dec.up_blocks):
             if getattr(block, "attentions", None):
                 raise TypeError(f"unsupported attention in decoder up block {bi}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
@@ -142,9 +150,7 @@ def decoder_program(ae) -> Program:
         if getattr(dec, "give_pre_end", False) or getattr(dec, "tanh_out", False):
             raise TypeError("unsupported LDM decoder (give_pre_end/tanh_out); this VAE needs ComfyUI's own VAE Decode (Tiled)")
         stages.append(Stage("chain", head + [_conv(dec.conv_in, "decoder.conv_in")], name="conv_in"))
-        stages.append(_resnet(dec.mid.block_1, "mid.block_1", False))
-        stages.append(_attention(dec.mid.attn_1, "mid.attn_1", False))
-        stages.append(_resnet(dec.mid.block_2, "mid.block_2", False))
+        stages += _mid_stages(dec.mid, False)
         for i_level in reversed(range(dec.num_resolutions)):
             up = dec.up[i_level]
             for i_block, block in enumerate(up.block):
@@ -177,12 +183,7 @@ def encoder_program(ae) -> Program:
                 if not down.use_conv or down.norm is not None:
                     raise TypeError(f"unsupported downsampler at down_blocks.{bi}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
                 stages.append(_downsample(down.conv, f"down_blocks.{bi}.downsamplers.{di}", down.padding))
-        mid = enc.mid_block
-        stages.append(_resnet(mid.resnets[0], "mid.resnets.0", True))
-        for i, (attn, res) in enumerate(zip(mid.attentions, mid.resnets[1:])):
-            if attn is not None:
-                stages.append(_attention(attn, f"mid.attentions.{i}", True))
-            stages.append(_resnet(res, f"mid.resnets.{i + 1}", True))
+        stages += _mid_stages(enc.mid_block, True)
         tail = _tail(enc.conv_norm_out, enc.conv_act, enc.conv_out, "encoder.out")
     else:
         for i_level in range(enc.num_resolutions):
@@ -195,9 +196,7 @@ def encoder_program(ae) -> Program:
                 if not getattr(down.downsample, "with_conv", False):
                     raise TypeError(f"unsupported average-pool downsampler at down.{i_level}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
                 stages.append(_downsample(down.downsample.conv, f"down.{i_level}.downsample", 0))
-        stages.append(_resnet(enc.mid.block_1, "mid.block_1", False))
-        stages.append(_attention(enc.mid.attn_1, "mid.attn_1", False))
-        stages.append(_resnet(enc.mid.block_2, "mid.block_2", False))
+        stages += _mid_stages(enc.mid, False)
         tail = _tail(enc.norm_out, None, enc.conv_out, "encoder.out")
     qc = getattr(ae, "quant_conv", None)
     if qc is not None:
