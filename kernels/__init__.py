@@ -1,0 +1,1 @@
+"""Fused kernels: each a Triton kernel, a plain-torch reference with the same signature and a dispatcher."""

@@ -13,6 +13,10 @@ Design (the view does not own a merged copy; it merges on attach and restores on
   2.57 G parameters): 4.37 GB of extra VRAM during the session and ~4 copies of it (a few ms at HBM speed) per
   session. Cheap next to a sampling loop in time, expensive in memory: use ``unmerged`` when VRAM is tight.
 - Strength 0 merges nothing. An error during attach restores what was merged before re-raising.
+
+Why hand-written: diffusers' ``fuse_lora``/``unfuse_lora`` (PEFT's ``merge``/``unmerge``) restore by subtracting the
+delta, which in fp16/bf16 does not give the base weights back bit-exactly, and they need PEFT's layers injected into
+the model first (a changed module structure); here the base weights are a saved copy and the modules stay as they are.
 """
 from __future__ import annotations
 

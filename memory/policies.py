@@ -26,6 +26,12 @@ Invariants
   and the placement registers with ComfyUI's memory manager so ``/free`` (or ComfyUI needing VRAM) calls
   ``release()``; a released placement re-places itself on the next ``enter`` and bumps ``epoch`` (device
   addresses changed: a CUDA graph captured before must be recaptured; graph runners key on ``epoch``).
+
+Why hand-written: accelerate's hooks (behind diffusers' ``enable_model_cpu_offload`` /
+``enable_sequential_cpu_offload``) move weights with per-tensor ``.to()`` copies in both directions and keep no
+budget across stages; diffusers' group offloading streams layer groups but takes no memory budget (one chooses
+group sizes, not bytes). A stage entry here is one flat pinned copy, an exit a pointer swap, and one budget holds
+every stage.
 """
 from __future__ import annotations
 

@@ -22,6 +22,9 @@ Graph rules, as the editor applies them:
 - ``Note`` / ``MarkdownNote`` are ignored; any other type missing from ``/object_info`` is an error naming the node.
 Subgraphs (the editor's ``definitions.subgraphs``) and group nodes (``extra.groupNodes``) are not expanded: such files
 must be exported in API format.
+
+Why hand-written: the conversion is done by ComfyUI's TypeScript frontend (``graphToPrompt``); no well-kept Python
+library provides it, and the runner must queue UI-format files headless.
 """
 from __future__ import annotations
 

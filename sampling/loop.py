@@ -21,6 +21,10 @@ Invariants (what makes the output equal diffusers' ``StableDiffusion(XL)Pipeline
   engine (and any cached CUDA graph) stays valid for the next run.
 - On the GPU the host enqueues at most two steps ahead of the device, so progress and interruption track the
   GPU within a step.
+
+Why hand-written rather than calling a diffusers pipeline (which stays the reference in the tests): the fused
+CFG+DDIM kernel, CUDA-graph replay, placement sessions and ComfyUI's LATENT/``batch_index``/CONDITIONING
+conventions do not fit a pipeline's ``__call__``.
 """
 from __future__ import annotations
 

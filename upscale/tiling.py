@@ -19,6 +19,10 @@ Every kept pixel therefore sees at least ``o - f >= 3o/4`` pixels of real contex
 least the model's receptive-field radius (SRVGGNetCompact: ``num_conv + 2``), the tiled result equals the untiled
 one up to float rounding; for RRDBNet (receptive field wider than any practical overlap) the remaining error is
 small and the feathering hides the seam.
+
+Why hand-written: spandrel (the architecture library ComfyUI uses) loads models but does not tile, and ComfyUI's
+``tiled_scale`` lives in ComfyUI (which the pack may not import) and feathers across the whole overlap, so each
+tile's own cut edge (computed without context) still carries weight; no library computes this plan.
 """
 from __future__ import annotations
 

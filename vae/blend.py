@@ -8,6 +8,11 @@ reported by the tests); it is cheaper than ``exact`` because each tile makes a s
 Tiles are spread evenly: ``n = ceil((L - o) / (t - o))`` tiles per axis of length ``L`` (tile at most ``t``,
 overlap at least ``o``), each ``ceil((L + (n - 1) o) / n)`` long, so no tile is wasted on a sliver at the edge.
 The weighted sum and the weight sum are accumulated on the host; the division happens once at the end.
+
+Why hand-written: diffusers' ``AutoencoderKL.tiled_decode`` / ``tiled_encode`` cross-fade the same way, but only for
+diffusers modules (not ComfyUI's LDM ``VAE``), with the tile size held in attributes of the module (choosing one
+per call would mutate the shared model) and without the out-of-memory retry and budget that ``tiled.py`` gives both
+modes; here one function serves both module trees.
 """
 from __future__ import annotations
 
