@@ -144,6 +144,22 @@ def _check_latents(latents, channels: int) -> torch.Tensor:
     return latents
 
 
+def _check_pixels(pixels, channels: int) -> torch.Tensor:
+    """An IMAGE: a floating-point tensor [B, H, W, C] in 0..1 with ``channels`` colour channels (+ optional alpha)."""
+    if not isinstance(pixels, torch.Tensor) or not pixels.is_floating_point():
+        got = f"a {pixels.dtype} tensor" if isinstance(pixels, torch.Tensor) else type(pixels).__name__
+        raise TypeError(f"pixels: expected an IMAGE (a float tensor [B, H, W, {channels}] in 0..1), got {got}; "
+                        f"convert it with a ComfyUI image node (8-bit values must be divided by 255)")
+    if pixels.ndim != 4 or pixels.shape[-1] not in (channels, channels + 1):
+        got = f"shape {tuple(pixels.shape)}"
+        if pixels.ndim == 4:
+            got += f" ({pixels.shape[-1]} channel(s)"
+            got += "; channels first?)" if pixels.shape[1] in (channels, channels + 1) else ")"
+        raise ValueError(f"pixels: expected an IMAGE [B, H, W, {channels}] (or with alpha, {channels + 1} channels), "
+                         f"got {got}; pass an RGB(A) image with the channels on the last axis")
+    return pixels
+
+
 @torch.no_grad()
 def tiled_decode(target: VaeTarget, latents: torch.Tensor, tile_size: int = 0, overlap: int = 64,
                  seam_mode: str = "exact", budget_bytes: Optional[int] = None, quiet: bool = False) -> torch.Tensor:
@@ -207,11 +223,7 @@ def tiled_encode(target: VaeTarget, pixels: torch.Tensor, tile_size: int = 0, ov
     """IMAGE [B, H, W, 3] -> raw latents (distribution mean) [B, C, H/8, W/8] (see the module docstring)."""
     validate_tiling(tile_size, overlap, seam_mode)
     program = encoder_program(target.ae)
-    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 4 or pixels.shape[-1] < program.in_channels:
-        got = f"shape {tuple(pixels.shape)} ({pixels.shape[-1]} channel(s))" if isinstance(pixels, torch.Tensor) \
-            and pixels.ndim == 4 else getattr(pixels, "shape", type(pixels).__name__)
-        raise ValueError(f"pixels: expected an IMAGE [B, H, W, {program.in_channels}], got {got}; convert the "
-                         f"image to RGB first")
+    pixels = _check_pixels(pixels, program.in_channels)
     pixels = pixels[..., :program.in_channels]  # an alpha channel is dropped, as ComfyUI's VAE Encode does
     f = program.factor
     if pixels.shape[1] < f or pixels.shape[2] < f:

@@ -95,3 +95,18 @@ def test_encode_rgba_image_drops_alpha_as_comfyui_does():
 def test_encode_grayscale_is_a_clear_error():
     with pytest.raises(ValueError, match=r"pixels: expected an IMAGE \[B, H, W, 3\].*1 channel"):
         tiled_encode(from_module(_vae(3)), torch.rand(1, 40, 24, 1), 128, 32, "exact", quiet=True)
+
+
+@pytest.mark.parametrize("pixels,error,match", [
+    # 8-bit values would have been encoded as if they were 0..255 floats: a silently wrong latent
+    (torch.zeros(1, 40, 24, 3, dtype=torch.uint8), TypeError, r"pixels: .*float tensor.*torch.uint8"),
+    ([[0.5]], TypeError, r"pixels: .*got list"),
+    # channels-first [B, 3, H, W] used to be read as a 3-pixel-high image ("image 24x3 is smaller than ...")
+    (torch.rand(1, 3, 40, 24), ValueError, r"pixels: .*shape \(1, 3, 40, 24\) \(24 channel\(s\); channels first\?\)"),
+    # 16 channels used to be cut to the first 3 and encoded
+    (torch.rand(1, 40, 24, 16), ValueError, r"pixels: .*16 channel\(s\)\)"),
+    (torch.rand(40, 24, 3), ValueError, r"pixels: .*shape \(40, 24, 3\)"),
+])
+def test_encode_refuses_what_is_not_an_image(pixels, error, match):
+    with pytest.raises(error, match=match):
+        tiled_encode(from_module(_vae(3)), pixels, 128, 32, "exact", quiet=True)
