@@ -139,6 +139,9 @@ def inject_lora(engine, lora_path: str | Path, strength: float = 1.0, strength_t
     session). ``strategy`` picks how ``unmerged`` injects (``lora.unmerged.STRATEGIES``; "auto" =
     ``$LEANDIFFUSION_LORA_STRATEGY`` or the default); it is part of the graph key (another strategy is another graph).
     """
+    if not all(hasattr(engine, a) for a in ("parts", "placement", "adapters", "with_adapter", "stage_device")):
+        raise TypeError(f"lean_model: expected a LEAN_MODEL from the Memory Pool Loader, got "
+                        f"{type(engine).__name__}; connect the loader's (or another LoRA node's) lean_model output")
     strength = _check_strength("strength", strength)
     strength_text_encoder = _check_strength("strength_text_encoder", strength_text_encoder)
     if mode not in MODES:

@@ -135,6 +135,14 @@ def test_bad_arguments(sd1, sd1_lora, tmp_path, kwargs, exc, match):
     _refused(sd1, path, match, exc=exc, **kwargs)
 
 
+@pytest.mark.parametrize("value", [None, "lean_model", {"parts": None}])
+def test_not_an_engine_is_a_type_error(sd1_lora, tmp_path, value):
+    # bug guarded: a wrong input (e.g. a ComfyUI MODEL) failed with "AttributeError: 'str' object has no attribute 'parts'"
+    path = lf.write(sd1_lora, tmp_path / "ok.safetensors")
+    with pytest.raises(TypeError, match=rf"lean_model: expected a LEAN_MODEL .*got {type(value).__name__}"):
+        inject_lora(value, path)
+
+
 def test_missing_file(sd1, tmp_path):
     _refused(sd1, tmp_path / "nope.safetensors", "does not exist")
 
