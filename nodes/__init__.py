@@ -50,9 +50,10 @@ def warn_missing_requirements() -> None:
     missing = missing_requirements()
     if missing:
         requirements = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "requirements.txt")
-        logger.warning("LeanDiffusion: %s not installed in this Python; the nodes that load or run a model will fail "
-                       "until you install the pack's requirements: %s -m pip install -r %s",
-                       " and ".join(missing) + (" is" if len(missing) == 1 else " are"), sys.executable, requirements)
+        one = len(missing) == 1
+        logger.warning("LeanDiffusion: %s %s not installed in this Python; the nodes that need %s fail until you "
+                       "install the pack's requirements: %s -m pip install -r %s", " and ".join(missing),
+                       "is" if one else "are", "it" if one else "them", sys.executable, requirements)
 
 
 warn_missing_requirements()
