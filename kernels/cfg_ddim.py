@@ -173,14 +173,16 @@ def resolve_impl(impl: str = "auto") -> str:
 
 
 def _triton_usable(tensors) -> bool:
-    return (triton is not None and all(t.is_cuda and t.is_contiguous() for t in tensors))
+    return (triton is not None and all(t.is_cuda and t.is_contiguous() for t in tensors)
+            and dispatch.triton_unusable_reason(tensors[0].device) is None)
 
 
 def cfg_ddim_step(sample: torch.Tensor, pred_cond: torch.Tensor, pred_uncond: Optional[torch.Tensor],
                   coeffs: torch.Tensor, noise: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                   model_input: Optional[torch.Tensor] = None, prediction: str = "epsilon",
                   impl: str = "auto") -> torch.Tensor:
-    """Dispatcher: the Triton kernel for contiguous CUDA tensors, the torch reference elsewhere.
+    """Dispatcher: the Triton kernel for contiguous CUDA tensors on a GPU Triton supports (compute capability 7.0+),
+    the torch reference elsewhere.
 
     ``impl="triton"`` forces the kernel (CPU tensors then need ``TRITON_INTERPRET=1``), ``"reference"`` the
     reference; ``"auto"`` follows ``$LEANDIFFUSION_CFG_DDIM`` and then the rule above.

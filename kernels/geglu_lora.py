@@ -145,13 +145,14 @@ def resolve_impl(impl: str = "auto") -> str:
 
 def geglu_lora(p: torch.Tensor, h: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None,
                impl: str = "auto") -> torch.Tensor:
-    """Dispatcher: the Triton kernel for CUDA tensors (eager or CUDA-graph capture), the reference elsewhere and
-    while ``torch.compile`` traces. ``impl="triton"`` forces the kernel, ``"reference"`` the reference."""
+    """Dispatcher: the Triton kernel for CUDA tensors on a GPU Triton supports (compute capability 7.0+; eager or
+    CUDA-graph capture), the reference elsewhere and while ``torch.compile`` traces. ``impl="triton"`` forces the
+    kernel, ``"reference"`` the reference."""
     if impl == "auto" and torch.compiler.is_compiling():
         return geglu_lora_reference(p, h, up, out)  # inductor fuses it; no environment read while tracing
     choice = resolve_impl(impl)
     if choice == "auto":
-        usable = triton is not None and p.is_cuda
+        usable = triton is not None and p.is_cuda and dispatch.triton_unusable_reason(p.device) is None
         choice = "triton" if usable else "reference"
     if choice == "triton":
         return geglu_lora_triton(p, h, up, out)

@@ -1,10 +1,24 @@
 """Node registry: merges ``NODE_CLASS_MAPPINGS`` / ``NODE_DISPLAY_NAME_MAPPINGS`` from every module here.
 
-Invariant: each node module declares its own mappings; a node ID appears in exactly one module (a duplicate is
-an import-time error, because node IDs are an API that saved workflows reference).
+Invariants
+- Each node module declares its own mappings; a node ID appears in exactly one module (a duplicate is an
+  import-time error, because node IDs are an API that saved workflows reference).
+- The node modules import diffusers and transformers lazily, so the nodes register even where one is missing
+  (saved workflows still open); importing the registry then logs one warning naming what is missing and the
+  ``pip install -r requirements.txt`` line for this Python, instead of leaving the user to find a bare
+  ``No module named 'diffusers'`` at the first run.
 """
 import importlib
+import importlib.util
+import logging
+import os
 import pkgutil
+import sys
+
+logger = logging.getLogger(__name__)
+
+# what the model nodes import lazily (requirements.txt); torch, numpy and pillow are ComfyUI's own requirements
+REQUIRED_MODULES = {"diffusers": "diffusers", "transformers": "transformers", "safetensors": "safetensors"}
 
 NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}
@@ -18,3 +32,28 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
             raise RuntimeError(f"node ID {_node_id!r} is declared twice (second time in {_module.__name__})")
         NODE_CLASS_MAPPINGS[_node_id] = _cls
     NODE_DISPLAY_NAME_MAPPINGS.update(getattr(_module, "NODE_DISPLAY_NAME_MAPPINGS", {}))
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder that refuses the name, or a half-imported module
+        return False
+
+
+def missing_requirements() -> list:
+    """The distributions of ``REQUIRED_MODULES`` that this Python cannot import (looked up, not imported)."""
+    return [dist for module, dist in REQUIRED_MODULES.items() if not _findable(module)]
+
+
+def warn_missing_requirements() -> None:
+    missing = missing_requirements()
+    if missing:
+        requirements = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "requirements.txt")
+        one = len(missing) == 1
+        logger.warning("LeanDiffusion: %s %s not installed in this Python; the nodes that need %s fail until you "
+                       "install the pack's requirements: %s -m pip install -r %s", " and ".join(missing),
+                       "is" if one else "are", "it" if one else "them", sys.executable, requirements)
+
+
+warn_missing_requirements()

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import bridge
+from ..kernels.dispatch import triton_unusable_reason
 from ..memory.budget import budgeted_plan, ensure_room
 from ..memory.engine import LeanEngine
 from . import ddim
@@ -168,7 +169,8 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
 
 def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional[GraphRunner]) -> str:
     """The acceleration that can run here: CUDA graphs need a CUDA device (or a test backend) and a capture-safe
-    placement; compile needs a placement that allows it. Fallbacks are logged."""
+    placement; compile needs a placement that allows it and, on a CUDA device, a usable Triton (installed, compute
+    capability 7.0+). Fallbacks are logged."""
     if acceleration == Acceleration.NONE.value:
         return acceleration
     cuda_backend = runner is None or getattr(runner.backend, "name", "") == "cuda"
@@ -187,6 +189,12 @@ def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional
         logger.info("the %r VRAM policy does not support torch.compile; using cuda_graph without compile",
                     getattr(placement, "name", placement))
         return Acceleration.CUDA_GRAPH.value
+    if acceleration == Acceleration.COMPILE.value and engine.device.type == "cuda":
+        reason = triton_unusable_reason(engine.device)
+        if reason is not None:  # inductor would fail at the first call ("Cannot find a working triton ...")
+            logger.warning("acceleration='compile+cuda_graph' needs Triton for torch.compile on the GPU, but %s; "
+                           "using cuda_graph without compile", reason)
+            return Acceleration.CUDA_GRAPH.value
     return acceleration
 
 

@@ -1,0 +1,56 @@
+"""Triton is used only where it can run: installed, on a CUDA device of compute capability 7.0 or newer.
+
+Guards: ComfyUI on Windows has no Triton (PyTorch's wheels bring it only on Linux) and Pascal GPUs (GTX 10xx,
+compute capability 6.x) are below what Triton and inductor support; there the ``auto`` dispatch of both fused
+kernels used to pick the Triton kernel anyway. Device properties are stubbed, so this runs on the CPU.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from leandiffusion.kernels import cfg_ddim, dispatch, geglu_lora
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Pretend: Triton installed, and CUDA device 0 has the compute capability the test sets."""
+    state = {"capability": (8, 0), "triton": True}
+    monkeypatch.setattr(dispatch, "triton_importable", lambda: state["triton"])
+    monkeypatch.setattr(dispatch, "_capability", lambda index: state["capability"])
+    return state
+
+
+def test_reason_names_what_is_missing(gpu):
+    cuda = torch.device("cuda", 0)
+    assert dispatch.triton_unusable_reason(cuda) is None
+    gpu["capability"] = (7, 5)
+    assert dispatch.triton_unusable_reason(cuda) is None
+    gpu["capability"] = (6, 1)
+    reason = dispatch.triton_unusable_reason(cuda)
+    assert reason is not None and "6.1" in reason and "7.0" in reason
+    gpu["capability"], gpu["triton"] = (8, 0), False
+    assert "not installed" in dispatch.triton_unusable_reason(cuda)
+    assert "CUDA" in dispatch.triton_unusable_reason(torch.device("cpu"))
+
+
+def _cuda_stub():
+    return SimpleNamespace(is_cuda=True, is_contiguous=lambda: True, device=torch.device("cuda", 0))
+
+
+@pytest.mark.skipif(cfg_ddim.triton is None, reason="the dispatcher only considers the kernel when triton imports")
+def test_cfg_ddim_auto_dispatch_skips_gpus_triton_does_not_support(gpu):
+    tensors = [_cuda_stub() for _ in range(3)]
+    assert cfg_ddim._triton_usable(tensors)
+    gpu["capability"] = (6, 1)
+    assert not cfg_ddim._triton_usable(tensors)
+
+
+@pytest.mark.skipif(geglu_lora.triton is None, reason="the dispatcher only considers the kernel when triton imports")
+@pytest.mark.parametrize("capability, expected", [((8, 6), "triton"), ((6, 1), "reference")])
+def test_geglu_lora_auto_dispatch_skips_gpus_triton_does_not_support(gpu, monkeypatch, capability, expected):
+    gpu["capability"] = capability
+    monkeypatch.delenv(geglu_lora.ENV_IMPL, raising=False)
+    monkeypatch.setattr(geglu_lora, "geglu_lora_triton", lambda *a: "triton")
+    monkeypatch.setattr(geglu_lora, "geglu_lora_reference", lambda *a: "reference")
+    assert geglu_lora.geglu_lora(_cuda_stub(), None, None) == expected
