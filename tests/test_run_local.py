@@ -194,7 +194,7 @@ def test_pack_that_failed_to_import_is_named_not_unknown_nodes(fake_comfyui_dir,
         "print(f\"Cannot import {nodes}/leandiffusion module for custom nodes: No module named 'diffusers'\", "
         "flush=True)\n"
         f"runpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
-    workflow = PACK_ROOT / "workflows" / "api" / "quickstart.api.json"
+    workflow = PACK_ROOT / "workflows" / "quickstart.api.json"
     code = main([str(workflow), "--comfyui", str(fake_comfyui_dir), "--python", sys.executable, "-q",
                  "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err

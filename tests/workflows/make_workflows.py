@@ -1,4 +1,4 @@
-"""Write the shipped workflows: ``workflows/NAME.json`` (editor), ``api/NAME.api.json`` (API) and ``NAME.jpg`` (thumbnail).
+"""Write the shipped workflows: ``workflows/NAME.json`` (editor), ``NAME.api.json`` (API) and ``NAME.jpg`` (thumbnail).
 
     python -m leandiffusion.tests.workflows.make_workflows [--check]
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from leandiffusion.runner.convert import input_names, widget_slots
 
-from .specs import API_DIR, WORKFLOWS_DIR, combined
+from .specs import WORKFLOWS_DIR, combined
 
 SAMPLING_STR = {"tooltip": "provisional (issue contract)"}
 PROVISIONAL_INPUTS = {  # (node, section, name) -> conf, from issue 8 (positive_cond / negative_cond)
@@ -429,11 +429,10 @@ def main(argv=None) -> int:
     out, stale = Path(args.out), []
     for wf in WORKFLOWS:
         ui, api = build(wf, specs, _provisional(used))
-        files = {f"{wf.name}.json": _dump(ui).encode(), f"{API_DIR.name}/{wf.name}.api.json": _dump(api).encode(),
+        files = {f"{wf.name}.json": _dump(ui).encode(), f"{wf.name}.api.json": _dump(api).encode(),
                  f"{wf.name}.jpg": thumbnail(wf, specs)}
         for name, data in files.items():
             path = out / name
-            path.parent.mkdir(exist_ok=True)
             if path.exists() and path.read_bytes() == data:
                 continue
             stale.append(name)

@@ -22,14 +22,6 @@ from typing import Any
 PACK_ROOT = Path(__file__).resolve().parent.parent.parent
 CORE_SNAPSHOT = PACK_ROOT / "tests" / "fixtures" / "core_object_info.json"
 WORKFLOWS_DIR = PACK_ROOT / "workflows"
-# API twins live one level down: ComfyUI's template browser lists workflows/*.json (not sub-folders), and an
-# API-format file is not a graph the editor can open.
-API_DIR = WORKFLOWS_DIR / "api"
-
-
-def api_twin(name: str) -> Path:
-    """The API-format twin of the editor workflow ``workflows/NAME.json``."""
-    return API_DIR / f"{name}.api.json"
 PROBE = "zz_probe"
 PROBE_FOLDERS = ("checkpoints", "diffusers", "loras", "upscale_models", "vae", "embeddings", "text_encoders", "clip")
 PROBE_EXTENSIONS = (".safetensors", ".sft", ".pth", ".pt", ".ckpt", ".bin")

@@ -1,6 +1,6 @@
 """The shipped workflows are consistent with the nodes they use, without ComfyUI (issue 6, acceptance line 2).
 
-For every ``workflows/NAME.json`` (editor) and its ``workflows/api/NAME.api.json`` twin: both describe the same graph and values
+For every ``workflows/NAME.json`` (editor) and its ``NAME.api.json`` twin: both describe the same graph and values
 (the editor file converted by the runner's converter equals the API file), every node type and input exists in the
 pack (its own ``INPUT_TYPES``/``RETURN_TYPES``) or in ComfyUI core (``tests/fixtures/core_object_info.json``, recorded
 by ``snapshot_core_nodes.py``), every link joins outputs and inputs of the same type, and fixed COMBO values are
@@ -19,12 +19,12 @@ import pytest
 
 from leandiffusion import NODE_CLASS_MAPPINGS
 from leandiffusion.tests.workflows.checker import check_api, check_pair, check_ui
-from leandiffusion.tests.workflows.specs import API_DIR, WORKFLOWS_DIR, api_twin, combined, core_snapshot
+from leandiffusion.tests.workflows.specs import WORKFLOWS_DIR, combined, core_snapshot
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ISSUE_WORKFLOWS = {"quickstart", "sdxl_4gb_product_shot", "sd15_fast", "lora_hot_swap", "batch_catalogue",
                    "image_edit", "upscale_only", "comfy_conditioning"}
-UI_FILES = sorted(WORKFLOWS_DIR.glob("*.json"))
+UI_FILES = sorted(p for p in WORKFLOWS_DIR.glob("*.json") if not p.name.endswith(".api.json"))
 NAMES = [p.name[:-len(".json")] for p in UI_FILES]
 QUICKSTART_NODES = {"LeanModelLoader", "LeanFusedDDIMSampler", "LeanTiledVAEDecode"}
 needs_quickstart_nodes = pytest.mark.skipif(
@@ -39,21 +39,18 @@ def specs():
 
 def _pair(name):
     return (json.loads((WORKFLOWS_DIR / f"{name}.json").read_text()),
-            json.loads(api_twin(name).read_text()))
+            json.loads((WORKFLOWS_DIR / f"{name}.api.json").read_text()))
 
 
 # --------------------------------------------------------------------------------------------- the shipped files
 def test_every_issue_workflow_ships_with_api_twin_and_thumbnail():
-    missing = [str(path.relative_to(WORKFLOWS_DIR)) for name in sorted(ISSUE_WORKFLOWS)
-               for path in (WORKFLOWS_DIR / f"{name}.json", api_twin(name), WORKFLOWS_DIR / f"{name}.jpg")
-               if not path.is_file()]
+    missing = [f"{name}{ext}" for name in sorted(ISSUE_WORKFLOWS) for ext in (".json", ".api.json", ".jpg")
+               if not (WORKFLOWS_DIR / f"{name}{ext}").is_file()]
     assert not missing, f"workflows/ lacks {missing}"
-    orphans = [p.name for p in API_DIR.glob("*.json") if not (WORKFLOWS_DIR / (p.name[:-9] + ".json")).exists()]
+    orphans = [p.name for p in WORKFLOWS_DIR.glob("*.api.json") if not p.with_name(p.name[:-9] + ".json").exists()]
     assert not orphans, f"API files without an editor twin: {orphans}"
-    # ComfyUI's template browser lists every workflows/*.json; an API-format file there is an entry that cannot open
-    assert not [p.name for p in WORKFLOWS_DIR.glob("*.api.json")], "API-format files belong in workflows/api/"
     for name in NAMES:
-        assert api_twin(name).is_file(), f"{name}.json has no API twin"
+        assert (WORKFLOWS_DIR / f"{name}.api.json").is_file(), f"{name}.json has no API twin"
         assert (WORKFLOWS_DIR / f"{name}.jpg").read_bytes()[:3] == b"\xff\xd8\xff", f"{name}.jpg is not a JPEG"
 
 
