@@ -1,0 +1,79 @@
+"""Sampler error paths (session-13 audit; each test fails on the code before its fix).
+
+Guards: a connected CONDITIONING that does not fit the model is refused before the Fused DDIM Sampler opens a text
+session (the string side was encoded first: under ``balanced`` that moves the text encoders onto the GPU and runs
+them, for nothing); the Stream Scheduler's tiled decode releases an out-of-memory attempt's tensors before it
+returns cached blocks and retries with smaller tiles (the retry loop kept the exception, whose traceback held
+them, until the next attempt began).
+"""
+import weakref
+
+import pytest
+import torch
+
+import leandiffusion.sampling.stream.decode as stream_decode
+from leandiffusion.memory.engine import LeanEngine
+from leandiffusion.nodes.sampler import LeanFusedDDIMSampler
+from leandiffusion.sampling.prompt_encoder import PROMPT_CACHE
+from leandiffusion.sampling.stream.scheduler import run_stream
+from leandiffusion.sampling.stream.settings import StreamSettings
+from leandiffusion.sampling.stream.streams import StageStreams
+from leandiffusion.tests.kit import tiny_engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine("sd1")
+
+
+WRONG_WIDTH = [[torch.zeros(1, 77, 192), {"pooled_output": torch.zeros(1, 128)}]]  # an SDXL CLIP's output
+
+
+@pytest.mark.parametrize("side", ["positive_cond", "negative_cond"])
+def test_wrong_conditioning_is_refused_before_any_text_session(engine, monkeypatch, side):
+    opened = []
+    real = LeanEngine.session
+
+    def session(self, stage):
+        opened.append(stage)
+        return real(self, stage)
+
+    monkeypatch.setattr(LeanEngine, "session", session)
+    PROMPT_CACHE.clear()  # a cached prompt would hide the encoding
+    args = dict(lean_model=engine, positive="a boat", negative="fog", seed=1, steps=2, cfg=5.0, eta=0.0, width=64,
+                height=64, batch_size=1, timestep_spacing="leading", cfg_mode="batched", acceleration="none")
+    with pytest.raises(ValueError, match=f"{side}: the conditioning has 192 channels but the sd1 model expects 64"):
+        LeanFusedDDIMSampler().run(**args, **{side: WRONG_WIDTH})
+    assert opened == [], f"sessions opened before the error: {opened}"
+
+
+def test_stream_tiled_decode_releases_the_failed_attempt_before_retrying(engine, monkeypatch):
+    """The failed attempt's tensors are gone when the retry loop returns cached blocks to the driver (before the
+    fix they were freed one step later, so that release found them still allocated) and when the retry runs."""
+    real = stream_decode.run_exact
+    first, alive_at_release, alive_at_retry = [], [], []
+
+    def run_exact(*args, **kwargs):
+        if not first:
+            activations = torch.empty(1 << 20)
+            first.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        alive_at_retry.append(first[0]() is not None)
+        return real(*args, **kwargs)
+
+    real_release = StageStreams.release_cached
+
+    def release_cached(self):
+        if first:
+            alive_at_release.append(first[0]() is not None)
+        return real_release(self)
+
+    s = StreamSettings.from_text("a boat", seed=2, steps=1, cfg=5.0, width=64, height=64, acceleration="none",
+                                 decode_tile_size=256)
+    reference = run_stream(engine, s, quiet=True)
+    monkeypatch.setattr(stream_decode, "run_exact", run_exact)
+    monkeypatch.setattr(StageStreams, "release_cached", release_cached)
+    result = run_stream(engine, s, quiet=True)
+    assert alive_at_release and not any(alive_at_release), "the failed attempt's tensors were alive at the release"
+    assert alive_at_retry == [False], "the failed attempt's tensors were alive during the retry"
+    assert torch.allclose(result.images, reference.images, atol=1e-5)
