@@ -4,7 +4,7 @@ Guards: a connected CONDITIONING that does not fit the model is refused before t
 session (the string side was encoded first: under ``balanced`` that moves the text encoders onto the GPU and runs
 them, for nothing); the Stream Scheduler's tiled decode releases an out-of-memory attempt's tensors before it
 returns cached blocks and retries with smaller tiles (the retry loop kept the exception, whose traceback held
-them, until the next attempt began).
+them, until the next attempt began); a garbled .safetensors embedding is one error naming the file.
 """
 import weakref
 
@@ -77,3 +77,18 @@ def test_stream_tiled_decode_releases_the_failed_attempt_before_retrying(engine,
     assert alive_at_release and not any(alive_at_release), "the failed attempt's tensors were alive at the release"
     assert alive_at_retry == [False], "the failed attempt's tensors were alive during the retry"
     assert torch.allclose(result.images, reference.images, atol=1e-5)
+
+
+def test_corrupt_safetensors_embedding_is_one_named_error(engine, tmp_path, monkeypatch):
+    """A garbled ``.safetensors`` textual inversion gave a bare ``SafetensorError: ... header too large`` (no file,
+    no fix); the ``.pt`` path already went through ``torchfile``."""
+    (tmp_path / "embeddings").mkdir()
+    (tmp_path / "embeddings" / "garbled.safetensors").write_bytes(b"not a safetensors file" * 4)
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(tmp_path))
+    PROMPT_CACHE.clear()
+    args = dict(lean_model=engine, positive="a boat, embedding:garbled", negative="", seed=1, steps=1, cfg=5.0,
+                eta=0.0, width=64, height=64, batch_size=1, timestep_spacing="leading", cfg_mode="batched",
+                acceleration="none")
+    with pytest.raises(ValueError, match=r"embedding file 'garbled.safetensors' could not be read as a safetensors "
+                                         r"file \(.*header.*\); re-download it"):
+        LeanFusedDDIMSampler().run(**args)
