@@ -4,7 +4,8 @@ Guards: a connected CONDITIONING that does not fit the model is refused before t
 session (the string side was encoded first: under ``balanced`` that moves the text encoders onto the GPU and runs
 them, for nothing); the Stream Scheduler's tiled decode releases an out-of-memory attempt's tensors before it
 returns cached blocks and retries with smaller tiles (the retry loop kept the exception, whose traceback held
-them, until the next attempt began); a garbled .safetensors embedding is one error naming the file.
+them, until the next attempt began); a garbled .safetensors embedding is one error naming the file; a failed
+torch.compile names acceleration, the reason and the fix.
 """
 import weakref
 
@@ -92,3 +93,45 @@ def test_corrupt_safetensors_embedding_is_one_named_error(engine, tmp_path, monk
     with pytest.raises(ValueError, match=r"embedding file 'garbled.safetensors' could not be read as a safetensors "
                                          r"file \(.*header.*\); re-download it"):
         LeanFusedDDIMSampler().run(**args)
+
+
+class StandInBackend:
+    """Captures by keeping the callable (replay = call it), after one warm-up call as the CUDA backend runs."""
+
+    name = "stand-in"
+
+    def capture(self, fn, device):
+        fn()
+        return fn
+
+
+def test_failed_torch_compile_names_the_acceleration_and_the_fix(engine, monkeypatch):
+    """A compile that fails (no working Triton, no C++ compiler: common on desktop installs) surfaced as dynamo's
+    BackendCompilerFailed, paragraphs ending in advice to set ``suppress_errors``; now one line naming the input,
+    the backend's reason and the fix. Nothing is cached, and the next run gives the plain result."""
+    import leandiffusion.sampling.loop as loop
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from leandiffusion.sampling.graph_runner import GraphRunner
+    from leandiffusion.sampling.settings import SamplerSettings
+
+    def compiled_unet_fn(engine):
+        def call(*args, **kwargs):
+            inner = RuntimeError("Cannot find a working triton installation. Either the package is not installed "
+                                 "or it is too old.\nMore information on installing Triton can be found at ...")
+            raise BackendCompilerFailed(lambda *a: None, inner, None)
+        return call
+
+    monkeypatch.setattr(loop, "compiled_unet_fn", compiled_unet_fn)
+    runner = GraphRunner(StandInBackend())
+    settings = dict(positive="a boat", negative="", seed=4, steps=2, cfg=5.0, width=64, height=64)
+    with pytest.raises(RuntimeError) as info:
+        loop.sample(engine, SamplerSettings(acceleration="compile+cuda_graph", **settings), runner=runner, quiet=True)
+    message = str(info.value)
+    assert message.startswith("acceleration='compile+cuda_graph': torch.compile could not compile the UNet "
+                              "(RuntimeError: Cannot find a working triton installation.")
+    assert "use acceleration='cuda_graph'" in message and "\n" not in message and "suppress_errors" not in message
+    assert runner.cached_keys(engine) == []
+    again = loop.sample(engine, SamplerSettings(acceleration="cuda_graph", **settings), runner=runner, quiet=True)
+    plain = loop.sample(engine, SamplerSettings(acceleration="none", **settings), quiet=True)
+    assert torch.equal(again["samples"], plain["samples"])
