@@ -1,7 +1,8 @@
-"""ESRGAN Upscale node error paths (session-13 audit; the test fails on the code before its fix).
+"""ESRGAN Upscale node error paths (session-13 audit; each test fails on the code before its fix).
 
-Guard: inputs that need no model (the image's type, the numbers, the device and precision choices) are refused
-before the model file is read (the node read and built the upscaler first, then refused a bad tile size).
+Guards: inputs that need no model (the image's type, the numbers, the device and precision choices) are refused
+before the model file is read (the node read and built the upscaler first, then refused a bad tile size); the ncnn
+converter CLI reports a failed write in one line and leaves no file behind.
 """
 import pytest
 import torch
@@ -30,3 +31,16 @@ def test_inputs_needing_no_model_are_refused_before_the_file_is_read(monkeypatch
     with pytest.raises((ValueError, TypeError), match=match):
         LeanESRGANUpscale().upscale(image, "model.safetensors", **args)
     assert read == [], "the model file was read before the inputs were checked"
+
+
+def test_converter_cli_write_failure_is_one_line_and_leaves_nothing(ncnn_dir, tmp_path, capsys):
+    """The ncnn converter's CLI reported a failed write (here: a folder where the output file should go) with a
+    Python traceback; now one ``error:`` line and exit code 2, and no temporary file is left in the folder."""
+    from leandiffusion.upscale import convert_ncnn
+
+    out = tmp_path / "out.safetensors"
+    out.mkdir()
+    rc = convert_ncnn.main([str(ncnn_dir / "REALESRGAN_ANIMAVIDEOV3_UP4X.param"), str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: cannot write {out}: ") and "choose another output path" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"] and not any(out.iterdir())
