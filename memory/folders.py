@@ -11,6 +11,7 @@ import json
 import logging
 from pathlib import Path
 
+from ..torchfile import load_error_reason
 from .families import UnsupportedFamilyError, family_defaults
 from .tokenizers import OPENCLIP_PAD, find_tokenizer_dir, load_clip_tokenizer
 
@@ -42,7 +43,14 @@ def load_diffusers_folder(folder: Path) -> dict:
     folder = Path(folder)
     if not is_diffusers_folder(folder):
         raise ValueError(f"model={folder.name!r}: {folder} has no model_index.json, so it is not a diffusers folder")
-    index = json.loads((folder / "model_index.json").read_text())
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"model={folder.name!r}: its model_index.json is not readable JSON "
+                         f"({load_error_reason(exc)}); re-download or re-save the folder") from exc
+    if not isinstance(index, dict):
+        raise ValueError(f"model={folder.name!r}: its model_index.json holds {type(index).__name__}, not the "
+                         f"pipeline's component table; re-download or re-save the folder")
     cls = index.get("_class_name", "")
     if cls in REFUSED:
         raise UnsupportedFamilyError(f"model={folder.name!r}: detected family '{REFUSED[cls]}' ({cls}), which "
@@ -56,20 +64,24 @@ def load_diffusers_folder(folder: Path) -> dict:
             what = "an SDXL refiner (no first text encoder)" if part == "text_encoder" and kind == "sdxl" else "incomplete"
             raise UnsupportedFamilyError(f"model={folder.name!r}: the folder has no '{part}' sub-folder ({what})")
     kw = dict(local_files_only=True)
-    unet = UNet2DConditionModel.from_pretrained(str(folder / "unet"), **kw)
+    unet = _component(folder, "unet", UNet2DConditionModel, kw)
     if unet.config.in_channels != 4:
         raise UnsupportedFamilyError(f"model={folder.name!r}: UNet with {unet.config.in_channels} input channels "
                                      f"(inpainting/upscaler/pix2pix family) is not supported")
-    components = {"unet": unet, "vae": AutoencoderKL.from_pretrained(str(folder / "vae"), **kw)}
+    components = {"unet": unet, "vae": _component(folder, "vae", AutoencoderKL, kw)}
     if kind == "sdxl":
-        components["text_encoder"] = CLIPTextModel.from_pretrained(str(folder / "text_encoder"), **kw)
-        components["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(str(folder / "text_encoder_2"), **kw)
+        components["text_encoder"] = _component(folder, "text_encoder", CLIPTextModel, kw)
+        components["text_encoder_2"] = _component(folder, "text_encoder_2", CLIPTextModelWithProjection, kw)
         family = "sdxl"
     else:
-        components["text_encoder"] = CLIPTextModel.from_pretrained(str(folder / "text_encoder"), **kw)
+        components["text_encoder"] = _component(folder, "text_encoder", CLIPTextModel, kw)
         family = "sd2" if unet.config.use_linear_projection else "sd1"
     sched_file = folder / "scheduler" / "scheduler_config.json"
-    scheduler = json.loads(sched_file.read_text()) if sched_file.is_file() else {}
+    try:
+        scheduler = json.loads(sched_file.read_text()) if sched_file.is_file() else {}
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"model={folder.name!r}: scheduler/scheduler_config.json is not readable JSON "
+                         f"({load_error_reason(exc)}); re-download or re-save the folder") from exc
     if family == "sd2" and scheduler.get("prediction_type") == "v_prediction":
         family = "sd2-v"
     # the family's defaults, overridden by every key of the folder's own config (as diffusers'
@@ -86,6 +98,19 @@ def load_diffusers_folder(folder: Path) -> dict:
     if kind == "sdxl":
         components["tokenizer_2"] = _tokenizer(folder, "tokenizer_2", OPENCLIP_PAD)
     return components
+
+
+def _component(folder: Path, part: str, cls, kw: dict):
+    """``cls.from_pretrained(folder / part)``; a missing, truncated or garbled file is one ``ValueError`` naming the
+    input, the sub-folder and the fix (diffusers/transformers raise their own types, some without the file's name:
+    a truncated safetensors file gives a bare ``SafetensorError: invalid header length``)."""
+    from safetensors import SafetensorError
+
+    try:
+        return cls.from_pretrained(str(folder / part), **kw)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
+        raise ValueError(f"model={folder.name!r}: the '{part}' sub-folder could not be loaded "
+                         f"({load_error_reason(exc)}); re-download or re-save the folder") from exc
 
 
 def _tokenizer(folder: Path, sub: str, fallback_pad):

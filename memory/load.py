@@ -22,7 +22,7 @@ from .. import bridge
 from .engine import LeanEngine, ModelParts, parts_from_components
 from .folders import load_diffusers_folder
 from .ldm import load_ldm_checkpoint
-from .policies import DTYPES, apply_vram_policy
+from .policies import DTYPES, apply_vram_policy, check_policy_args
 from .pool import BufferPool
 
 logger = logging.getLogger(__name__)
@@ -90,8 +90,9 @@ def load_engine(model: str, vram_policy: str = "auto", vram_budget_gb: float = 4
 
     Progress counts three stages (read and convert the file, assemble the parts, place them under the policy);
     Cancel is honoured between them. Nothing outlives a cancelled or failed load: the engine only exists once the
-    last stage returns."""
+    last stage returns. Inputs that need no model (policy, budget, dtypes) are checked before the file is read."""
     dev = torch.device(device) if device is not None else bridge.default_device()
+    check_policy_args(vram_policy, vram_budget_gb)  # every input that needs no model, before the file is read
     resolve_dtype(weight_dtype, "weight_dtype", dev)
     resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True)
     with bridge.ProgressBar(3, desc="load model") as bar:

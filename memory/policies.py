@@ -87,6 +87,19 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 # --------------------------------------------------------------------------------------------- public entry
+def check_policy_args(policy: str | VramPolicy, vram_budget_gb: float) -> VramPolicy:
+    """The policy named by ``policy``; ``ValueError`` naming the input when it or ``vram_budget_gb`` is unusable.
+    Needs no model, so the loader calls it before reading a checkpoint (a typo must not cost a multi-GB read)."""
+    try:
+        requested = VramPolicy(policy)
+    except ValueError as exc:
+        raise ValueError(f"vram_policy={policy!r}: expected one of {[p.value for p in VramPolicy]}") from exc
+    if isinstance(vram_budget_gb, bool) or not isinstance(vram_budget_gb, (int, float)) or not vram_budget_gb > 0 \
+            or not math.isfinite(vram_budget_gb):
+        raise ValueError(f"vram_budget_gb={vram_budget_gb!r}: expected a positive number of GB")
+    return requested
+
+
 def apply_vram_policy(parts: ModelParts, policy: str | VramPolicy = "auto", *, device=None,
                       vram_budget_gb: float = 4.0, dtype: Optional[torch.dtype] = None,
                       vae_dtype: Optional[torch.dtype] = None, working_shape: Optional[tuple] = None,
@@ -100,13 +113,7 @@ def apply_vram_policy(parts: ModelParts, policy: str | VramPolicy = "auto", *, d
     """
     if not isinstance(parts, ModelParts):
         raise TypeError(f"parts: expected a ModelParts, got {type(parts).__name__}")
-    try:
-        requested = VramPolicy(policy)
-    except ValueError as exc:
-        raise ValueError(f"vram_policy={policy!r}: expected one of {[p.value for p in VramPolicy]}") from exc
-    if isinstance(vram_budget_gb, bool) or not isinstance(vram_budget_gb, (int, float)) or not vram_budget_gb > 0 \
-            or not math.isfinite(vram_budget_gb):
-        raise ValueError(f"vram_budget_gb={vram_budget_gb!r}: expected a positive number of GB")
+    requested = check_policy_args(policy, vram_budget_gb)
     dev = torch.device(device) if device is not None else bridge.default_device()
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: CUDA is not available in this process; use device='cpu'")
@@ -329,6 +336,10 @@ class ModelPlacement:
 
     def exit(self, engine, stage: str) -> None:
         try:
+            outermost = len(self._scopes.get(stage) or ()) <= 1  # a nested session exits inside a running forward
+            if stage == "unet" and outermost and self.streamer is not None and self.streamer.end_unfinished():
+                logger.warning("a UNet forward of %s was cut short inside a streamed block (an interrupt that is "
+                               "not an Exception); its weight schedule was closed", self.plan.model)
             for swap in self._swaps.get(stage, []):
                 swap.offload()
             if self.device.type == "cuda" and stage in self._marks:

@@ -316,6 +316,8 @@ class _CudaCopier:
             self.ready[k].record(self.side)
 
     def end(self) -> None:
+        if self.cur is None:  # begin never ran (or raised before it had a stream): nothing was forked
+            return
         self.join.record(self.side)
         self.cur.wait_event(self.join)
         self.last.record(self.cur)
@@ -332,6 +334,8 @@ class BlockStreamer:
     A forward that raises midway (out of memory inside a block, an interrupt) still ends its schedule: the end hook
     is registered with ``always_call``, joins the copy stream as a finished forward would, and leaves the streamer
     ready for the next forward (the Stream Scheduler retries a failed batch on the same engine).
+    A ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``) skips ``always_call`` hooks; the
+    placement then closes the forward when the UNet session exits (``end_unfinished``).
     """
 
     def __init__(self, unet: torch.nn.Module, schedule: StreamSchedule, device: torch.device, dtype: torch.dtype):
@@ -451,6 +455,21 @@ class BlockStreamer:
         self.copier.end()  # a failed forward joins too: the next one orders after every copy it issued
         if output is not None and self._cursor != len(self.schedule.order):
             raise RuntimeError(f"UNet forward ran {self._cursor} of {len(self.schedule.order)} blocks")
+
+    def end_unfinished(self) -> bool:
+        """Close a forward whose end hook never ran; True if there was one (the placement calls this when a UNet
+        session exits, after every forward of the session has returned or raised).
+
+        torch runs ``always_call`` hooks only for a forward that raised an ``Exception``: a ``KeyboardInterrupt``
+        (or ``SystemExit``) inside a block skips the end hook, and the streamer stayed 'active', so every later
+        forward of the model was refused as re-entrant until the model was loaded again."""
+        if not self._active and self._depth == 0:
+            return False
+        was_active = self._active
+        self._active, self._depth = False, 0
+        if was_active:
+            self.copier.end()  # join the copy stream as a finished forward would
+        return True
 
     # ----------------------------------------------------------------- teardown
     def remove(self) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..bridge import list_models, model_fingerprint, resolve_model
 from ..upscale.loader import EXTENSIONS, load_upscaler
-from ..upscale.runner import DEVICES, MAX_OVERLAP, MAX_TILE, PRECISIONS, upscale_images
+from ..upscale.runner import DEVICES, MAX_OVERLAP, MAX_TILE, PRECISIONS, check_options, upscale_images
 
 
 class LeanESRGANUpscale:
@@ -47,6 +47,7 @@ class LeanESRGANUpscale:
         return model_fingerprint("upscale_models", model_name)
 
     def upscale(self, image, model_name, output_scale, device, tile_size, tile_overlap, precision):
+        check_options(image, output_scale, device, tile_size, tile_overlap, precision)  # before reading the file
         upscaler = load_upscaler(resolve_model("upscale_models", model_name))
         out = upscale_images(upscaler, image, output_scale=output_scale, device=device, tile_size=tile_size,
                              tile_overlap=tile_overlap, precision=precision)

@@ -45,7 +45,8 @@ class LeanTiledVAEDecode:
     def decode(self, samples, tile_size=0, overlap=64, seam_mode="exact", lean_model=None, vae=None):
         target = resolve_target(lean_model, vae)
         if not isinstance(samples, dict) or "samples" not in samples:
-            raise ValueError("samples: expected a LATENT (a dict with a 'samples' tensor)")
+            raise ValueError(f"samples: expected a LATENT (a dict with a 'samples' tensor), got "
+                             f"{type(samples).__name__}; connect a sampler's or VAE Encode's LATENT output")
         return (tiled_decode(target, samples["samples"], tile_size, overlap, seam_mode),)
 
 

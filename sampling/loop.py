@@ -198,6 +198,24 @@ def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional
     return acceleration
 
 
+def _compile_errors() -> tuple:
+    """The exception types that mean "torch.compile failed" (dynamo's and inductor's, raised at the first call)."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return ()
+    return (TorchDynamoException,)
+
+
+def compile_failure(exc: BaseException) -> str:
+    """One line saying why torch.compile failed: the backend's own error (dynamo wraps it in paragraphs that end
+    in advice to set ``suppress_errors``, which would hide the failure)."""
+    inner = getattr(exc, "inner_exception", None) or exc
+    lines = [ln.strip() for ln in str(inner).splitlines() if ln.strip()]
+    text = f"{type(inner).__name__}: {lines[0] if lines else 'no message'}"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def _allocator(engine: LeanEngine):
     pool = engine.pool
     get = getattr(pool, "get", None) if pool is not None else None
@@ -281,6 +299,13 @@ def prepare_steps(engine: LeanEngine, conditioning: Conditioning, x_init: torch.
                 captured = runner.step_for(engine, key, lambda: build(graph_fn), prepare, compiled=compiled)
             except torch.cuda.OutOfMemoryError as exc:
                 error = str(exc)
+            except _compile_errors() as exc:
+                if not compiled:
+                    raise
+                raise RuntimeError(
+                    f"acceleration={mode!r}: torch.compile could not compile the UNet ({compile_failure(exc)}); use "
+                    f"acceleration='cuda_graph' (the same CUDA-graph replay without compiling), or install what "
+                    f"torch's inductor needs (a Triton matching torch and a C++ compiler)") from exc
             if captured is not None:
                 break
             runner.clear(engine)  # outside the except block: the failed capture's tensors are released

@@ -53,11 +53,14 @@ def encode_for_sampler(engine: LeanEngine, positive: Optional[str], negative: Op
                 raise TypeError(f"{name}: expected the prompt text (a string) when {name}_cond is not connected, "
                                 f"got {type(text).__name__}")
             texts.append(text)
+    # the connected CONDITIONING first: a wrong one is refused before the text encoders are placed and run
+    given = {name: from_conditioning(cond, engine, batch, width=width, height=height, input_name=f"{name}_cond")
+             for name, (text, cond) in sides.items() if cond is not None}
     encoded = iter(encode_texts(engine, texts, syntax=syntax, missing_embedding=missing_embedding, cache=cache))
     out = []
     for name, (text, cond) in sides.items():
         if cond is not None:
-            out.append(from_conditioning(cond, engine, batch, width=width, height=height, input_name=f"{name}_cond"))
+            out.append(given[name])
             continue
         emb = next(encoded)
         pooled = None if emb.pooled is None else repeat_to_batch(emb.pooled, batch)

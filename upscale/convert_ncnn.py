@@ -275,7 +275,11 @@ def main(argv: Optional[list] = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    save_atomic(sd, meta, args.out)
+    try:
+        save_atomic(sd, meta, args.out)
+    except OSError as exc:  # a folder in the way, no permission, a full disk: nothing partial is left behind
+        print(f"error: cannot write {args.out}: {exc.strerror or exc}; choose another output path", file=sys.stderr)
+        return 2
     count = sum(v.numel() for v in sd.values())
     print(f"{meta['leandiffusion.arch']}: {len(sd)} tensors, {count:,} parameters -> {args.out}")
     return 0

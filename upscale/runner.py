@@ -307,21 +307,13 @@ def _resize(hwc: torch.Tensor, out_h: int, out_w: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- entry point
-def _validate(upscaler, images, output_scale, tile_size, tile_overlap) -> None:
-    if not isinstance(upscaler, Upscaler):
-        raise TypeError(f"upscaler: expected an Upscaler (from load_upscaler), got {type(upscaler).__name__}")
+def check_options(images, output_scale, device: str, tile_size, tile_overlap, precision: str) -> None:
+    """Every check that needs no model: the node runs it before reading the model file."""
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or not images.is_floating_point():
         raise TypeError(f"image: expected a float tensor [B, H, W, C] (ComfyUI IMAGE), got "
                         f"{type(images).__name__} {tuple(getattr(images, 'shape', ()))}")
-    b, h, w, c = images.shape
-    if b == 0:
+    if images.shape[0] == 0:
         raise ValueError("image: the batch is empty")
-    if c != upscaler.in_channels:
-        raise ValueError(f"image has {c} channels, {upscaler.arch} takes {upscaler.in_channels}; convert it first "
-                         f"(e.g. drop the alpha channel)")
-    if min(h, w) < upscaler.min_size:
-        raise ValueError(f"image is {w}x{h} px, smaller than the {upscaler.min_size}x{upscaler.min_size} px "
-                         f"{upscaler.arch} accepts; enlarge it first")
     for name, value, kind in (("output_scale", output_scale, (int, float)), ("tile_size", tile_size, int),
                               ("tile_overlap", tile_overlap, int)):
         if isinstance(value, bool) or not isinstance(value, kind):
@@ -333,6 +325,23 @@ def _validate(upscaler, images, output_scale, tile_size, tile_overlap) -> None:
         raise ValueError(f"tile_size={tile_size}: use 0 (automatic) or {MIN_TILE}..{MAX_TILE}")
     if not 0 <= tile_overlap <= MAX_OVERLAP:
         raise ValueError(f"tile_overlap={tile_overlap}: use 0..{MAX_OVERLAP} pixels of context")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: expected one of {DEVICES}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+
+
+def _validate(upscaler, images, output_scale, device, tile_size, tile_overlap, precision) -> None:
+    if not isinstance(upscaler, Upscaler):
+        raise TypeError(f"upscaler: expected an Upscaler (from load_upscaler), got {type(upscaler).__name__}")
+    check_options(images, output_scale, device, tile_size, tile_overlap, precision)
+    b, h, w, c = images.shape
+    if c != upscaler.in_channels:
+        raise ValueError(f"image has {c} channels, {upscaler.arch} takes {upscaler.in_channels}; convert it first "
+                         f"(e.g. drop the alpha channel)")
+    if min(h, w) < upscaler.min_size:
+        raise ValueError(f"image is {w}x{h} px, smaller than the {upscaler.min_size}x{upscaler.min_size} px "
+                         f"{upscaler.arch} accepts; enlarge it first")
 
 
 def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float = 0.0, device: str = "auto",
@@ -349,7 +358,7 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
     autotunes cuDNN for this call only (``None``: ``CUDNN_BENCHMARK``). Both defaults come from
     bench/suite_upscale.py measurements.
     """
-    _validate(upscaler, images, output_scale, tile_size, tile_overlap)
+    _validate(upscaler, images, output_scale, device, tile_size, tile_overlap, precision)
     layout = resolve_layout(layout, upscaler)
     if cudnn_benchmark is None:
         cudnn_benchmark = CUDNN_BENCHMARK

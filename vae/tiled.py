@@ -122,11 +122,11 @@ def _run_with_retry(run, tile: int, budget: int, device: torch.device, what: str
             return run(tile, budget)
         except _OOM as exc:
             tried.append(tile)
-            error = exc
+            error = str(exc)  # the text only: the exception's traceback would keep the failed attempt's tensors
         _free_after_oom(device)  # outside the except block, so the failed frames' tensors are released
         if tile <= MIN_TILE:
             raise _OOM(f"{what}: out of memory even with {MIN_TILE} px tiles (tried {tried} px, activation budget "
-                       f"down to {budget / 2**30:.2f} GiB); free VRAM (unload models) or decode on a larger GPU. "
+                       f"down to {budget / 2**30:.2f} GiB); free VRAM (unload models) or run it on a larger GPU. "
                        f"Last error: {error}")
         tile, budget = max(MIN_TILE, tile // 2), max(budget // 2, MIN_ACTIVATION_BYTES)
         logger.warning("%s: out of memory; retrying with %d px tiles", what, tile)

@@ -206,7 +206,7 @@ class DecodeStage:
                     return run_exact(program, z, cfg, lambda y: ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0),
                                      program.out_channels)
                 except _OOM as exc:
-                    error = exc
+                    error = str(exc)  # the text only: the traceback would keep the failed attempt's tensors alive
                     tried.append(tile)
                 self.streams.release_cached()
                 if tile <= MIN_TILE:

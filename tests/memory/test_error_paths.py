@@ -1,0 +1,104 @@
+"""Memory Pool Loader error paths: clear errors before heavy work, nothing wedged after a failure mid-run.
+
+Guards (session-13 error-path audit; each test fails on the code before its fix):
+- a bad ``vram_policy`` / ``vram_budget_gb`` is refused before the checkpoint is read (it was refused only after a
+  full read and conversion: a typo cost a multi-GB load);
+- a ``KeyboardInterrupt`` inside a streamed UNet block (torch runs ``always_call`` hooks only for ``Exception``)
+  left the block streamer 'active': every later forward of the model failed as a "re-entrant call" until the model
+  was loaded again; the next forward must run and give the same output;
+- a diffusers folder with a truncated or garbled file gives one ``ValueError`` naming ``model``, the sub-folder
+  and the fix, not a bare ``SafetensorError`` / ``JSONDecodeError`` from the libraries.
+"""
+import shutil
+
+import pytest
+import torch
+
+from leandiffusion.memory import load as load_mod
+from leandiffusion.memory.load import build_engine
+from leandiffusion.memory.plan import GiB, module_bytes
+from leandiffusion.memory.policies import stream_working_minimum_gb
+from leandiffusion.nodes.loader import LeanModelLoader
+from leandiffusion.tests.kit import save_diffusers_folder, tiny_components, tiny_parts
+
+
+@pytest.mark.parametrize("policy,budget,match", [
+    ("turbo", 4.0, "vram_policy='turbo'"),
+    ("full", 0.0, "vram_budget_gb=0.0"),
+    ("stream", float("nan"), "vram_budget_gb=nan"),
+    ("stream", "4 GB", "vram_budget_gb='4 GB'"),
+])
+def test_bad_policy_inputs_are_refused_before_the_checkpoint_is_read(monkeypatch, policy, budget, match):
+    read = []
+    monkeypatch.setattr(load_mod, "load_components", lambda choice: read.append(choice) or {})
+    with pytest.raises(ValueError, match=match):
+        LeanModelLoader().load("tiny-random (test)", policy, budget, "auto", "auto")
+    assert read == [], "the checkpoint was read before the inputs were checked"
+
+
+def _stream_engine():
+    parts = tiny_parts("sd1")
+    budget = stream_working_minimum_gb(parts, "cpu") + 0.3 * module_bytes(parts.unet, torch.float32) / GiB
+    engine = build_engine(parts, "stream", budget, device="cpu")
+    assert engine.placement.streamer.schedule.streamed, "the test needs blocks that really stream"
+    return engine
+
+
+def _unet_call(engine):
+    g = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 77, 64, generator=g)
+    with engine.session("unet"), torch.no_grad():
+        return engine.unet(x, torch.tensor(500), ctx)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_interrupt_inside_a_streamed_block_leaves_the_engine_usable(exc):
+    engine = _stream_engine()
+    ref = _unet_call(engine)
+    streamer = engine.placement.streamer
+    order = streamer.schedule.order
+    block = dict(engine.parts.unet.named_modules())[order[streamer.schedule.streamed[-1]].name]
+
+    def interrupted(*args, **kwargs):
+        raise exc()
+
+    block.forward = interrupted
+    try:
+        with pytest.raises(exc):
+            _unet_call(engine)
+    finally:
+        del block.forward
+    assert not streamer._active and streamer._depth == 0
+    assert torch.equal(_unet_call(engine), ref)  # raised "entered twice without finishing" before the fix
+
+
+@pytest.fixture()
+def folders(tmp_path, monkeypatch):
+    base = save_diffusers_folder(tiny_components("sd1"), tmp_path / "diffusers" / "good")
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(tmp_path))
+
+    def variant(name, damage):
+        folder = tmp_path / "diffusers" / name
+        shutil.copytree(base, folder)
+        damage(folder)
+    return variant
+
+
+def _truncate(folder, sub):
+    for f in (folder / sub).glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:500])
+
+
+@pytest.mark.parametrize("name,damage,match", [
+    ("cut_te", lambda f: _truncate(f, "text_encoder"), r"model='cut_te': the 'text_encoder' sub-folder could not be "
+                                                        r"loaded \(.*header.*\); re-download or re-save the folder"),
+    ("cut_unet", lambda f: _truncate(f, "unet"), r"model='cut_unet': the 'unet' sub-folder could not be loaded"),
+    ("bad_index", lambda f: (f / "model_index.json").write_text("{"),
+     r"model='bad_index': its model_index.json is not readable JSON .*re-download"),
+    ("bad_scheduler", lambda f: (f / "scheduler" / "scheduler_config.json").write_text("[1,"),
+     r"model='bad_scheduler': scheduler/scheduler_config.json is not readable JSON"),
+])
+def test_damaged_diffusers_folder_is_one_named_error(folders, name, damage, match):
+    folders(name, damage)
+    with pytest.raises(ValueError, match=match):
+        LeanModelLoader().load(name, "full", 4.0, "auto", "auto")

@@ -1,0 +1,70 @@
+"""Tiled VAE Decode / Encode error paths (session-13 audit; each test fails on the code before its fix).
+
+Guards: an out-of-memory attempt's tensors are released *before* the retry with smaller tiles (the retry loop kept
+the exception, whose traceback held the failed frames and every device tensor they allocated, so the retry ran
+with the failed attempt's activations still allocated and the cache could not be emptied); the node names what it
+got when ``samples`` is not a LATENT.
+"""
+import weakref
+
+import pytest
+import torch
+
+import leandiffusion.vae.tiled as tiled
+from leandiffusion.nodes.vae import LeanTiledVAEDecode
+from leandiffusion.tests.kit import tiny_components, tiny_engine
+from leandiffusion.vae.targets import from_module
+
+
+@pytest.fixture(scope="module")
+def vae():
+    return tiny_components("sd1")["vae"]
+
+
+def _fail_once_then_run(monkeypatch, name):
+    """Replace ``tiled.<name>``: the first call allocates a tensor and runs out of memory; later calls record
+    whether that tensor is still alive, then run the real function."""
+    real = getattr(tiled, name)
+    first, alive_at_retry = [], []
+
+    def run(*args, **kwargs):
+        if not first:
+            activations = torch.empty(1 << 20)
+            first.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        alive_at_retry.append(first[0]() is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tiled, name, run)
+    return alive_at_retry
+
+
+@pytest.mark.parametrize("seam_mode,runner", [("exact", "run_exact"), ("blend", "run_blend")])
+@pytest.mark.parametrize("direction", ["decode", "encode"])
+def test_out_of_memory_attempt_is_released_before_the_retry(vae, monkeypatch, seam_mode, runner, direction):
+    target = from_module(vae)
+    if direction == "decode":
+        run = lambda: tiled.tiled_decode(target, torch.randn(1, 4, 32, 32), 256, 16, seam_mode, quiet=True)  # noqa
+    else:
+        run = lambda: tiled.tiled_encode(target, torch.rand(1, 256, 256, 3), 256, 16, seam_mode, quiet=True)  # noqa
+    reference = run()
+    alive_at_retry = _fail_once_then_run(monkeypatch, runner)
+    out = run()
+    assert alive_at_retry and not any(alive_at_retry), "the failed attempt's tensors were alive during the retry"
+    assert out.shape == reference.shape
+
+
+def test_last_out_of_memory_names_what_was_tried(vae, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    monkeypatch.setattr(tiled, "run_exact", oom)
+    with pytest.raises(torch.OutOfMemoryError, match=r"tiled VAE encode: out of memory even with 128 px tiles "
+                                                     r"\(tried \[256, 128\] px.*or run it on a larger GPU\. "
+                                                     r"Last error: injected"):
+        tiled.tiled_encode(from_module(vae), torch.rand(1, 256, 256, 3), 256, 16, "exact", quiet=True)
+
+
+def test_samples_that_are_not_a_latent_are_named():
+    with pytest.raises(ValueError, match=r"samples: expected a LATENT .*got Tensor; connect"):
+        LeanTiledVAEDecode().decode(torch.zeros(1, 4, 8, 8), 0, 64, "exact", lean_model=tiny_engine("sd1"))
