@@ -136,8 +136,13 @@ class ModuleSwap:
             return
         flat = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device)
         flat.copy_(self.host.tensor, non_blocking=True)
-        for p, v in zip(self.params, self.layout.views(flat)):
-            p.data = v
+        try:
+            for p, v in zip(self.params, self.layout.views(flat)):
+                p.data = v
+        except BaseException:  # cut short (Ctrl-C): every parameter back on its host view, nothing half-moved
+            for p, v in zip(self.params, self.host_views):
+                p.data = v
+            raise
         self.device_flat = flat
 
     def offload(self) -> None:

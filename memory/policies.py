@@ -67,6 +67,13 @@ class VramPolicy(str, Enum):
     STREAM = "stream"
 
 
+# What an out-of-memory error under each policy suggests instead (each keeps less of the model on the GPU).
+_LOWER_VRAM_CHOICES = {
+    VramPolicy.FULL: "'balanced' or 'lowvram' (or 'stream' with a vram_budget_gb)",
+    VramPolicy.BALANCED: "'lowvram' (or 'stream' with a vram_budget_gb)",
+}
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     policy: VramPolicy  # resolved (never AUTO)
@@ -352,12 +359,18 @@ class ModelPlacement:
                 scopes.pop().close()
 
     def out_of_memory_hint(self, stage: str) -> Optional[str]:
-        """What to change when a stage runs out of memory under a hard budget (``None`` otherwise)."""
-        if self.config.policy != VramPolicy.STREAM or self.device.type != "cuda":
+        """What to change when a stage runs out of GPU memory: the loader input that trades speed for memory under
+        this policy, or the budget that capped it (``None`` on the CPU, where nothing is capped)."""
+        if self.device.type != "cuda":
             return None
-        return (f"The Memory Pool Loader's 'stream' policy holds every stage of this model within vram_budget_gb="
-                f"{self.plan.budget_bytes / GiB:g} GB (this was the {stage} stage): raise vram_budget_gb, or lower "
-                f"the batch size or the image size.")
+        policy = self.config.policy
+        if policy == VramPolicy.STREAM:
+            return (f"The Memory Pool Loader's 'stream' policy holds every stage of this model within vram_budget_gb="
+                    f"{self.plan.budget_bytes / GiB:g} GB (this was the {stage} stage): raise vram_budget_gb, or "
+                    f"lower the batch size or the image size.")
+        lower = _LOWER_VRAM_CHOICES.get(policy, "'stream' with a vram_budget_gb")
+        return (f"The GPU ran out of memory in the {stage} stage under the Memory Pool Loader's vram_policy="
+                f"'{policy.value}': set vram_policy to {lower}, or lower the batch size or the image size.")
 
     def stage_device(self, engine, stage: str) -> torch.device:
         if stage == "text" and self.plan.text_mode == "cpu":

@@ -287,5 +287,9 @@ def test_the_stream_policy_hint_names_the_budget_and_the_fixes(budgeted):
                              plan=SimpleNamespace(budget_bytes=int(1.5 * GiB)))
     hint = policies.ModelPlacement.out_of_memory_hint(on_gpu, "vae")
     assert "vram_budget_gb=1.5 GB" in hint and "vae stage" in hint and "raise vram_budget_gb" in hint
-    on_gpu.config.policy = VramPolicy.BALANCED
-    assert policies.ModelPlacement.out_of_memory_hint(on_gpu, "vae") is None
+    for policy, suggestion in ((VramPolicy.FULL, "'balanced' or 'lowvram'"), (VramPolicy.BALANCED, "'lowvram'"),
+                               (VramPolicy.LOWVRAM, "'stream' with a vram_budget_gb")):
+        on_gpu.config.policy = policy
+        hint = policies.ModelPlacement.out_of_memory_hint(on_gpu, "unet")
+        assert f"vram_policy='{policy.value}'" in hint and "unet stage" in hint, hint
+        assert f"set vram_policy to {suggestion}" in hint, hint

@@ -10,6 +10,7 @@ Guards (session-13 error-path audit; each test fails on the code before its fix)
   and the fix, not a bare ``SafetensorError`` / ``JSONDecodeError`` from the libraries.
 """
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,3 +103,36 @@ def test_damaged_diffusers_folder_is_one_named_error(folders, name, damage, matc
     folders(name, damage)
     with pytest.raises(ValueError, match=match):
         LeanModelLoader().load(name, "full", 4.0, "auto", "auto")
+
+
+def test_an_onload_cut_short_is_undone_in_full_by_offload(monkeypatch):
+    """Ctrl-C between two parameters of ``ModuleSwap.onload`` leaves every parameter on its host view and the swap
+    off the device, so the next onload moves them all. A stand-in device whose flat copy is a fresh CPU tensor
+    plays the GPU (same code path)."""
+    from leandiffusion.memory import hostmem
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    swap = hostmem.ModuleSwap(module, torch.float32, torch.device("cpu"))
+    host_ptrs = [p.data_ptr() for p in module.parameters()]
+    stand_in = SimpleNamespace(type="gpu-stand-in")
+    real_empty, real_views = torch.empty, swap.layout.views
+    monkeypatch.setattr(swap, "device", stand_in)
+    monkeypatch.setattr(hostmem.torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))
+
+    def views_then_interrupt(flat):
+        yield real_views(flat)[0]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(swap, "layout", SimpleNamespace(nbytes=swap.layout.nbytes, views=views_then_interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        swap.onload()
+    assert [p.data_ptr() for p in module.parameters()] == host_ptrs  # nothing left half-moved
+    assert not swap.on_device
+    monkeypatch.setattr(swap, "layout", SimpleNamespace(nbytes=swap.layout.nbytes, views=real_views))
+    swap.onload()  # the next visit moves every parameter
+    assert swap.on_device and not {p.data_ptr() for p in module.parameters()} & set(host_ptrs)
+    swap.offload()
+    assert [p.data_ptr() for p in module.parameters()] == host_ptrs
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, before[key]), key
