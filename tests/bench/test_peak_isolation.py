@@ -187,3 +187,38 @@ def test_vae_tiled_peer_runs_without_our_vae_on_the_gpu(monkeypatch):
         # ComfyUI's number (and ours run on ComfyUI's VAE object) must not hold our VAE's weights; ours on our VAE
         # needs it on the GPU. The old code kept it resident throughout: ComfyUI's 0.95 GB peak held our 0.16 GiB.
         assert where == ("cuda" if source == "ours_vae" else "cpu"), (source, where)
+
+
+class _SmokeClockCtx:
+    """A smoke-mode context on a fake clock: ``budget_s`` seconds in all; each case advances the clock."""
+
+    smoke, quick = True, False
+
+    def __init__(self, clock, budget_s):
+        self.clock, self.deadline_s, self.skipped = clock, budget_s, []
+
+    def has_time(self, seconds):
+        return self.deadline_s - self.clock[0] >= seconds
+
+    def skip(self, case, reason):
+        self.skipped.append(case)
+
+
+@pytest.mark.parametrize("case_s, ran, skipped", [(2.0, ["sd15_512", "sdxl_1024"], []),
+                                                  (6.0, ["sd15_512"], ["sdxl_1024"])])
+def test_stream_smoke_starts_a_case_only_with_room_for_it(monkeypatch, case_s, ran, skipped):
+    """On a loaded CI host the tiny cases run slower: the next one starts only when about as much time as the
+    last one took is left (the old 1-second check started it and the process was killed past its share)."""
+    from leandiffusion.bench import suite_stream
+
+    clock, calls = [0.0], []
+
+    def fake_case(ctx, case, *args):
+        calls.append(case)
+        clock[0] += case_s
+
+    monkeypatch.setattr(suite_stream, "_case", fake_case)
+    monkeypatch.setattr(suite_stream.time, "perf_counter", lambda: clock[0])
+    ctx = _SmokeClockCtx(clock, budget_s=10.0)
+    suite_stream.run(ctx)
+    assert calls == ran and ctx.skipped == skipped
