@@ -145,7 +145,10 @@ def build_tiny_components(family: str = "sd1", seed: int = 0, tokenizer_dir: str
 
     Returns a dict with diffusers/transformers modules: ``unet``, ``vae``, ``text_encoder``, ``tokenizer``,
     for SDXL also ``text_encoder_2`` (with projection) and ``tokenizer_2``; plus ``scheduler_config`` (dict) and
-    ``family``. ``tokenizer_dir`` is where the tiny tokenizer files are written (a temporary folder if None).
+    ``family``. ``tokenizer_dir`` is where the tiny tokenizer files are written; when None they go to a temporary
+    folder that is removed once the tokenizers are loaded (they keep their vocabulary in memory), so a process that
+    builds the tiny model (the loader's ``tiny-random (test)`` choice in a ComfyUI server) leaves nothing in the
+    system's temporary folder.
     """
     import tempfile
 
@@ -154,7 +157,8 @@ def build_tiny_components(family: str = "sd1", seed: int = 0, tokenizer_dir: str
 
     family = _check_family(family)
     if tokenizer_dir is None:
-        tokenizer_dir = Path(tempfile.mkdtemp(prefix="leandiffusion-tok-"))
+        with tempfile.TemporaryDirectory(prefix="leandiffusion-tok-") as scratch:
+            return build_tiny_components(family, seed, tokenizer_dir=scratch)
     gen_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
