@@ -1,9 +1,12 @@
-"""The one place the pack reads a pickle-based weights file (``.pth`` / ``.pt`` / ``.ckpt`` / ``.bin``).
+"""The one place the pack reads a whole weights file: pickle-based (``.pth`` / ``.pt`` / ``.ckpt`` / ``.bin``) or
+``.safetensors`` (tensors and header metadata; LoRA, upscaler and embedding files).
 
 Invariant: such files are read only with ``torch.load(..., weights_only=True)`` on the CPU, so a pickle that would
 run code is refused, never executed; every failure becomes one ``ValueError`` that names the file, says in one line
 why it could not be read and what to do. PyTorch's own message for a refused pickle is several paragraphs that end
-in advice to re-run with ``weights_only=False``, which the pack never does: only its reason line is kept.
+in advice to re-run with ``weights_only=False``, which the pack never does: only its reason line is kept. A
+safetensors file that is cut short or garbled is the same kind of one-line ``ValueError`` (safetensors raises its
+own ``SafetensorError``, whose text names no file).
 """
 from __future__ import annotations
 
@@ -46,6 +49,19 @@ def load_tensors(path: Union[str, Path], what: str) -> Any:
     except _LOAD_ERRORS as exc:
         raise ValueError(f"{what} {path.name!r} could not be read as a torch weights file: {load_error_reason(exc)}. "
                          f"Re-download it if it is cut short, or convert it to .safetensors") from exc
+
+
+def read_safetensors(path: Union[str, Path], what: str) -> tuple[dict, dict]:
+    """``(tensors, metadata)`` of a ``.safetensors`` file on the CPU; ``ValueError`` naming ``what`` and the file."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{what} {path.name!r} could not be read as a safetensors file (cut short or corrupt: "
+                         f"{load_error_reason(exc)}); re-download it, or re-save it") from exc
 
 
 def _short(text: str) -> str:

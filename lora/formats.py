@@ -34,7 +34,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..torchfile import load_tensors
+from ..torchfile import load_tensors, read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -98,16 +98,7 @@ def read_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     if not path.is_file():
         raise ValueError(f"lora file {str(path)!r} does not exist; pick a file from the loras folder")
     if path.suffix.lower() in (".safetensors", ".sft"):
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                metadata = dict(f.metadata() or {})
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as exc:  # safetensors raises its own error types for truncated/garbled headers
-            raise ValueError(f"lora file {path.name!r} is not a readable safetensors file ({exc}); "
-                             f"re-download or re-export it") from exc
-        return tensors, metadata
+        return read_safetensors(path, "lora file")
     obj = load_tensors(path, "lora file")
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .. import bridge
-from ..torchfile import load_error_reason, load_tensors
+from ..torchfile import load_tensors, read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -92,15 +91,7 @@ def _select(obj, key: str, width: int, name: str) -> torch.Tensor:
 @functools.lru_cache(maxsize=32)
 def _load_file(path: str, *signature: int):  # signature: the rest of file_signature, so a changed file is a miss
     if path.lower().endswith(".safetensors"):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path, device="cpu")
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:  # a bare "header too large" otherwise
-            raise ValueError(f"embedding file {Path(path).name!r} could not be read as a safetensors file "
-                             f"({load_error_reason(exc)}); re-download it, or remove it from the embeddings "
-                             f"folder") from exc
+        return read_safetensors(path, "embedding file")[0]
     return load_tensors(path, "embedding file")
 
 

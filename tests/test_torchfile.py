@@ -4,7 +4,7 @@ import pickle
 import pytest
 import torch
 
-from leandiffusion.torchfile import load_tensors
+from leandiffusion.torchfile import load_tensors, read_safetensors
 
 
 class _RunsCode:
@@ -50,3 +50,18 @@ def test_cut_short_or_garbage_is_one_named_line(tmp_path, content):
         assert "cut short or corrupt" in message
     if content == b"\x80\x04garbage":
         assert "not a torch weights file, or corrupt" in message
+
+
+def test_safetensors_tensors_and_metadata_or_one_named_line(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.arange(6.0).reshape(2, 3)}, str(path), metadata={"arch": "x"})
+    tensors, metadata = read_safetensors(path, "lora file")
+    assert torch.equal(tensors["a"], torch.arange(6.0).reshape(2, 3)) and metadata == {"arch": "x"}
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"^lora file 'w\.safetensors' could not be read as a safetensors file "
+                                         r"\(cut short or corrupt: .+\); re-download it") as info:
+        read_safetensors(path, "lora file")
+    assert "\n" not in str(info.value)

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ..torchfile import load_tensors
+from ..torchfile import load_tensors, read_safetensors
 from .descriptor import Upscaler
 from .detect import detect
 
@@ -67,14 +67,7 @@ def read_state_dict(path: Union[str, Path]) -> tuple[dict, dict]:
         raise ValueError(f"upscaler file {path}: extension {suffix!r} is not one of {EXTENSIONS}")
     metadata: dict = {}
     if suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                metadata = dict(f.metadata() or {})
-                obj = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from exc
+        obj, metadata = read_safetensors(path, "upscaler file")
     else:
         obj = load_tensors(path, "upscaler file")
     return _unwrap(obj, path), metadata

@@ -85,7 +85,7 @@ def test_corrupt_files(sd1, sd1_lora, tmp_path, content):
         path.write_bytes(good[: len(good) // 2])
     else:
         path.write_bytes(content)
-    _refused(sd1, path, r"not a readable safetensors file")
+    _refused(sd1, path, r"could not be read as a safetensors file")
     pt = tmp_path / "bad.pt"
     pt.write_bytes(b"\x80\x04garbage")
     _refused(sd1, pt, r"could not be read as a torch weights file")

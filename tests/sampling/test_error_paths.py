@@ -7,7 +7,6 @@ returns cached blocks and retries with smaller tiles (the retry loop kept the ex
 them, until the next attempt began); a garbled .safetensors embedding is one error naming the file; a failed
 torch.compile names acceleration, the reason and the fix.
 """
-import weakref
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from leandiffusion.sampling.stream.scheduler import run_stream
 from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.sampling.stream.streams import StageStreams
 from leandiffusion.tests.kit import tiny_engine
+from leandiffusion.tests.kit.faults import OutOfMemoryOnce
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +51,12 @@ def test_wrong_conditioning_is_refused_before_any_text_session(engine, monkeypat
 def test_stream_tiled_decode_releases_the_failed_attempt_before_retrying(engine, monkeypatch):
     """The failed attempt's tensors are gone when the retry loop returns cached blocks to the driver (before the
     fix they were freed one step later, so that release found them still allocated) and when the retry runs."""
-    real = stream_decode.run_exact
-    first, alive_at_release, alive_at_retry = [], [], []
-
-    def run_exact(*args, **kwargs):
-        if not first:
-            activations = torch.empty(1 << 20)
-            first.append(weakref.ref(activations))
-            raise torch.OutOfMemoryError("injected: CUDA out of memory")
-        alive_at_retry.append(first[0]() is not None)
-        return real(*args, **kwargs)
-
+    run_exact, alive_at_release = OutOfMemoryOnce(stream_decode.run_exact), []
     real_release = StageStreams.release_cached
 
     def release_cached(self):
-        if first:
-            alive_at_release.append(first[0]() is not None)
+        if run_exact.failed is not None:
+            alive_at_release.append(run_exact.failed_attempt_alive())
         return real_release(self)
 
     s = StreamSettings.from_text("a boat", seed=2, steps=1, cfg=5.0, width=64, height=64, acceleration="none",
@@ -76,7 +66,7 @@ def test_stream_tiled_decode_releases_the_failed_attempt_before_retrying(engine,
     monkeypatch.setattr(StageStreams, "release_cached", release_cached)
     result = run_stream(engine, s, quiet=True)
     assert alive_at_release and not any(alive_at_release), "the failed attempt's tensors were alive at the release"
-    assert alive_at_retry == [False], "the failed attempt's tensors were alive during the retry"
+    assert run_exact.alive_at_retry == [False], "the failed attempt's tensors were alive during the retry"
     assert torch.allclose(result.images, reference.images, atol=1e-5)
 
 

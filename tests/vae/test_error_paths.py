@@ -5,7 +5,6 @@ the exception, whose traceback held the failed frames and every device tensor th
 with the failed attempt's activations still allocated and the cache could not be emptied); the node names what it
 got when ``samples`` is not a LATENT.
 """
-import weakref
 
 import pytest
 import torch
@@ -13,30 +12,13 @@ import torch
 import leandiffusion.vae.tiled as tiled
 from leandiffusion.nodes.vae import LeanTiledVAEDecode
 from leandiffusion.tests.kit import tiny_components, tiny_engine
+from leandiffusion.tests.kit.faults import OutOfMemoryOnce
 from leandiffusion.vae.targets import from_module
 
 
 @pytest.fixture(scope="module")
 def vae():
     return tiny_components("sd1")["vae"]
-
-
-def _fail_once_then_run(monkeypatch, name):
-    """Replace ``tiled.<name>``: the first call allocates a tensor and runs out of memory; later calls record
-    whether that tensor is still alive, then run the real function."""
-    real = getattr(tiled, name)
-    first, alive_at_retry = [], []
-
-    def run(*args, **kwargs):
-        if not first:
-            activations = torch.empty(1 << 20)
-            first.append(weakref.ref(activations))
-            raise torch.OutOfMemoryError("injected: CUDA out of memory")
-        alive_at_retry.append(first[0]() is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(tiled, name, run)
-    return alive_at_retry
 
 
 @pytest.mark.parametrize("seam_mode,runner", [("exact", "run_exact"), ("blend", "run_blend")])
@@ -48,9 +30,11 @@ def test_out_of_memory_attempt_is_released_before_the_retry(vae, monkeypatch, se
     else:
         run = lambda: tiled.tiled_encode(target, torch.rand(1, 256, 256, 3), 256, 16, seam_mode, quiet=True)  # noqa
     reference = run()
-    alive_at_retry = _fail_once_then_run(monkeypatch, runner)
+    fault = OutOfMemoryOnce(getattr(tiled, runner))
+    monkeypatch.setattr(tiled, runner, fault)
     out = run()
-    assert alive_at_retry and not any(alive_at_retry), "the failed attempt's tensors were alive during the retry"
+    assert fault.alive_at_retry and not any(fault.alive_at_retry), \
+        "the failed attempt's tensors were alive during the retry"
     assert out.shape == reference.shape
 
 
