@@ -48,11 +48,15 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 # --------------------------------------------------------------------------------------------- choices
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {choices}")
+
+
 def choose_device(device: str, upscaler: Upscaler, overlap: int = 32) -> torch.device:
     """The device for ``device`` in ("auto", "gpu", "cpu"); "cpu" never touches CUDA, and neither does "auto" when
     ComfyUI runs on the CPU (``--cpu``; ``bridge.default_device``)."""
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r}: expected one of {DEVICES}")
+    _check_choice("device", device, DEVICES)
     if device == "cpu" or (device == "auto" and default_device().type == "cpu"):  # auto follows ComfyUI's --cpu
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -75,8 +79,7 @@ def choose_device(device: str, upscaler: Upscaler, overlap: int = 32) -> torch.d
 
 def choose_dtype(precision: str, device: torch.device, upscaler: Upscaler) -> torch.dtype:
     """fp16 on the GPU where the architecture allows it (else bf16, else fp32), fp32 on the CPU."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+    _check_choice("precision", precision, PRECISIONS)
     if precision == "auto":
         if device.type == "cpu":
             return torch.float32
@@ -325,10 +328,8 @@ def check_options(images, output_scale, device: str, tile_size, tile_overlap, pr
         raise ValueError(f"tile_size={tile_size}: use 0 (automatic) or {MIN_TILE}..{MAX_TILE}")
     if not 0 <= tile_overlap <= MAX_OVERLAP:
         raise ValueError(f"tile_overlap={tile_overlap}: use 0..{MAX_OVERLAP} pixels of context")
-    if device not in DEVICES:
-        raise ValueError(f"device={device!r}: expected one of {DEVICES}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+    _check_choice("device", device, DEVICES)
+    _check_choice("precision", precision, PRECISIONS)
 
 
 def _validate(upscaler, images, output_scale, device, tile_size, tile_overlap, precision) -> None:
