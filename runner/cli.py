@@ -132,9 +132,10 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
         return EXIT_OK
     client_id = uuid.uuid4().hex
     ws = client.open_websocket(client_id)
-    prompt_id = None
+    requested_id, prompt_id = str(uuid.uuid4()), None
     try:
-        prompt_id = client.submit(prompt, client_id)
+        prompt_id = requested_id  # from here on a Ctrl-C cancels it, even while POST /prompt is in flight
+        prompt_id = client.submit(prompt, client_id, prompt_id=requested_id)
         with RunProgress(prompt, quiet=args.quiet) as progress:
             entry = client.follow(prompt_id, ws, args.timeout, on_event=progress.event)  # cancels on timeout
     except KeyboardInterrupt:

@@ -155,13 +155,19 @@ class ComfyClient:
         return self.get_json("/object_info")
 
     # ----------------------------------------------------------------------------------------- prompt
-    def submit(self, prompt: dict, client_id: str) -> str:
+    def submit(self, prompt: dict, client_id: str, prompt_id: Optional[str] = None) -> str:
         """``POST /prompt``; returns the prompt id. Raises ``ValidationFailed`` with one line per problem.
+
+        ``prompt_id`` asks for that id (ComfyUI takes a client-chosen one), so a caller interrupted while the
+        request is in flight still knows which prompt to cancel; the id in the answer is the one to follow.
 
         A 200 answer that still lists ``node_errors`` means ComfyUI queued only the outputs that validated: the
         runner asked for the whole workflow, so that partial prompt is withdrawn and reported as a refusal.
         """
-        status, raw = self.request("POST", "/prompt", body={"prompt": prompt, "client_id": client_id})
+        body = {"prompt": prompt, "client_id": client_id}
+        if prompt_id is not None:
+            body["prompt_id"] = prompt_id
+        status, raw = self.request("POST", "/prompt", body=body)
         try:
             body = json.loads(raw)
         except ValueError:

@@ -21,14 +21,16 @@ API = str(FIXTURES / "core_image.api.json")
 
 
 class QueueFake(FakeComfyUI):
-    """The fixture's fake plus ``GET /queue`` (ComfyUI 0.3.64's shape) and three more behaviours:
+    """The fixture's fake plus ``GET /queue`` (ComfyUI 0.3.64's shape) and four more behaviours:
     ``vanish`` (a prompt is accepted but then deleted from the queue, as by another client's /queue delete or
     "Clear queue"), ``interrupt_node`` (that node is interrupted, as by the editor's Cancel button) and
     ``drop_ws_after`` (the websocket is cut after that many seconds of a run while the run goes on, as a proxy
-    with an idle timeout does)."""
+    with an idle timeout does) and ``answer_delay`` (``POST /prompt`` answers that many seconds after the run
+    started, as a busy server may)."""
 
     def __init__(self):
         super().__init__()
+        self.answer_delay = 0.0
         self.vanish = False
         self.interrupt_node = None
         self.drop_ws_after = None
@@ -39,7 +41,9 @@ class QueueFake(FakeComfyUI):
         if self.vanish:
             self.prompts.append(body)
             return 200, {"prompt_id": "gone-1", "number": 1, "node_errors": {}}
-        return super().handle_prompt(body)
+        answer = super().handle_prompt(body)
+        time.sleep(self.answer_delay)
+        return answer
 
     def _execute(self, prompt_id, prompt, client_id):
         self.running[prompt_id] = prompt
@@ -269,9 +273,12 @@ def test_timeouts_must_be_positive_seconds(fake, capsys, flag, value):
 
 
 # --------------------------------------------------------------------------------------------- Ctrl-C
+@pytest.mark.parametrize("answer_delay", [0.0, 20.0], ids=["while_following", "while_submitting"])
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_interrupting_the_runner_cancels_its_prompt_on_a_shared_server(fake, tmp_path, sig):
+def test_interrupting_the_runner_cancels_its_prompt_on_a_shared_server(fake, tmp_path, sig, answer_delay):
     # Promise: Ctrl-C (or SIGTERM) while waiting never leaves a --server busy with a prompt nobody waits for.
+    # Bug (while_submitting): a signal that came while POST /prompt was in flight (the run had started, the answer
+    # with its id had not arrived) cancelled nothing; the runner now asks for its own prompt_id, as ComfyUI allows.
     import os
     import signal
     import subprocess
@@ -279,7 +286,7 @@ def test_interrupting_the_runner_cancels_its_prompt_on_a_shared_server(fake, tmp
 
     import leandiffusion
 
-    fake.hang = True
+    fake.hang, fake.answer_delay = True, answer_delay
     env = dict(os.environ)
     parent = str(Path(leandiffusion.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), parent) if p)
