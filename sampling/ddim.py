@@ -184,7 +184,8 @@ def step_scalars(abar: torch.Tensor, final: torch.Tensor, t: int, prev: int, eta
     out = [float(v) for v in (a ** 0.5, b ** 0.5, ap ** 0.5, d, sigma)]
     if not all(math.isfinite(v) for v in out):
         raise ValueError(f"DDIM step scalars are not finite at t={t} (alpha_bar_t={float(a):.3g}, eta={eta}); "
-                         f"eta must be <= 1 and zero-terminal-SNR schedules need eta=0")
+                         f"eta must be <= 1, and zero-terminal-SNR schedules need eta < 1 (1 - alpha_bar_prev - sigma^2 "
+                         f"is 0 up to rounding at eta = 1)")
     return out
 
 

@@ -2,7 +2,10 @@
 
 Reference: ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` (and their img2img pipelines) built from the
 very same modules, ``DDIMScheduler`` from the model's config (spacing overridden per case), a CPU generator with
-the same seed, ``output_type="latent"`` divided by the VAE scaling factor. Bound: max abs diff <= 1e-4.
+the same seed, ``output_type="latent"`` divided by the VAE scaling factor. Bound: max abs diff <= 1e-4 (most cases
+are bit-equal); ``cfg_mode="sequential"`` runs two UNet calls of B rows where diffusers runs one of 2B rows, which
+is not bit-identical on every CPU BLAS, so there the bound is 1e-5 of the largest latent (seen: 0 on the Intel
+hosts of earlier sessions, 3.4e-6 on an AMD EPYC; a wrong noise draw or CFG order is off by order 1).
 Guards: noise draw convention (whole batch shape, CPU, then eta noise per step in order), prompt encoding and
 uncond-first CFG stacking, SDXL time ids / pooled embeds, the three spacings, v-prediction, img2img's strength
 rule and add_noise, raw-vs-scaled latent space, cfg == 1 (no guidance pass).
@@ -19,6 +22,7 @@ from leandiffusion.sampling.settings import SamplerSettings
 from leandiffusion.tests.kit import tiny_engine
 
 TOL = 1e-4
+SEQUENTIAL_CFG_REL_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,9 @@ def _check(engine, s, latent=None):
     ref = _reference(engine, s, latent)
     assert ours.shape == ref.shape and ours.dtype == torch.float32 and ours.device.type == "cpu"
     diff = (ours - ref).abs().max().item()
-    assert diff <= TOL, f"max abs diff {diff:.3g} > {TOL} (latents up to {ref.abs().max().item():.3g})"
+    largest = ref.abs().max().item()
+    tol = TOL if s.cfg_mode != "sequential" else SEQUENTIAL_CFG_REL_TOL * largest
+    assert diff <= tol, f"max abs diff {diff:.3g} > {tol:.3g} (latents up to {largest:.3g})"
     return ours
 
 
