@@ -33,7 +33,7 @@ class LeanModelLoader:
                 "lowvram: text encoders on the CPU, VAE on the GPU only while decoding. stream: UNet weights split "
                 "into a resident part and blocks streamed from pinned RAM within vram_budget_gb. auto: the fastest "
                 "policy that fits the free VRAM.")}),
-            "vram_budget_gb": ("FLOAT", {"default": 4.0, "min": 0.5, "max": 1024.0, "step": 0.25, "tooltip": (
+            "vram_budget_gb": ("FLOAT", {"default": 4.0, "min": 0.5, "max": 1024.0, "step": 0.5, "tooltip": (
                 "GPU memory, in GB, that the 'stream' policy keeps every node using this model within (sampling, "
                 "prompt encoding, VAE decode/encode): weights kept on the GPU plus working memory. Too small a "
                 "budget gives an error stating the model's minimum.")}),

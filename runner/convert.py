@@ -14,12 +14,18 @@ A UI-only value is skipped only where the spec announces it AND the value looks 
 that did not write it still map).
 A dict ``widgets_values`` (some packs) maps by name.
 
-Graph rules, as the editor applies them:
-- a linked input overrides the widget value (a "converted widget");
-- ``Reroute`` nodes are followed upstream; a ``PrimitiveNode`` contributes its first widget value;
-- muted nodes (mode 2) are dropped together with the inputs they feed; bypassed nodes (mode 4) are dropped and each
-  consumer is rewired to the bypassed node's input of the same type (same slot index first, then the first match);
-- ``Note`` / ``MarkdownNote`` are ignored; any other type missing from ``/object_info`` is an error naming the node.
+Graph rules, as the editor applies them (frontend 1.27 ``graphToPrompt``, ``ExecutableNodeDTO.resolveInput`` /
+``resolveOutput``; checked against the real editor by ``tests/integration/test_frontend.py``):
+- every queued node starts from its widget values; a linked input is then resolved upstream and, when it reaches a
+  node's output, overrides the widget value (a "converted widget");
+- a bypassed node (mode 4) passes on one of its inputs: the one at the output's slot index when its type fits, else
+  the first of exactly the wanted type, else the first that fits, in the editor's socket order (``editor_sockets``);
+- a ``Reroute`` passes on its input, whatever its mode; a ``PrimitiveNode``, whatever its mode, copies its value
+  into the widget of every input its output is linked to directly;
+- an input that resolves to nothing (a bypass without a fitting input, or a fitting one that is unlinked, a reroute
+  without input) keeps its widget value; an input that reaches a muted node (mode 2) is deleted;
+- muted and bypassed nodes, ``Reroute``, ``PrimitiveNode``, ``Note`` and ``MarkdownNote`` are not queued; any other
+  type missing from ``/object_info`` is an error naming the node.
 Subgraphs (the editor's ``definitions.subgraphs``) and group nodes (``extra.groupNodes``) are not expanded: such files
 must be exported in API format.
 
@@ -152,14 +158,44 @@ def _link_table(workflow: dict) -> dict[int, tuple[Any, int, Any, int, Any]]:
     return table
 
 
-def _types_match(a: Any, b: Any) -> bool:
-    return a == b or a == "*" or b == "*"
+def types_fit(a: Any, b: Any) -> bool:
+    """The editor's ``LiteGraph.isValidConnection``: equal, either is ``*`` or empty, or comma lists sharing a type
+    (case-insensitive)."""
+    a = 0 if a in ("", "*", None) else a
+    b = 0 if b in ("", "*", None) else b
+    if not a or not b or a == b:
+        return True
+    a, b = str(a).lower(), str(b).lower()
+    if "," not in a and "," not in b:
+        return a == b
+    return any(types_fit(x, y) for x in a.split(",") for y in b.split(","))
+
+
+def editor_sockets(node: dict, spec: dict | None) -> list[dict]:
+    """A node's input sockets in the order the editor holds them once loaded, the order its slot indices refer to:
+    the declared inputs without a widget (declared order), then the widget inputs, then sockets only the file has.
+    Each is the file's socket of that name (with its link) or, where the file does not list it, an unlinked one."""
+    listed = node.get("inputs") or []
+    if spec is None:
+        return list(listed)
+    by_name = {(inp.get("widget") or {}).get("name") or inp.get("name"): inp for inp in listed}
+    sections = spec.get("input") or {}
+    widgets = {name for name, _, _ in widget_slots(spec)}
+    names = input_names(spec)
+    sockets = []
+    for name in [n for n in names if n not in widgets] + [n for n in names if n in widgets]:
+        typ = _input_spec((sections.get("required") or {}).get(name, (sections.get("optional") or {}).get(name)))[0]
+        sockets.append(by_name.get(name) or {"name": name, "type": "COMBO" if _is_combo(typ) else typ, "link": None})
+    return sockets + [inp for name, inp in by_name.items() if name not in names]
 
 
 class _Graph:
-    def __init__(self, workflow: dict):
+    """The editor's link resolution (frontend ``ExecutableNodeDTO.resolveInput`` / ``resolveOutput``)."""
+
+    def __init__(self, workflow: dict, object_info: dict):
         self.nodes = {str(n.get("id")): n for n in workflow["nodes"]}
         self.links = _link_table(workflow)
+        self.object_info = object_info
 
     def link(self, link_id: Any, where: str) -> tuple[str, int]:
         try:
@@ -168,35 +204,57 @@ class _Graph:
             raise WorkflowError(f"{where} uses link {link_id!r}, which the workflow's 'links' list does not define") from exc
         return str(origin), slot
 
-    def resolve(self, link_id: Any, where: str, depth: int = 0):
-        """Follow a link upstream: ``("link", node, slot)``, ``("value", v)`` or ``None`` (input dropped)."""
-        if depth > len(self.nodes) + 1:
-            raise WorkflowError(f"{where}: the links form a cycle through reroute/bypassed nodes")
+    def resolve(self, link_id: Any, typ: Any, where: str, seen: frozenset = frozenset()) -> tuple[str, int] | None:
+        """The output an input of type ``typ`` on link ``link_id`` reads, ``(node id, slot)``, or ``None`` when it
+        resolves to nothing (the input then keeps its widget value). A muted origin is returned like any other."""
         origin, slot = self.link(link_id, where)
         node = self.nodes.get(origin)
         if node is None:
             raise WorkflowError(f"{where} is linked to node {origin}, which the workflow does not contain")
-        mode = node.get("mode", 0)
-        if mode == MODE_MUTED:
+        if (origin, slot) in seen:
+            raise WorkflowError(f"{where}: the links form a cycle through reroute/bypassed nodes")
+        seen = seen | {(origin, slot)}
+        if node.get("mode", 0) == MODE_BYPASS:
+            sockets = editor_sockets(node, self.object_info.get(node.get("type")))
+            index = self._bypass_index(node, sockets, slot, typ)
+            if index < 0 or sockets[index].get("link") is None:
+                return None
+            return self.resolve(sockets[index]["link"], sockets[index].get("type"), where, seen)
+        if node.get("type") in UI_ONLY_TYPES:  # virtual: passes on its input at that slot, whatever its mode
+            sockets = node.get("inputs") or []
+            if slot < len(sockets) and sockets[slot].get("link") is not None:
+                return self.resolve(sockets[slot]["link"], typ, where, seen)
             return None
-        if node.get("type") == "Reroute" and mode != MODE_BYPASS:
-            upstream = (node.get("inputs") or [{}])[0].get("link")
-            return None if upstream is None else self.resolve(upstream, where, depth + 1)
-        if node.get("type") == "PrimitiveNode":
-            values = node.get("widgets_values") or []
-            if not values:
-                raise WorkflowError(f"{where} is linked to primitive node {origin}, which has no value")
-            return "value", values[0]
-        if mode == MODE_BYPASS:
-            outputs = node.get("outputs") or []
-            out_type = outputs[slot].get("type") if slot < len(outputs) else None
-            inputs = node.get("inputs") or []
-            candidates = ([inputs[slot]] if slot < len(inputs) else []) + list(inputs)
-            for inp in candidates:
-                if inp.get("link") is not None and _types_match(inp.get("type"), out_type):
-                    return self.resolve(inp["link"], where, depth + 1)
-            return None
-        return "link", origin, slot
+        return origin, slot
+
+    def _bypass_index(self, node: dict, sockets: list[dict], slot: int, typ: Any) -> int:
+        """The input a bypassed node passes on for its output ``slot`` (frontend ``getBypassSlotIndex``), or -1."""
+        if typ in ("*", ""):
+            return slot if len(sockets) > slot else 0
+        spec = self.object_info.get(node.get("type")) or {}
+        outputs = spec.get("output") or [out.get("type") for out in node.get("outputs") or []]
+        out_type = outputs[slot] if slot < len(outputs) else None
+        fits = [types_fit(inp.get("type"), out_type) and types_fit(inp.get("type"), typ) for inp in sockets]
+        if slot < len(sockets) and fits[slot]:
+            return slot
+        exact = [i for i, inp in enumerate(sockets) if inp.get("type") == typ]
+        return exact[0] if exact else next((i for i, ok in enumerate(fits) if ok), -1)
+
+    def primitive_values(self) -> dict[str, dict[str, Any]]:
+        """node id -> {widget name: value} that PrimitiveNodes copy into the widgets their output links reach
+        directly (frontend ``PrimitiveNode.applyToGraph``, run for every primitive whatever its mode)."""
+        values: dict[str, dict[str, Any]] = {}
+        for node in self.nodes.values():
+            if node.get("type") != "PrimitiveNode" or not node.get("widgets_values"):
+                continue
+            for link_id in (node.get("outputs") or [{}])[0].get("links") or []:
+                record = self.links.get(int(link_id))
+                target = self.nodes.get(str(record[2])) if record else None
+                socket = next((inp for inp in (target or {}).get("inputs") or [] if inp.get("link") == link_id), {})
+                name = (socket.get("widget") or {}).get("name")
+                if name:
+                    values.setdefault(str(target.get("id")), {})[name] = node["widgets_values"][0]
+        return values
 
 
 def _check_no_subgraphs(workflow: dict) -> None:
@@ -220,8 +278,10 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
     if not is_ui_workflow(workflow):
         raise WorkflowError("the workflow has no 'nodes' list, so it is not an editor (UI-format) workflow")
     _check_no_subgraphs(workflow)
-    graph = _Graph(workflow)
+    graph = _Graph(workflow, object_info)
+    from_primitives = graph.primitive_values()
     prompt: dict[str, dict] = {}
+    linked: list[tuple[dict, str, str]] = []  # (inputs, input name, origin node id) of every resolved link
     problems: list[str] = []
     for node_id, node in graph.nodes.items():
         node_type = node.get("type")
@@ -233,21 +293,22 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
                             f"(install the node pack that does, or remove the node)")
             continue
         inputs = widget_inputs(node, spec)
+        inputs.update((k, v) for k, v in from_primitives.get(node_id, {}).items() if k in inputs)
         for inp in node.get("inputs") or []:
             name = (inp.get("widget") or {}).get("name") or inp.get("name")
             if inp.get("link") is None or not name:
                 continue
-            source = graph.resolve(inp["link"], f"node {node_id} ({node_type}) input '{name}'")
-            if source is None:
-                inputs.pop(name, None)
-            elif source[0] == "value":
-                inputs[name] = source[1]
-            else:
-                inputs[name] = [source[1], source[2]]
+            source = graph.resolve(inp["link"], inp.get("type"), f"node {node_id} ({node_type}) input '{name}'")
+            if source is not None:
+                inputs[name] = list(source)
+                linked.append((inputs, name, source[0]))
         prompt[node_id] = {"inputs": inputs, "class_type": node_type,
                            "_meta": {"title": node.get("title") or spec.get("display_name") or node_type}}
     if problems:
         raise WorkflowError(problems[0], problems)
+    for inputs, name, origin in linked:  # a link to a node that is not queued (a muted one) is deleted, as the
+        if origin not in prompt:         # editor does
+            del inputs[name]
     if not prompt:
         raise WorkflowError("the workflow has no node that ComfyUI can execute (all are notes, muted or bypassed)")
     return prompt

@@ -2,6 +2,8 @@
 
 Guards GUIDE conventions 1 and 11 for all nodes at once, including ones added later.
 """
+import math
+
 import pytest
 
 from leandiffusion import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
@@ -84,3 +86,30 @@ def test_stream_decode_tile_size_error_names_the_input():
 
     with pytest.raises(ValueError, match=r"^decode_tile_size=64 is below the minimum 128 px; use 0 \(auto\)"):
         StreamSettings.from_text("a cube", decode_tile_size=64).validated()
+
+
+def _number_inputs():
+    for node_id, cls in NODES:
+        for section in ("required", "optional"):
+            for name, decl in cls.INPUT_TYPES().get(section, {}).items():
+                if decl[0] in ("INT", "FLOAT"):
+                    yield f"{node_id}.{name}", decl[0], decl[1]
+
+
+@pytest.mark.parametrize("where, kind, opts", list(_number_inputs()), ids=[w for w, _, _ in _number_inputs()])
+def test_number_inputs_fit_the_editor_widgets(where, kind, opts):
+    """ComfyUI's editor (frontend 1.27 ``useIntWidget`` / ``useFloatWidget``) gives a number input without ``min`` /
+    ``max`` the limits 0 and 2048, shows and rounds a FLOAT to the decimals of its step's magnitude
+    (``-floor(log10(step))``, step 0.5 when none is declared), and snaps an INT to ``min % step + k * step``. A step
+    or default those cannot hold changes under the user's hands: the loader's vram_budget_gb step of 0.25 made the
+    arrows go 4 -> 4.3 -> 4.5 -> 4.8 (seen in the real editor, tests/integration/test_frontend.py)."""
+    assert "min" in opts and "max" in opts, f"{where}: declare min and max (the editor assumes 0 and 2048)"
+    step, default = opts.get("step", 1), opts["default"]
+    assert opts["min"] <= default <= opts["max"], where
+    if kind == "FLOAT":
+        assert "step" in opts, f"{where}: declare a step (the editor assumes 0.5)"
+        decimals = max(0, -math.floor(math.log10(step)))
+        assert round(step, decimals) == step, f"{where}: step {step} needs more than the {decimals} decimals shown"
+        assert round(default, decimals) == default, f"{where}: default {default} is shown with {decimals} decimals"
+    else:
+        assert (default - opts["min"] % step) % step == 0, f"{where}: default {default} is off the step grid"

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from leandiffusion.runner.convert import (apply_overrides, load_workflow, parse_override, ui_to_api, widget_inputs,
-                                          widget_slots)
+from leandiffusion.runner.convert import (apply_overrides, editor_sockets, load_workflow, parse_override, types_fit,
+                                          ui_to_api, widget_inputs, widget_slots)
 from leandiffusion.runner.errors import WorkflowError
+from leandiffusion.tests.fixtures import editor_graphs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 OBJECT_INFO = json.loads((FIXTURES / "comfyui_0.3.64_recorded.json").read_text())["object_info"]
@@ -138,6 +139,45 @@ def test_bypass_passes_the_input_of_the_same_slot_first():
     prompt = ui_to_api(workflow, OBJECT_INFO)
     assert prompt["4"]["inputs"]["images"] == ["1", 0]
     assert prompt["5"]["inputs"]["images"] == ["2", 0]  # slot 1 -> input 1, not the first IMAGE input
+
+@pytest.mark.parametrize("name", sorted(editor_graphs.CASES))
+def test_editor_graph_rules(name):
+    """Bypassed, muted and virtual nodes in front of linked and widget inputs (``tests/fixtures/editor_graphs.py``;
+    the same graphs are queued by the real editor in tests/integration/test_frontend.py). The old converter dropped
+    the input where the editor keeps the widget value (a bypass without a fitting input, a reroute without input),
+    passed another linked input through where the editor takes the unlinked one at the output's slot, and dropped
+    the value of a muted primitive and everything behind a muted reroute."""
+    workflow, expected = editor_graphs.case(name)
+    assert _strip_meta(ui_to_api(workflow, {**OBJECT_INFO, **editor_graphs.SPECS})) == expected
+
+
+def test_editor_sockets_put_widget_inputs_last():
+    """The editor's socket order, which bypass slot indices count: inputs without a widget first (declared order),
+    then widget inputs, then sockets only the file lists; unlisted ones come unlinked."""
+    node = {"inputs": [{"name": "extra", "type": "MASK", "link": 9}, {"name": "b", "type": "IMAGE", "link": 2}]}
+    sockets = editor_sockets(node, editor_graphs.SPECS["TwoWay"])
+    assert [(s["name"], s["type"], s["link"]) for s in sockets] == [("a", "IMAGE", None), ("b", "IMAGE", 2),
+                                                                   ("n", "INT", None), ("extra", "MASK", 9)]
+
+
+@pytest.mark.parametrize("a, b, fits", [("IMAGE", "IMAGE", True), ("IMAGE", "*", True), ("", "MASK", True),
+                                        ("image", "IMAGE", True), ("IMAGE,MASK", "MASK", True),
+                                        ("IMAGE", "MASK", False), ("IMAGE,MASK", "LATENT", False)])
+def test_types_fit_like_the_editor(a, b, fits):
+    assert types_fit(a, b) is fits and types_fit(b, a) is fits
+
+
+def test_reroute_cycle_is_refused_with_the_input():
+    workflow = {"nodes": [
+        _node(1, "Reroute", None, inputs=[{"name": "", "type": "*", "link": 2}],
+              outputs=[{"name": "", "type": "*", "links": [1, 3]}]),
+        _node(2, "Reroute", None, inputs=[{"name": "", "type": "*", "link": 1}],
+              outputs=[{"name": "", "type": "*", "links": [2]}]),
+        _node(3, "SaveImage", ["p"], inputs=[{"name": "images", "type": "IMAGE", "link": 3}])],
+        "links": [[1, 1, 0, 2, 0, "*"], [2, 2, 0, 1, 0, "*"], [3, 1, 0, 3, 0, "IMAGE"]]}
+    with pytest.raises(WorkflowError, match=r"node 3 \(SaveImage\) input 'images': the links form a cycle"):
+        ui_to_api(workflow, OBJECT_INFO)
+
 
 def test_unknown_ui_nodes_get_one_line_each():
     workflow = {"nodes": [_node(1, "Mystery", []), _node(2, "AlsoMissing", []), _node(3, "Note", ["x"])], "links": []}

@@ -1,4 +1,5 @@
-"""Tiny model files the integration tests put into the test ComfyUI's model folders."""
+"""Tiny model files the integration tests put into the test ComfyUI's model folders, and the input images the
+shipped workflows' LoadImage nodes name."""
 from pathlib import Path
 
 
@@ -16,3 +17,14 @@ def write_tiny_model_files(models_dir: Path, lora_name: str, upscaler_name: str)
                                       {"unet": lorafiles.ATTN_FF, "text_encoder": lorafiles.TE_LINEARS})
     lorafiles.write(lora, models_dir / "loras" / lora_name)
     save_file(random_compact(), str(models_dir / "upscale_models" / upscaler_name))
+
+
+def write_input_images(prompt: dict, input_dir: Path) -> None:
+    """A 64x64 RGB picture in ``input_dir`` under each file name a LoadImage node of the API ``prompt`` names."""
+    from PIL import Image
+
+    for node in prompt.values():
+        if node["class_type"] == "LoadImage" and isinstance(node["inputs"].get("image"), str):
+            target = input_dir / node["inputs"]["image"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (64, 64), (200, 120, 40)).save(target)

@@ -19,7 +19,7 @@ from leandiffusion.runner.convert import input_names, load_workflow, ui_to_api
 from leandiffusion.runner.errors import EXIT_EXECUTION, EXIT_INVALID, EXIT_OK
 from leandiffusion.runner.local import PACK_LINK_NAME, PACK_ROOT
 from leandiffusion.tests.kit.clip_l import CLIP_L_FILE, SD1_CLIP_L_CHECKPOINT
-from leandiffusion.tests.integration.model_files import write_tiny_model_files
+from leandiffusion.tests.integration.model_files import write_input_images, write_tiny_model_files
 
 pytestmark = pytest.mark.comfyui
 
@@ -145,16 +145,6 @@ def _tiny_overrides(prompt, object_info, workflow_name=""):
     return sets
 
 
-def _provide_input_images(prompt, input_dir):
-    from PIL import Image
-
-    for node in prompt.values():
-        if node["class_type"] == "LoadImage" and isinstance(node["inputs"].get("image"), str):
-            target = input_dir / node["inputs"]["image"]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            Image.new("RGB", (64, 64), (200, 120, 40)).save(target)
-
-
 @pytest.fixture(scope="module")
 def tiny_model_files(comfyui):
     """A kohya LoRA for the tiny SD1 model (UNet attention + text encoder) and a tiny compact x4 upscaler."""
@@ -168,7 +158,7 @@ def test_shipped_workflow_runs_with_the_tiny_model(comfyui, object_info, tiny_mo
     if workflow.name in WORKFLOW_FIXTURES:
         request.getfixturevalue(WORKFLOW_FIXTURES[workflow.name])
     _, prompt = load_workflow(workflow.read_text())
-    _provide_input_images(prompt, comfyui.input_dir)
+    write_input_images(prompt, comfyui.input_dir)
     out = tmp_path / "out"
     code = main([str(workflow), "--server", comfyui.url, "--out", str(out), "-q", "--timeout", "900",
                  *_tiny_overrides(prompt, object_info, workflow.name)])
