@@ -73,8 +73,8 @@ def torch_too_old(version: str) -> bool:
 def warn_old_torch(version: str) -> None:
     if torch_too_old(version):
         logger.warning("LeanDiffusion: PyTorch %s is older than %d.%d, the oldest the pack is tested with: under it "
-                       "out-of-memory recovery fails with AttributeError and compile+cuda_graph keeps applying a "
-                       "LoRA that was removed (PyTorch 2.3). Upgrade the PyTorch of this Python (%s)", version,
+                       "ESRGAN Upscale's out-of-memory retry and cancel end in AttributeError, and compile+cuda_graph "
+                       "keeps applying a LoRA that was removed (PyTorch 2.3). Upgrade the PyTorch of this Python (%s)", version,
                        *MIN_TORCH, sys.executable)
 
 
