@@ -7,6 +7,13 @@ why it could not be read and what to do. PyTorch's own message for a refused pic
 in advice to re-run with ``weights_only=False``, which the pack never does: only its reason line is kept. A
 safetensors file that is cut short or garbled is the same kind of one-line ``ValueError`` (safetensors raises its
 own ``SafetensorError``, whose text names no file).
+
+Tensors read from a ``.safetensors`` file own their memory. ``safe_open`` maps the file, and the tensors it returns
+are views of that mapping (safetensors 0.4.2 to 0.8.0 alike): a file then overwritten in place (``cp``,
+a trainer saving a LoRA under the same name with ``open(..., "wb")``) changed the weights of a LoRA, upscaler or
+embedding the pack had cached, and one overwritten by a shorter file killed ComfyUI with SIGBUS when the cached
+tensor was next read. Each tensor is copied off the mapping before the file is closed; these files are small, so
+the copy costs little.
 """
 from __future__ import annotations
 
@@ -52,13 +59,14 @@ def load_tensors(path: Union[str, Path], what: str) -> Any:
 
 
 def read_safetensors(path: Union[str, Path], what: str) -> tuple[dict, dict]:
-    """``(tensors, metadata)`` of a ``.safetensors`` file on the CPU; ``ValueError`` naming ``what`` and the file."""
+    """``(tensors, metadata)`` of a ``.safetensors`` file on the CPU, the tensors in memory of their own (none a view
+    of the file); ``ValueError`` naming ``what`` and the file."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+            return {k: f.get_tensor(k).clone() for k in f.keys()}, dict(f.metadata() or {})  # off the mapping
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{what} {path.name!r} could not be read as a safetensors file (cut short or corrupt: "
                          f"{load_error_reason(exc)}); re-download it, or re-save it") from exc

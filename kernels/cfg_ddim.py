@@ -21,8 +21,10 @@ torch) and ``cfg_ddim_step`` (dispatcher: Triton for contiguous CUDA tensors, th
 environment variable ``LEANDIFFUSION_CFG_DDIM`` = ``reference`` | ``triton`` | ``auto`` overrides, and ``impl=``
 overrides both). Hand-written because no library fuses the guidance combine with a scheduler update.
 """
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: the interpreter (TRITON_INTERPRET=1) of Triton 3.0-3.2, which
+# PyTorch 2.4-2.6 bring, knows a ``tl.constexpr`` parameter only by its evaluated annotation; as a string it
+# passed BLOCK as an array and ``tl.arange`` refused it (compiled kernels, and the Triton 3.9 interpreter CI
+# uses, read either form).
 import logging
 from typing import Optional
 

@@ -21,8 +21,10 @@ where inductor fuses the reference itself; the reference elsewhere; ``LEANDIFFUS
 | ``triton`` | ``auto`` overrides, and ``impl=`` overrides both). Nothing reads a device value on the host, so
 every path is CUDA-graph capturable. Hand-written because no library fuses a low-rank update into a GEGLU.
 """
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: the interpreter (TRITON_INTERPRET=1) of Triton 3.0-3.2, which
+# PyTorch 2.4-2.6 bring, knows a ``tl.constexpr`` parameter only by its evaluated annotation; as a string it
+# passed BLOCK as an array and ``tl.arange`` refused it (compiled kernels, and the Triton 3.9 interpreter CI
+# uses, read either form).
 import os
 from typing import Optional
 

@@ -228,7 +228,7 @@ class _GegluForward:
         x = hidden_states
         p = m.proj(x)  # without these terms (the proj carries none of them); hooks of hook-path bindings included
         terms = self.terms
-        fast = (bool(terms) and p.dtype == x.dtype and p.device == x.device and all(t.fits(x) for t in terms)
+        fast = (len(terms) > 0 and p.dtype == x.dtype and p.device == x.device and all(t.fits(x) for t in terms)
                 and p.is_contiguous() and _no_grad_needed(x, p))
         if not fast:
             for t in terms:

@@ -7,18 +7,25 @@ Invariants
   (saved workflows still open); importing the registry then logs one warning naming what is missing and the
   ``pip install -r requirements.txt`` line for this Python, instead of leaving the user to find a bare
   ``No module named 'diffusers'`` at the first run.
+- ``requirements.txt`` leaves torch to ComfyUI, so pip never raises an old one: a PyTorch below ``MIN_TORCH`` (the
+  floor of pyproject.toml, tested: docs/troubleshooting.md, "Library versions") gets one start-up warning saying
+  what fails under it.
 """
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
 import pkgutil
+import re
 import sys
 
 logger = logging.getLogger(__name__)
 
 # what the model nodes import lazily (requirements.txt); torch, numpy and pillow are ComfyUI's own requirements
 REQUIRED_MODULES = {"diffusers": "diffusers", "transformers": "transformers", "safetensors": "safetensors"}
+
+MIN_TORCH = (2, 4)  # pyproject.toml's torch floor
 
 NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}
@@ -56,4 +63,29 @@ def warn_missing_requirements() -> None:
                        "is" if one else "are", "it" if one else "them", sys.executable, requirements)
 
 
+
+def torch_too_old(version: str) -> bool:
+    """Whether a PyTorch version string (``2.3.1+cu121``, ``2.13.0+cpu``) is below ``MIN_TORCH``."""
+    major, minor = (int(re.match(r"\d+", part).group()) for part in version.split(".")[:2])
+    return (major, minor) < MIN_TORCH
+
+
+def warn_old_torch(version: str) -> None:
+    if torch_too_old(version):
+        logger.warning("LeanDiffusion: PyTorch %s is older than %d.%d, the oldest the pack is tested with: under it "
+                       "ESRGAN Upscale's out-of-memory retry and cancel end in AttributeError, and compile+cuda_graph "
+                       "keeps applying a LoRA that was removed (PyTorch 2.3). Upgrade the PyTorch of this Python (%s)", version,
+                       *MIN_TORCH, sys.executable)
+
+
+def installed_torch_version():
+    """The installed PyTorch's version, read from its metadata (torch is not imported here), or None."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 warn_missing_requirements()
+if installed_torch_version() is not None:
+    warn_old_torch(installed_torch_version())

@@ -94,6 +94,17 @@ def compile_scope() -> str:
     return scope
 
 
+def recompile_limit_raised(limit: int):
+    """``torch._dynamo.config.patch`` setting dynamo's per-frame recompile limit to ``limit`` for a block.
+
+    The option is ``recompile_limit`` from PyTorch 2.7 on and ``cache_size_limit`` before it (2.7 keeps the old name
+    as an alias; patching the new name on 2.3-2.6 raised a bare ``KeyError`` from every regional compiled call).
+    """
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: limit})
+
+
 class RegionallyCompiledUNet:
     """Calls the UNet with each region module's compiled call installed for that call only (see module docstring).
 
@@ -118,7 +129,7 @@ class RegionallyCompiledUNet:
         try:
             for module, fn in self.regions:
                 module._compiled_call_impl = fn
-            with torch._dynamo.config.patch(recompile_limit=REGIONAL_RECOMPILE_LIMIT):
+            with recompile_limit_raised(REGIONAL_RECOMPILE_LIMIT):
                 return self.unet(*args, **kwargs)
         finally:
             for (module, _), prev in zip(self.regions, previous):

@@ -65,3 +65,20 @@ def test_safetensors_tensors_and_metadata_or_one_named_line(tmp_path):
                                          r"\(cut short or corrupt: .+\); re-download it") as info:
         read_safetensors(path, "lora file")
     assert "\n" not in str(info.value)
+
+
+
+def test_safetensors_tensors_survive_the_file_being_overwritten_in_place(tmp_path):
+    """safe_open's tensors are views of the mapped file: ``cp other.safetensors a.safetensors`` (same inode, same
+    size) changed tensors already read, with every safetensors version tested (0.4.2 to 0.8.0; a shorter file killed
+    the process with SIGBUS instead, so this test keeps the size). The data read must stay what was read."""
+    from safetensors.torch import save
+
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(save({"a": torch.full((4, 8), 0.25)}))
+    got = read_safetensors(path, "lora file")[0]["a"]
+    inode = path.stat().st_ino
+    with open(path, "r+b") as f:  # what cp does to an existing file: rewrite the bytes of the same inode
+        f.write(save({"a": torch.full((4, 8), -0.25)}))
+    assert path.stat().st_ino == inode
+    assert torch.equal(got, torch.full((4, 8), 0.25)), "the tensor read changed with the file: a view of the mapping"

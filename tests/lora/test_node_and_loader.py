@@ -2,7 +2,7 @@
 
 Guards: node ID / inputs / COMBO from the loras folder; the node returns a view and leaves its input unchanged;
 files are cached per (path, mtime, size, inode, ctime, device, dtype) and re-read when changed (also by a copy that kept
-size and mtime); PEFT alphas from ``.alpha`` keys,
+size and mtime), and a loaded LoRA keeps its weights when its file is overwritten in place; PEFT alphas from ``.alpha`` keys,
 metadata and rsLoRA; no alpha means alpha = rank.
 """
 import json
@@ -72,6 +72,23 @@ def test_cache_sees_a_copy_that_kept_size_and_mtime(tmp_path):
     b = load_lora(path, "cpu", torch.float32)
     assert b is not a and not torch.equal(b.parsed.layers[0].down, a.parsed.layers[0].down)
 
+
+
+def test_a_loaded_lora_keeps_its_weights_when_the_file_is_overwritten_in_place(tmp_path):
+    """``cp retrained.safetensors a.safetensors`` rewrites the same inode. The cached LoRA (still used by the views
+    ComfyUI keeps) held views of the mapped file, so its weights became the new file's (a shorter file: SIGBUS)."""
+    from safetensors.torch import save
+
+    clear_cache()
+    c = tiny_components("sd1")
+    path = lf.write(lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}), tmp_path / "a.safetensors")
+    a = load_lora(path, "cpu", torch.float32)
+    before = a.parsed.layers[0].down.clone()
+    new = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, seed=9)
+    with open(path, "r+b") as f:
+        f.write(save({k: v.contiguous() for k, v in new.items()}))
+    assert not torch.equal(load_lora(path, "cpu", torch.float32).parsed.layers[0].down, before)  # re-read: new file
+    assert torch.equal(a.parsed.layers[0].down, before)
 
 def test_alpha_conventions():
     down, up = torch.randn(4, 8), torch.randn(6, 4)

@@ -196,7 +196,11 @@ def test_attach_failing_midway_leaves_nothing(strategy, fail_at):
 @torch.no_grad()
 def test_torch_compile_fullgraph_follows_attach_and_detach(strategy):
     """Dynamo traces the GEGLU override (and hooks) without a graph break (``fullgraph=True``), the compiled block
-    equals eager with the LoRA, and after detach it recompiles to the base block (guards see the module change)."""
+    equals eager with the LoRA, and after detach it recompiles to the base block (guards see the module change).
+    PyTorch 2.5's dynamo refused ``bool(list)`` in the GEGLU override (now ``len(terms) > 0``); 2.4's cannot read the
+    override object's attributes at all, a graph break there (same result, slower compile), so 2.4 skips geglu."""
+    if strategy == "geglu" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
+        pytest.skip("PyTorch 2.4's dynamo breaks the graph at the GEGLU override (result still correct)")
     torch._dynamo.reset()
     block = _block()
     x, ctx = _inputs()

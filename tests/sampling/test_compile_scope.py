@@ -61,6 +61,17 @@ def test_regional_compile_restores_the_modules_after_an_error():
     assert all(m._compiled_call_impl is None for m, _ in wrapped.regions)
 
 
+
+def test_recompile_limit_is_raised_for_the_call_on_every_supported_torch():
+    """The option is ``recompile_limit`` from PyTorch 2.7 and ``cache_size_limit`` before: patching the new name on
+    2.3-2.6 raised KeyError from every regional compiled call (seen under torch 2.3.1 and 2.4.1). ``cache_size_limit``
+    reads the same setting on every version (an alias from 2.7 on)."""
+    config = torch._dynamo.config
+    before = config.cache_size_limit
+    with comp.recompile_limit_raised(before + 17):
+        assert config.cache_size_limit == before + 17
+    assert config.cache_size_limit == before
+
 def test_regional_compile_names_a_unet_without_the_blocks():
     with pytest.raises(ValueError, match="LEANDIFFUSION_COMPILE_SCOPE=full"):
         comp.RegionallyCompiledUNet(torch.nn.Sequential(torch.nn.Linear(2, 2)), ("BasicTransformerBlock",))

@@ -82,6 +82,9 @@ def test_calls_it_cannot_serve_go_to_the_blocks_own_processor():
     assert proc(attn, h, encoder_hidden_states=ctx) is h and seen == [True]
 
 
+@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
+                    reason="PyTorch < 2.9 has no fp32_precision API; convolutions_use_tf32() is then False, so "
+                           "tf32_matmuls is never entered")
 def test_tf32_matmuls_restores_the_setting_on_error():
     matmul = torch.backends.cuda.matmul
     old = matmul.fp32_precision
