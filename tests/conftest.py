@@ -1,10 +1,19 @@
 """Shared pytest set-up: GPU and ComfyUI markers skip with a reason when their requirement is missing; every test
-must leave torch's process-wide numeric settings as it found them (the pack promises to set no backend flag
-outside its own scopes, and a leaked flag makes later tests' results depend on the order they run in)."""
+must leave the process-wide state as it found it (torch's numeric settings, the environment, loggers, ...: the pack
+promises to set nothing process-wide outside its own scopes, and a leak makes later tests' results depend on the
+order they run in)."""
 import os
 
 import pytest
 import torch
+
+# The test process starts as a ComfyUI process is when the pack's first node runs: torch's compiler stack (ComfyUI
+# imports it at start-up), transformers' CLIP and diffusers imported. Their imports change process-wide state
+# (TORCHINDUCTOR_CACHE_DIR; sympy's, accelerate's, urllib3's and requests' warnings filters); imported here, that is
+# not charged to whichever test imports them first by ``_process_state_unchanged``.
+import torch._dynamo  # noqa: F401
+import transformers.models.clip.modeling_clip  # noqa: F401
+import diffusers  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,49 +57,19 @@ def _gpu_memory_isolation(request):
     yield
 
 
-def _numeric_switches() -> dict:
-    """name -> (read, restore) for each process-wide switch that changes which kernels run or how they round
-    (``restore`` None: only reported)."""
-    b = torch.backends
-    attributes = [("cudnn.enabled", b.cudnn, "enabled"), ("cudnn.benchmark", b.cudnn, "benchmark"),
-                  ("cudnn.deterministic", b.cudnn, "deterministic"),
-                  ("matmul.fp16_reduced", b.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
-                  ("matmul.bf16_reduced", b.cuda.matmul, "allow_bf16_reduced_precision_reduction")]
-    attributes += [(f"matmul.{name}", b.cuda.matmul, name) for name in ("fp16_accumulation", "allow_fp16_accumulation")
-                   if hasattr(b.cuda.matmul, name)]
-    switches = {
-        "grad_enabled": (torch.is_grad_enabled, torch.set_grad_enabled),
-        "default_dtype": (torch.get_default_dtype, torch.set_default_dtype),
-        "deterministic_algorithms": (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
-        "sdp.flash": (b.cuda.flash_sdp_enabled, b.cuda.enable_flash_sdp),
-        "sdp.mem_efficient": (b.cuda.mem_efficient_sdp_enabled, b.cuda.enable_mem_efficient_sdp),
-        "sdp.math": (b.cuda.math_sdp_enabled, b.cuda.enable_math_sdp),
-        "sdp.cudnn": (b.cuda.cudnn_sdp_enabled, b.cuda.enable_cudnn_sdp),
-    }
-    if hasattr(b.cuda.matmul, "fp32_precision"):  # read TF32 through the API the pack writes (PyTorch refuses legacy
-        # allow_tf32 reads once fp32_precision has been written)
-        attributes += [("fp32_precision", b, "fp32_precision"), ("matmul.fp32_precision", b.cuda.matmul,
-                        "fp32_precision"), ("cudnn.fp32_precision", b.cudnn, "fp32_precision"),
-                       ("cudnn.conv.fp32_precision", b.cudnn.conv, "fp32_precision")]
-    else:
-        attributes += [("cudnn.allow_tf32", b.cudnn, "allow_tf32"), ("matmul.allow_tf32", b.cuda.matmul, "allow_tf32")]
-        switches["float32_matmul_precision"] = (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision)
-    for name, owner, attr in attributes:
-        switches[name] = (lambda o=owner, a=attr: getattr(o, a), lambda v, o=owner, a=attr: setattr(o, a, v))
-    if torch.cuda.is_available():
-        switches["current_stream"] = (lambda: torch.cuda.current_stream().cuda_stream, None)
-    return switches
-
-
 @pytest.fixture(autouse=True)
-def _numeric_settings_unchanged(request):
-    switches = _numeric_switches()
-    before = {name: read() for name, (read, _) in switches.items()}
+def _process_state_unchanged(request):
+    """Every test leaves the process-wide state of ``tests/kit/process_state.py`` as it found it: torch's numeric
+    and kernel switches, autocast, grad/inference mode, thread counts, compiler configs, the environment, sys.path,
+    the working folder, signal handlers, other loggers and warnings filters. A change is put back (so one leak
+    fails one test, not every later one) and fails the test."""
+    from leandiffusion.tests.kit import process_state
+
+    before = process_state.snapshot()
     yield
-    changed = {name: (old, switches[name][0]()) for name, old in before.items() if switches[name][0]() != old}
+    changed = process_state.changes(before, process_state.snapshot())
     if changed:
-        for name, (old, _) in changed.items():  # restore, so one leak fails one test, not every later one
-            restore = switches[name][1]
-            if restore is not None:
-                restore(old)
-        pytest.fail(f"{request.node.nodeid} left torch settings changed (before, after): {changed}", pytrace=False)
+        process_state.restore(before)
+        lines = "\n".join(f"  {name}: {old!r:.300} -> {new!r:.300}" for name, (old, new) in sorted(changed.items()))
+        pytest.fail(f"{request.node.nodeid} left process-wide state changed (before -> after):\n{lines}",
+                    pytrace=False)

@@ -1,4 +1,7 @@
-"""Packaging promises: requirements.txt mirrors pyproject's runtime deps (minus torch), every sub-package is listed."""
+"""Packaging promises: requirements.txt mirrors pyproject's runtime deps (minus torch), every sub-package is listed;
+the project's pytest settings remove a passing test's temporary folder."""
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,3 +71,18 @@ def test_node_mappings_load_on_first_access():
 
     with pytest.raises(AttributeError, match="no_such_name"):
         leandiffusion.no_such_name  # noqa: B018
+
+
+def test_a_passing_tests_tmp_path_is_removed_and_a_failing_ones_kept(tmp_path):
+    """Under the project's pytest settings a passing test's ``tmp_path`` is removed when the test ends; a failing
+    one's stays for inspection. Before, pytest kept every test's folder of the last three runs: about 0.9 GB per
+    full run (tiny checkpoints, ESRGAN weights) left in the system's temporary folder."""
+    (tmp_path / "test_probe.py").write_text("def test_passes(tmp_path):\n    (tmp_path / 'f').write_bytes(b'x')\n\n\n"
+                                            "def test_fails(tmp_path):\n    (tmp_path / 'f').write_bytes(b'x')\n"
+                                            "    assert False\n")
+    base = tmp_path / "base"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-c",
+                           str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), "--basetemp", str(base),
+                           str(tmp_path / "test_probe.py")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "1 failed, 1 passed" in proc.stdout, proc.stdout + proc.stderr
+    assert sorted(p.name for p in base.iterdir() if not p.is_symlink()) == ["test_fails0"]  # + pytest's links

@@ -15,6 +15,7 @@ import pytest
 from leandiffusion.runner.cli import main
 from leandiffusion.runner.errors import EXIT_EXECUTION, EXIT_INVALID, EXIT_OK, EXIT_UNREACHABLE
 from leandiffusion.tests.fixtures.fake_comfyui import FakeComfyUI
+from leandiffusion.tests.kit.runner_process import runner_process
 
 FIXTURES = Path(__file__).parent / "fixtures"
 API = str(FIXTURES / "core_image.api.json")
@@ -279,26 +280,16 @@ def test_interrupting_the_runner_cancels_its_prompt_on_a_shared_server(fake, tmp
     # Promise: Ctrl-C (or SIGTERM) while waiting never leaves a --server busy with a prompt nobody waits for.
     # Bug (while_submitting): a signal that came while POST /prompt was in flight (the run had started, the answer
     # with its id had not arrived) cancelled nothing; the runner now asks for its own prompt_id, as ComfyUI allows.
-    import os
     import signal
-    import subprocess
-    import sys
-
-    import leandiffusion
 
     fake.hang, fake.answer_delay = True, answer_delay
-    env = dict(os.environ)
-    parent = str(Path(leandiffusion.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), parent) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "leandiffusion.run", API, "--server", fake.url, "-q", "--out",
-                             str(tmp_path / "out")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 60
-    while not fake.running and time.monotonic() < deadline:  # submitted and running
-        time.sleep(0.05)
-    assert fake.running
-    proc.send_signal(getattr(signal, sig))
-    _, stderr = proc.communicate(timeout=30)
+    with runner_process([API, "--server", fake.url, "-q", "--out", str(tmp_path / "out")]) as proc:
+        deadline = time.monotonic() + 60
+        while not fake.running and time.monotonic() < deadline:  # submitted and running
+            time.sleep(0.05)
+        assert fake.running
+        proc.send_signal(getattr(signal, sig))
+        _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stderr
     prompt_id = next(iter(fake.running))
     assert fake.cancelled == [("/queue", {"delete": [prompt_id]}), ("/interrupt", {"prompt_id": prompt_id})]

@@ -6,17 +6,16 @@ Guards: "it never leaves a server running" and "exit 4 when ComfyUI fails to sta
 """
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-import leandiffusion
 from leandiffusion.runner.client import ComfyClient
 from leandiffusion.runner.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, ServerUnreachable
 from leandiffusion.runner.local import PACK_ROOT, LocalComfyUI, comfyui_python
+from leandiffusion.tests.kit.runner_process import runner_process
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAKE = FIXTURES / "fake_comfyui.py"
@@ -105,19 +104,11 @@ def test_python_choice_order(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------- the CLI process
-def _cli(args, env_extra, **kw):
-    env = dict(os.environ, **env_extra)
-    parent = str(Path(leandiffusion.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), parent) if p)
-    return subprocess.Popen([sys.executable, "-m", "leandiffusion.run", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
-
-
 def test_cli_starts_runs_and_stops_comfyui(fake_comfyui_dir, tmp_path):
     out = tmp_path / "out"
-    proc = _cli([str(FIXTURES / "core_image.api.json"), "--out", str(out), "-q"],
-                {"COMFYUI_PATH": str(fake_comfyui_dir), "COMFYUI_PYTHON": sys.executable})
-    stdout, stderr = proc.communicate(timeout=120)
+    with runner_process([str(FIXTURES / "core_image.api.json"), "--out", str(out), "-q"],
+                        {"COMFYUI_PATH": str(fake_comfyui_dir), "COMFYUI_PYTHON": sys.executable}) as proc:
+        stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_OK, stderr
     assert len(list(out.glob("*.png"))) == 2 and "saved 2 image(s)" in stdout
     assert not _alive(_server_pid(fake_comfyui_dir))
@@ -125,15 +116,15 @@ def test_cli_starts_runs_and_stops_comfyui(fake_comfyui_dir, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_cli_interrupted_mid_run_stops_comfyui(fake_comfyui_dir, tmp_path, sig):
-    proc = _cli([str(FIXTURES / "core_image.api.json"), "--comfyui", str(fake_comfyui_dir), "--out",
-                 str(tmp_path / "out")], {"FAKE_COMFYUI_MODE": "hang", "COMFYUI_PYTHON": sys.executable})
-    pidfile = fake_comfyui_dir.parent / "server.pid"
-    deadline = time.monotonic() + 120
-    while not pidfile.exists() and time.monotonic() < deadline:  # the runner has started its server
-        time.sleep(0.1)
-    time.sleep(1.5)  # ... and submitted the prompt, which hangs
-    proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=60)
+    args = [str(FIXTURES / "core_image.api.json"), "--comfyui", str(fake_comfyui_dir), "--out", str(tmp_path / "out")]
+    with runner_process(args, {"FAKE_COMFYUI_MODE": "hang", "COMFYUI_PYTHON": sys.executable}) as proc:
+        pidfile = fake_comfyui_dir.parent / "server.pid"
+        deadline = time.monotonic() + 120
+        while not pidfile.exists() and time.monotonic() < deadline:  # the runner has started its server
+            time.sleep(0.1)
+        time.sleep(1.5)  # ... and submitted the prompt, which hangs
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_INTERRUPTED, stderr
     assert "interrupted" in stderr
     assert not _alive(_server_pid(fake_comfyui_dir))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import logging
 import math
 import traceback
@@ -146,15 +145,23 @@ def _placed_module(upscaler: Upscaler, device: torch.device, dtype: torch.dtype,
     return copy.deepcopy(module, memo).eval()
 
 
+@contextlib.contextmanager
 def _cudnn_benchmark(enabled: bool, device: torch.device):
-    """cuDNN autotuning for the duration of one call, every other cuDNN setting kept as it is, restored after."""
+    """cuDNN autotuning for the duration of one call; only ``cudnn.benchmark`` is written, and put back after it.
+
+    Not ``torch.backends.cudnn.flags``: that writes every cuDNN setting (TF32 through both the legacy and the new
+    API), and reading them back for it raises once the user has set TF32 per operator with PyTorch's
+    ``fp32_precision`` API (``cudnn.conv.fp32_precision = "ieee"``)."""
     if not enabled or device.type != "cuda":
-        return contextlib.nullcontext()
+        yield
+        return
     cudnn = torch.backends.cudnn
-    names = inspect.signature(cudnn.flags).parameters
-    current = {name: getattr(cudnn, name) for name in names if hasattr(cudnn, name)}
-    current["benchmark"] = True
-    return cudnn.flags(**current)
+    before = cudnn.benchmark
+    cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        cudnn.benchmark = before
 
 
 # --------------------------------------------------------------------------------------------- staging

@@ -19,6 +19,7 @@ from leandiffusion.runner.convert import input_names, load_workflow, ui_to_api
 from leandiffusion.runner.errors import EXIT_EXECUTION, EXIT_INVALID, EXIT_OK
 from leandiffusion.runner.local import PACK_LINK_NAME, PACK_ROOT
 from leandiffusion.tests.kit.clip_l import CLIP_L_FILE, SD1_CLIP_L_CHECKPOINT
+from leandiffusion.tests.kit.runner_process import runner_env
 from leandiffusion.tests.integration.model_files import write_input_images, write_tiny_model_files
 
 pytestmark = pytest.mark.comfyui
@@ -203,12 +204,9 @@ def test_execution_error_exits_3(comfyui, tmp_path, capsys):
 
 def test_runner_started_comfyui_leaves_no_server(comfyui, tmp_path, server_pids):
     before = server_pids()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"),
-                                                    str(Path(leandiffusion.__file__).resolve().parent.parent)) if p)
     result = subprocess.run([sys.executable, "-m", "leandiffusion.run", str(FIXTURES / "core_image.api.json"),
                              "--comfyui", os.environ["COMFYUI_PATH"], "--cpu", "--out", str(tmp_path / "out"), "-q",
-                             "--start-timeout", "300"], env=env, capture_output=True, text=True, timeout=600)
+                             "--start-timeout", "300"], env=runner_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == EXIT_OK, result.stderr
     assert len(list((tmp_path / "out").glob("*.png"))) == 2
     assert server_pids() == before  # only the session's own server remains

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import tempfile
 from pathlib import Path
 
 import torch
@@ -15,12 +14,12 @@ import torch
 from ...memory.engine import LeanEngine, ModelParts, engine_from_parts, parts_from_components
 from ...memory.tiny import build_tiny_components, write_tiny_clip_tokenizer
 
-_TOKENIZER_DIR = Path(tempfile.mkdtemp(prefix="leandiffusion-kit-tok-"))
-
 
 @functools.lru_cache(maxsize=None)
 def _cached_components(family: str, seed: int) -> dict:
-    return build_tiny_components(family, seed, tokenizer_dir=_TOKENIZER_DIR)
+    # no tokenizer_dir: the tokenizer files go to a scratch folder removed once loaded (a folder made at import
+    # was left in the temporary folder by every test run and every bench smoke worker, which ends by os._exit)
+    return build_tiny_components(family, seed)
 
 
 def tiny_components(family: str = "sd1", seed: int = 0) -> dict:

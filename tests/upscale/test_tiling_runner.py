@@ -4,13 +4,16 @@ Guards: cores partition the image, windows stay inside it and aligned, feather w
 the receptive field as context a tiled run equals the untiled one (compact and pixel-unshuffle RRDB); OOM halves
 the tile then fails clearly; batches run image by image within one image's window size; output_scale resizes
 with antialiased bicubic; bad inputs raise ValueError/TypeError naming the argument; device='cpu' never calls
-CUDA; interruption stops the run; the input batch is never modified.
+CUDA; interruption stops the run; the input batch is never modified; cuDNN autotuning changes no other setting.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from leandiffusion import bridge
+from leandiffusion.tests.kit import process_state
 from leandiffusion.tests.upscale import helpers as H
 from leandiffusion.upscale import runner
 from leandiffusion.upscale.descriptor import Upscaler
@@ -338,3 +341,37 @@ def test_placed_copy_leaves_the_upscaler_alone(layout):
     x = torch.rand(1, 3, 11, 9)
     with torch.inference_mode():
         torch.testing.assert_close(placed(x.double()).float(), H.ref_rrdb(sd, x), atol=1e-5, rtol=0)
+
+
+# TF32 and cuDNN choices a user (or ComfyUI's start-up) may have made before the node runs, through each of
+# PyTorch's APIs: the legacy flags, the per-operator ``fp32_precision`` API, the global one
+USER_CUDNN_SETTINGS = {
+    "defaults": lambda: None,
+    "legacy cudnn.allow_tf32=False": lambda: setattr(torch.backends.cudnn, "allow_tf32", False),
+    "cudnn.conv.fp32_precision=ieee": lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
+    "cudnn.rnn.fp32_precision=ieee": lambda: setattr(torch.backends.cudnn.rnn, "fp32_precision", "ieee"),
+    "backends.fp32_precision=tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    "cudnn.deterministic=True": lambda: setattr(torch.backends.cudnn, "deterministic", True),
+    "cudnn.benchmark=True": lambda: setattr(torch.backends.cudnn, "benchmark", True),
+}
+
+
+@pytest.mark.parametrize("error", [False, True], ids=["returns", "raises"])
+@pytest.mark.parametrize("user_setting", list(USER_CUDNN_SETTINGS))
+def test_cudnn_benchmark_scope_changes_only_benchmark(user_setting, error):
+    """``cudnn_benchmark=True`` on CUDA turns cuDNN autotuning on for the call and leaves every other process-wide
+    setting as the user had it, after a normal return and after an error. Runs on the CPU: the flags are process
+    state that torch reads and writes without a GPU. Before, the scope was ``torch.backends.cudnn.flags`` fed with
+    every current cuDNN setting: it raised on entry (PyTorch refuses to read the legacy ``allow_tf32`` once
+    convolutions and RNNs have different TF32 settings) and wrote TF32 through both APIs."""
+    with process_state.preserved():
+        USER_CUDNN_SETTINGS[user_setting]()
+        before = process_state.snapshot()
+        with pytest.raises(KeyError) if error else contextlib.nullcontext():
+            with runner._cudnn_benchmark(True, torch.device("cuda")):
+                inside = process_state.changes(before, process_state.snapshot())
+                assert torch.backends.cudnn.benchmark is True
+                if error:
+                    raise KeyError("inside the upscale")
+        assert set(inside) <= {"cudnn.benchmark"}
+        assert process_state.changes(before, process_state.snapshot()) == {}

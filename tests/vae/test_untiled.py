@@ -3,13 +3,14 @@
 References are independent of the code under test: the same diffusers ``AutoencoderKL`` called without the scope
 (its own GroupNorm and attention processor), and on the GPU an fp64 decode of the same latent.
 """
+import contextlib
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from leandiffusion.tests.kit import tiny_components
+from leandiffusion.tests.kit import process_state, tiny_components
 from leandiffusion.vae import attention as attention_mod
 from leandiffusion.vae import group_norm as gn
 from leandiffusion.vae import untiled
@@ -82,17 +83,36 @@ def test_calls_it_cannot_serve_go_to_the_blocks_own_processor():
     assert proc(attn, h, encoder_hidden_states=ctx) is h and seen == [True]
 
 
+# matmul precision choices a user (or another pack) may have made before a decode, through each of PyTorch's APIs
+USER_MATMUL_SETTINGS = {
+    "defaults": lambda: None,
+    "legacy matmul.allow_tf32=True": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    "float32_matmul_precision=medium": lambda: torch.set_float32_matmul_precision("medium"),
+    "matmul.fp32_precision=ieee": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "ieee"),
+    "backends.fp32_precision=tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    "fp16 reduced-precision reductions off": lambda: setattr(
+        torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", False),
+}
+
+
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
                     reason="PyTorch < 2.9 has no fp32_precision API; convolutions_use_tf32() is then False, so "
                            "tf32_matmuls is never entered")
-def test_tf32_matmuls_restores_the_setting_on_error():
-    matmul = torch.backends.cuda.matmul
-    old = matmul.fp32_precision
-    with pytest.raises(ValueError):
-        with attention_mod.tf32_matmuls():
-            assert matmul.fp32_precision == "tf32"
-            raise ValueError
-    assert matmul.fp32_precision == old
+@pytest.mark.parametrize("error", [False, True], ids=["returns", "raises"])
+@pytest.mark.parametrize("user_setting", list(USER_MATMUL_SETTINGS))
+def test_tf32_matmuls_changes_nothing_outside_its_block(user_setting, error):
+    """The untiled decode's TF32 score-matmul scope: TF32 inside, and afterwards every process-wide setting as the
+    user had it (whichever API set it; the legacy flags stay readable), after a return and after an error. The flags
+    are process state that torch reads and writes on the CPU too."""
+    with process_state.preserved():
+        USER_MATMUL_SETTINGS[user_setting]()
+        before = process_state.snapshot()
+        with pytest.raises(ValueError) if error else contextlib.nullcontext():
+            with attention_mod.tf32_matmuls():
+                assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+                if error:
+                    raise ValueError("inside the attention block")
+        assert process_state.changes(before, process_state.snapshot()) == {}
 
 
 def test_chunked_attention_equals_sdpa():
