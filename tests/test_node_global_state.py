@@ -189,6 +189,10 @@ spec = importlib.util.spec_from_file_location("process_state", sys.argv[1])
 state = importlib.util.module_from_spec(spec)
 sys.modules["process_state"] = state
 spec.loader.exec_module(state)  # by path: importing it as leandiffusion.tests.kit would import the pack first
+try:  # Triton's own import side effects are Triton's (3.0 imports pkg_resources, which adds a warnings filter)
+    import triton
+except ImportError:
+    pass
 before = state.snapshot()
 import leandiffusion
 nodes = leandiffusion.NODE_CLASS_MAPPINGS

@@ -40,12 +40,17 @@ class Unreadable:
 def _read(read: Callable[[], Any]) -> Any:
     try:
         return read()
-    except (RuntimeError, AttributeError, ValueError) as exc:
+    except (RuntimeError, AttributeError, TypeError, ValueError) as exc:
         return Unreadable(str(exc).split(".")[0][:120])
 
 
 def _attr(owner: Any, name: str) -> tuple[Callable, Callable]:
     return (lambda: getattr(owner, name)), (lambda v: setattr(owner, name, v))
+
+
+def _maybe(owner: Any, name: str) -> Optional[Callable]:
+    """``owner.name`` where this PyTorch has it (the floor, 2.4, lacks some of the newer switches), else None."""
+    return getattr(owner, name, None)
 
 
 def _torch_switches() -> dict[str, tuple[Callable, Optional[Callable]]]:
@@ -65,11 +70,11 @@ def _torch_switches() -> dict[str, tuple[Callable, Optional[Callable]]]:
         "sdp.flash": (b.cuda.flash_sdp_enabled, b.cuda.enable_flash_sdp),
         "sdp.mem_efficient": (b.cuda.mem_efficient_sdp_enabled, b.cuda.enable_mem_efficient_sdp),
         "sdp.math": (b.cuda.math_sdp_enabled, b.cuda.enable_math_sdp),
-        "sdp.cudnn": (b.cuda.cudnn_sdp_enabled, b.cuda.enable_cudnn_sdp),
-        "sdp.fp16_bf16_reduction_math": (b.cuda.fp16_bf16_reduction_math_sdp_allowed,
-                                         b.cuda.allow_fp16_bf16_reduction_math_sdp),
-        "cuda.preferred_linalg_library": (b.cuda.preferred_linalg_library, None),
-        "cuda.preferred_blas_library": (b.cuda.preferred_blas_library, None),
+        "sdp.cudnn": (_maybe(b.cuda, "cudnn_sdp_enabled"), _maybe(b.cuda, "enable_cudnn_sdp")),
+        "sdp.fp16_bf16_reduction_math": (_maybe(b.cuda, "fp16_bf16_reduction_math_sdp_allowed"),
+                                         _maybe(b.cuda, "allow_fp16_bf16_reduction_math_sdp")),
+        "cuda.preferred_linalg_library": (_maybe(b.cuda, "preferred_linalg_library"), None),
+        "cuda.preferred_blas_library": (_maybe(b.cuda, "preferred_blas_library"), None),
     }
     for device in ("cpu", "cuda"):
         s[f"autocast.{device}"] = (lambda d=device: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)), None)
@@ -78,7 +83,8 @@ def _torch_switches() -> dict[str, tuple[Callable, Optional[Callable]]]:
              ("matmul.fp16_reduced", b.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
              ("matmul.bf16_reduced", b.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
              ("mkldnn.enabled", b.mkldnn, "enabled"), ("mkldnn.deterministic", b.mkldnn, "deterministic"),
-             ("opt_einsum.enabled", b.opt_einsum, "enabled"), ("opt_einsum.strategy", b.opt_einsum, "strategy")]
+             ("opt_einsum.enabled", _maybe(b, "opt_einsum"), "enabled"),
+             ("opt_einsum.strategy", _maybe(b, "opt_einsum"), "strategy")]
     other += [(f"matmul.{name}", b.cuda.matmul, name) for name in ("fp16_accumulation", "allow_fp16_accumulation")
               if hasattr(b.cuda.matmul, name)]
     # TF32: the legacy flags first, so ``restore`` writes them before the new API's values (PyTorch >= 2.9 keeps both;
@@ -97,7 +103,8 @@ def _torch_switches() -> dict[str, tuple[Callable, Optional[Callable]]]:
                        ("mkldnn.matmul.fp32_precision", b.mkldnn.matmul, "fp32_precision"),
                        ("mkldnn.conv.fp32_precision", b.mkldnn.conv, "fp32_precision")]
     for name, owner, attr in attributes:
-        s[name] = _attr(owner, attr)
+        if owner is not None:  # an attribute this PyTorch lacks reads as Unreadable, the same before and after
+            s[name] = _attr(owner, attr)
     s["deterministic.fill_uninitialized_memory"] = _attr(torch.utils.deterministic, "fill_uninitialized_memory")
     if torch.cuda.is_available():
         s["cuda.current_device"] = (torch.cuda.current_device, torch.cuda.set_device)
@@ -105,7 +112,7 @@ def _torch_switches() -> dict[str, tuple[Callable, Optional[Callable]]]:
         if hasattr(torch.cuda, "get_per_process_memory_fraction"):
             s["cuda.memory_fraction"] = (torch.cuda.get_per_process_memory_fraction,
                                          torch.cuda.set_per_process_memory_fraction)
-    return s
+    return {name: entry for name, entry in s.items() if entry[0] is not None}
 
 
 def _compiler_configs() -> dict[str, tuple[Callable, Optional[Callable]]]:
@@ -180,6 +187,22 @@ def _restore_signals(old: dict) -> None:
             signal.signal(sig, handler)
 
 
+_PYTEST_HOOK = "<pytest's per-test hook>"
+
+
+def _hook(owner: Any, name: str) -> tuple[Callable, Callable]:
+    """(read, restore) of an exception hook; pytest (8.0-8.x) installs its own per test, which reads as one marker."""
+    def read():
+        hook = getattr(owner, name)
+        bound_to = getattr(hook, "__self__", None)
+        return _PYTEST_HOOK if type(bound_to).__module__.startswith("_pytest") else hook
+
+    def restore(value):
+        if value != _PYTEST_HOOK:
+            setattr(owner, name, value)
+    return read, restore
+
+
 def _restore_filters(old: list) -> None:
     warnings.filters[:] = old
     warnings._filters_mutated()
@@ -196,8 +219,8 @@ def _process_switches() -> dict[str, tuple[Callable, Optional[Callable]]]:
         "logging.disable": (lambda: logging.root.manager.disable, logging.disable),
         "logging.record_factory": (logging.getLogRecordFactory, logging.setLogRecordFactory),
         "logging.logger_class": (logging.getLoggerClass, logging.setLoggerClass),
-        "sys.excepthook": (lambda: sys.excepthook, lambda v: setattr(sys, "excepthook", v)),
-        "threading.excepthook": (lambda: threading.excepthook, lambda v: setattr(threading, "excepthook", v)),
+        "sys.excepthook": _hook(sys, "excepthook"),
+        "threading.excepthook": _hook(threading, "excepthook"),
         "sys.recursionlimit": (sys.getrecursionlimit, sys.setrecursionlimit),
         "sys.switchinterval": (sys.getswitchinterval, sys.setswitchinterval),
         "socket.default_timeout": (socket.getdefaulttimeout, socket.setdefaulttimeout),
