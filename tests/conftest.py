@@ -27,12 +27,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _torch_compiler_initialised_on_cuda():
-    """On a CUDA machine, torch's first Inductor compile sets process-wide state of its own (TRITON_CACHE_DIR and
-    TRITON_PTXAS_PATH in the environment, sys.recursionlimit 1000 -> 2000), whoever asks for the compile (in
-    ComfyUI: the first compiled model of any node). One tiny compile here, before the first test, keeps that from
-    being charged to whichever test compiles first by ``_process_state_unchanged``; anything a compile sets beyond
-    that first initialisation still fails the test that did it."""
+def _torch_compiler_initialised():
+    """torch's first compile sets process-wide state of its own, whoever asks for it (in ComfyUI: the first compiled
+    model of any node): dynamo's first trace adds a warnings filter on PyTorch 2.4, and on CUDA the first Inductor
+    compile sets TRITON_CACHE_DIR and TRITON_PTXAS_PATH in the environment and sys.recursionlimit 1000 -> 2000. One
+    tiny compile of each kind here, before the first test, keeps that from being charged to whichever test compiles
+    first by ``_process_state_unchanged``; anything a compile sets beyond that first initialisation still fails the
+    test that did it."""
+    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(8))
     if torch.cuda.is_available():
         torch.compile(lambda x: x * 2 + 1)(torch.ones(8, device="cuda"))
         torch.cuda.synchronize()

@@ -203,6 +203,18 @@ def _hook(owner: Any, name: str) -> tuple[Callable, Callable]:
     return read, restore
 
 
+def _is_dynamo_distributed_filter(entry: tuple) -> bool:
+    """PyTorch 2.4's dynamo adds ('ignore', UserWarning, module 'torch.distributed') at every frame it converts
+    (``TorchPatcher.suppress_torch_distributed_warnings``): torch's own doing on any compile, so not watched."""
+    action, message, category, module, _ = entry
+    return (action == "ignore" and message is None and category is UserWarning
+            and getattr(module, "pattern", None) == "torch.distributed")
+
+
+def _warnings_filters() -> list:
+    return [entry for entry in warnings.filters if not _is_dynamo_distributed_filter(entry)]
+
+
 def _restore_filters(old: list) -> None:
     warnings.filters[:] = old
     warnings._filters_mutated()
@@ -214,7 +226,7 @@ def _process_switches() -> dict[str, tuple[Callable, Optional[Callable]]]:
         "cwd": (os.getcwd, os.chdir),
         "sys.path": (lambda: list(sys.path), lambda v: sys.path.__setitem__(slice(None), v)),
         "signal_handlers": (_signals, _restore_signals),
-        "warnings.filters": (lambda: list(warnings.filters), _restore_filters),
+        "warnings.filters": (_warnings_filters, _restore_filters),
         "warnings.showwarning": (lambda: warnings.showwarning, lambda v: setattr(warnings, "showwarning", v)),
         "logging.disable": (lambda: logging.root.manager.disable, logging.disable),
         "logging.record_factory": (logging.getLogRecordFactory, logging.setLogRecordFactory),
