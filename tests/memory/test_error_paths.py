@@ -37,6 +37,13 @@ def test_bad_policy_inputs_are_refused_before_the_checkpoint_is_read(monkeypatch
     assert read == [], "the checkpoint was read before the inputs were checked"
 
 
+@pytest.mark.parametrize("choice", ["", None])
+def test_an_empty_model_choice_is_named(choice):
+    """Session-14 coverage audit: never run (an API prompt can carry any value)."""
+    with pytest.raises(ValueError, match=rf"model={choice!r}: expected a name from the node's model list"):
+        LeanModelLoader().load(choice, "full", 4.0, "auto", "auto")
+
+
 def _stream_engine():
     parts = tiny_parts("sd1")
     budget = stream_working_minimum_gb(parts, "cpu") + 0.3 * module_bytes(parts.unet, torch.float32) / GiB
