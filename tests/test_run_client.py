@@ -70,7 +70,8 @@ def test_whole_prompt_refusals_are_one_line(body, line):
 
 # --------------------------------------------------------------------------------------------- a canned server
 class Canned:
-    """A stdlib HTTP server answering each (method, path) with a canned (status, bytes); records requests."""
+    """A stdlib HTTP server answering each (method, path) with a canned (status, bytes), or with what a callable
+    returns; records requests."""
 
     def __init__(self, answers: dict):
         self.answers, self.requests = answers, []
@@ -86,7 +87,8 @@ class Canned:
                 length = int(self.headers.get("Content-Length") or 0)
                 if length:
                     self.rfile.read(length)
-                status, data = canned.answers.get((method, path), (404, b'{"error": "not found"}'))
+                answer = canned.answers.get((method, path), (404, b'{"error": "not found"}'))
+                status, data = answer() if callable(answer) else answer
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -188,6 +190,25 @@ def test_without_websocket_client_the_run_is_polled(monkeypatch, caplog):
     refuse_import(monkeypatch, "websocket")
     assert ComfyClient("http://127.0.0.1:9").open_websocket("client") is None
     assert "websocket-client is not installed; following the run by polling /history" in caplog.text
+
+
+def test_success_announced_before_the_history_is_written_waits_for_it(canned):
+    """ComfyUI announces success just before it writes the history entry: the runner asks again until it is there,
+    and gives up with a plain line when it never comes."""
+    entry = {"p-1": {"status": {"status_str": "success", "completed": True, "messages": []}, "outputs": {}}}
+    asked = []
+
+    def history():
+        asked.append(1)
+        return 200, (json.dumps(entry) if len(asked) > 2 else "{}").encode()
+
+    server = canned({("GET", "/history/p-1"): history})
+    done = [json.dumps({"type": "execution_success", "data": {"prompt_id": "p-1"}})]
+    assert ComfyClient(server.url).follow("p-1", FakeSocket(done), timeout=10, poll_interval=5) == entry["p-1"]
+    assert len(asked) == 3
+    never = canned({("GET", "/history/p-1"): (200, b"{}")})
+    with pytest.raises(ExecutionFailed, match=r"ComfyUI has no history for prompt p-1 after it finished"):
+        ComfyClient(never.url).follow("p-1", FakeSocket(list(done)), timeout=0.5, poll_interval=5)
 
 
 # --------------------------------------------------------------------------------------------- images
