@@ -36,11 +36,6 @@ def _comfy_module(name: str):
         return None
 
 
-def in_comfyui() -> bool:
-    """True when ComfyUI's modules are loaded in this process."""
-    return _comfy_module("comfy.model_management") is not None
-
-
 # --------------------------------------------------------------------------------------------- progress
 class ProgressBar:
     """A progress bar over ``total`` units: ComfyUI's when inside ComfyUI, tqdm otherwise."""

@@ -63,9 +63,6 @@ class LoraAdapter:
         modules) alive, and a view re-made with another UNet strength reuses the cached prompts."""
         return ("lora",) + self.binding.key + tuple((c, s) for c, s in self.strengths if c != "unet")
 
-    def strength_of(self, component: str) -> float:
-        return dict(self.strengths).get(component, 0.0)
-
     def _check(self, parts) -> None:
         if self.parts_ref() is not parts:
             raise RuntimeError(f"LoRA {self.name!r} was injected into another model; re-run the LoRA injector "

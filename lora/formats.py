@@ -72,14 +72,6 @@ class LoraLayer:
     scale: float  # alpha / rank (or alpha / sqrt(rank))
     source: str  # the file key prefix, for error messages
 
-    @property
-    def rank(self) -> int:
-        return int(self.down.shape[0])
-
-    @property
-    def is_conv(self) -> bool:
-        return self.down.ndim == 4
-
 
 @dataclass(frozen=True, eq=False)
 class ParsedLora:

@@ -163,11 +163,11 @@ def resolve(parsed: ParsedLora, roots: dict[str, Optional[torch.nn.Module]], mod
     if unmatched:
         shown = ", ".join(unmatched[:30]) + (f" (+{len(unmatched) - 30} more)" if len(unmatched) > 30 else "")
         raise ValueError(f"lora {parsed.source}: {len(unmatched)} of {len(parsed.layers)} layers match no module "
-                         f"of the {model_family} model{about}: {shown}")
+                         f"of the {model_family} model{about}; use a LoRA made for this model family: {shown}")
     bad = [msg for t in targets if (msg := shape_problem(t))]
     if bad:
-        raise ValueError(f"lora {parsed.source}: {len(bad)} layers do not fit their modules{about}: "
-                         + "; ".join(bad[:10]))
+        raise ValueError(f"lora {parsed.source}: {len(bad)} layers do not fit their modules{about}; use a LoRA made "
+                         f"for this model family: " + "; ".join(bad[:10]))
     return targets
 
 

@@ -20,7 +20,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .formats import LoraLayer, ParsedLora, parse_lora, read_state_dict
+from .formats import ParsedLora, parse_lora, read_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,3 @@ def clear_cache() -> None:
     """Drop the strong references of the cache (views still holding a LoRA keep it alive)."""
     with _LOCK:
         _STRONG.clear()
-
-
-def layer_summary(layers: Iterable[LoraLayer]) -> str:
-    layers = list(layers)
-    ranks = sorted({layer.rank for layer in layers})
-    return f"{len(layers)} layers, rank {'/'.join(map(str, ranks))}"

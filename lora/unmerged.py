@@ -364,10 +364,6 @@ class UnmergedBinding(RefCountedBinding):
         self._written: dict[str, float] = {c: 0.0 for c in self.components}  # buffers start zeroed
         self._init_refcounts(self.components)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for c in self.components for t in self._up_s[c])
-
     def write_strength(self, component: str, strength: float) -> None:
         """Set ``up_s = strength * up`` for ``component`` in place (skipped when already written)."""
         if self._written.get(component) == strength:

@@ -4,10 +4,10 @@ Invariants
 - An engine is an immutable *view*: ``with_changes`` / ``with_adapter`` return a new engine that shares every
   module and weight with its parent; nothing a downstream node does changes an upstream engine (ComfyUI caches
   node outputs, GUIDE convention 2).
-- Every model call of every node goes through the engine (``encode_prompts``, ``unet``, ``vae_decode``,
-  ``vae_encode``) inside ``with engine.session(stage):``. The session is where the VRAM policy places weights
-  (``placement``) and where the view's adapters (unmerged LoRAs) are attached to the shared modules; both are
-  undone on exit, so a view's LoRA never leaks into another view's run.
+- Every model call of every node runs inside ``with engine.session(stage):`` (the text encoders through
+  ``sampling/prompt_encoder.py``; ``unet``, ``vae_decode``, ``vae_encode`` here). The session is where the VRAM
+  policy places weights (``placement``) and where the view's adapters (unmerged LoRAs) are attached to the shared
+  modules; both are undone on exit, so a view's LoRA never leaks into another view's run.
 - Latents handed to ``unet`` are in the model's *scaled* latent space (``raw * scaling_factor``); ``vae_decode``
   takes raw latents (ComfyUI's LATENT convention) and returns images in 0..1 as ``[B, H, W, C]`` float32 on the
   CPU (ComfyUI's IMAGE convention).
@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Protocol, Sequence
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 
@@ -215,30 +215,6 @@ class LeanEngine:
         """Device where the stage's inputs must be (the text stage may run on the CPU under ``lowvram``)."""
         hook = getattr(self.placement, "stage_device", None)
         return hook(self, stage) if hook is not None else self.device
-
-    def tokenize(self, prompts: Sequence[str], which: int = 1) -> torch.Tensor:
-        tok = self.parts.tokenizer if which == 1 else self.parts.tokenizer_2
-        return tok(list(prompts), padding="max_length", max_length=tok.model_max_length, truncation=True,
-                   return_tensors="pt").input_ids
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
-        """Encode prompts as diffusers' pipelines do (no clip skip). Call inside ``session("text")``.
-
-        SD1/SD2: the text encoder's ``last_hidden_state``. SDXL: the penultimate hidden states of both encoders
-        concatenated on the channel axis, and the second encoder's projected pooled output.
-        """
-        dev = self.stage_device("text")
-        te = self.parts.text_encoder
-        ids = self.tokenize(prompts, 1).to(dev)
-        if not self.parts.is_sdxl:
-            context = te(ids)[0]
-            return PromptEmbeds(context.to(self.device, self.dtype))
-        h1 = te(ids, output_hidden_states=True).hidden_states[-2]
-        ids2 = self.tokenize(prompts, 2).to(dev)
-        out2 = self.parts.text_encoder_2(ids2, output_hidden_states=True)
-        context = torch.cat([h1, out2.hidden_states[-2]], dim=-1)
-        return PromptEmbeds(context.to(self.device, self.dtype), out2.text_embeds.to(self.device, self.dtype))
 
     def unet(self, latents: torch.Tensor, timestep, context: torch.Tensor,
              added_cond_kwargs: Optional[dict] = None) -> torch.Tensor:

@@ -117,4 +117,4 @@ def _tokenizer(folder: Path, sub: str, fallback_pad):
     own = folder / sub
     if (own / "vocab.json").is_file() or (own / "tokenizer.json").is_file():
         return load_clip_tokenizer(own)  # the folder's own settings (pad token included) win
-    return load_clip_tokenizer(find_tokenizer_dir(folder / "model_index.json"), pad_token=fallback_pad)
+    return load_clip_tokenizer(find_tokenizer_dir(folder), pad_token=fallback_pad)

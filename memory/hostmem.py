@@ -124,10 +124,6 @@ class ModuleSwap:
         self.device_flat = None
 
     @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
-
-    @property
     def on_device(self) -> bool:
         return self.device_flat is not None or self.device.type == "cpu"
 

@@ -84,7 +84,8 @@ def build_module(factory: Callable[[], torch.nn.Module], state_dict: dict, what:
     try:
         module.load_state_dict(state_dict, strict=True, assign=True)
     except RuntimeError as exc:
-        raise ValueError(f"{what}: the checkpoint's tensors do not fit the inferred architecture: {exc}") from exc
+        raise ValueError(f"{what}: the checkpoint's tensors do not fit the inferred architecture ({exc}); the file is "
+                         f"incomplete or not a standard LDM checkpoint: re-download it") from exc
     for name, buf in list(module.named_buffers()):
         if buf.is_meta:  # non-persistent buffers are not in any state dict; CLIP's position ids are the only ones
             if not name.endswith("position_ids"):
@@ -171,7 +172,10 @@ def load_ldm_checkpoint(path: Path) -> dict:
     source = f"model={path.name!r}"
     shapes = {canonical_name(k): v for k, v in read_header(path).items()}
     family = detect_family(shapes, source=source).name
-    tok_dir = find_tokenizer_dir(path)  # fail on a missing tokenizer before the expensive conversion
+    tok_dir = find_tokenizer_dir(path)  # fail on a missing or damaged tokenizer before the expensive conversion
+    tokenizers = {"tokenizer": load_clip_tokenizer(tok_dir, pad_token=OPENCLIP_PAD if family == "sd2" else None)}
+    if family == "sdxl":
+        tokenizers["tokenizer_2"] = load_clip_tokenizer(tok_dir, pad_token=OPENCLIP_PAD)
     tensors = read_tensors(path)
     engine_family, overrides = scheduler_overrides(family, shapes, path, read=tensors.__getitem__)
     try:
@@ -181,8 +185,6 @@ def load_ldm_checkpoint(path: Path) -> dict:
     del tensors
     components["family"] = engine_family
     components["scheduler_config"] = {**family_defaults(engine_family)["scheduler"], **overrides}
-    components["tokenizer"] = load_clip_tokenizer(tok_dir, pad_token=OPENCLIP_PAD if family == "sd2" else None)
-    if family == "sdxl":
-        components["tokenizer_2"] = load_clip_tokenizer(tok_dir, pad_token=OPENCLIP_PAD)
+    components.update(tokenizers)
     logger.info("loaded %s as %s%s", path.name, engine_family, f" with {overrides}" if overrides else "")
     return components

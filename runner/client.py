@@ -170,8 +170,11 @@ class ComfyClient:
         status, raw = self.request("POST", "/prompt", body=body)
         try:
             body = json.loads(raw)
-        except ValueError:
-            body = {"error": {"message": f"ComfyUI answered {status} with a non-JSON body", "details": raw[:200].decode(errors="replace")}}
+        except ValueError as exc:  # ComfyUI always answers JSON here: this is a proxy's error page or another service
+            snippet = raw[:80].decode(errors="replace")
+            raise ServerUnreachable(f"{self.base_url} answered {status} to POST /prompt with a non-JSON body "
+                                    f"({snippet!r}); is this a ComfyUI server (or a proxy in front of one that "
+                                    f"cannot reach it)?") from exc
         if status == 200 and isinstance(body, dict) and body.get("prompt_id"):
             if body.get("node_errors"):
                 self.cancel(body["prompt_id"])

@@ -63,6 +63,26 @@ def check_config(config: Mapping[str, Any]) -> None:
     n = _cfg(config, "num_train_timesteps")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"scheduler_config['num_train_timesteps']={n!r}: expected a positive int")
+    if config.get("trained_betas") is not None:
+        _trained_betas(config["trained_betas"], n)
+
+
+def _trained_betas(trained, n: int) -> torch.Tensor:
+    """``trained_betas`` as float32: one beta in 0..1 per training timestep, else ``ValueError`` (diffusers takes
+    any list and fails later with an index error deep inside sampling)."""
+    try:
+        out = torch.as_tensor(trained, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        got = f"values that are not numbers ({exc})"
+    else:
+        in_range = bool(((out >= 0) & (out <= 1)).all())  # NaN is in no range
+        if out.ndim == 1 and out.numel() == n and in_range:
+            return out.to(torch.float32)
+        got = f"{out.numel()} values of shape {tuple(out.shape)}, from {out.min().item():g} to {out.max().item():g}" \
+            if out.numel() else "no values"
+    raise ValueError(f"scheduler_config['trained_betas']: expected {n} numbers in 0..1 (one per training timestep, "
+                     f"num_train_timesteps={n}), got {got}; correct or remove trained_betas in the model's "
+                     f"scheduler_config.json")
 
 
 def _cosine_betas(n: int, max_beta: float = 0.999) -> torch.Tensor:
@@ -92,7 +112,7 @@ def betas(config: Mapping[str, Any]) -> torch.Tensor:
     schedule = _cfg(config, "beta_schedule")
     start, end = float(_cfg(config, "beta_start")), float(_cfg(config, "beta_end"))
     if trained is not None:
-        out = torch.tensor(trained, dtype=torch.float32)
+        out = _trained_betas(trained, n)
     elif schedule == "linear":
         out = torch.linspace(start, end, n, dtype=torch.float32)
     elif schedule == "scaled_linear":

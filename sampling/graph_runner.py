@@ -120,7 +120,11 @@ class GraphRunner:
     def __init__(self, backend: Any = None, max_graphs: Optional[int] = None):
         self.backend = backend if backend is not None else CudaGraphBackend()
         if max_graphs is None:
-            max_graphs = int(os.environ.get(ENV_MAX_GRAPHS, "2"))
+            text = os.environ.get(ENV_MAX_GRAPHS, "").strip() or "2"
+            max_graphs = int(text) if text.isdigit() else 0
+            if max_graphs < 1:
+                raise ValueError(f"{ENV_MAX_GRAPHS}={text!r}: expected a positive int (CUDA graphs cached per model, "
+                                 f"default 2); set it to 1 or more, or unset it")
         if max_graphs < 1:
             raise ValueError(f"max_graphs={max_graphs}: expected >= 1 (set {ENV_MAX_GRAPHS} to a positive int)")
         self.max_graphs = max_graphs

@@ -96,6 +96,22 @@ def test_resolve_missing_names_folder(models_dir):
         bridge.resolve_model("checkpoints", "missing.safetensors")
 
 
+@pytest.mark.parametrize("name", ["", "   ", None])
+def test_resolve_refuses_an_empty_name(models_dir, name):
+    """Session-14 coverage audit: never run."""
+    with pytest.raises(ValueError, match=rf"lora_name: expected a model name from the 'loras' folder, got {name!r}"):
+        bridge.resolve_model("loras", name, "lora_name")
+
+
+def test_resolve_without_a_models_folder_says_how_to_configure_one(monkeypatch):
+    """Outside ComfyUI without LEANDIFFUSION_MODELS (session-14 coverage audit: never run)."""
+    monkeypatch.delenv(bridge.MODELS_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"model='m.safetensors': no 'checkpoints' model folder is configured; inside "
+                                         r"ComfyUI put the file in models/checkpoints/, outside ComfyUI set "
+                                         r"LEANDIFFUSION_MODELS to a folder that has a 'checkpoints' sub-folder"):
+        bridge.resolve_model("checkpoints", "m.safetensors", "model")
+
+
 def test_plain_fallbacks_outside_comfyui():
     bridge.check_interrupted()  # no-op
     with bridge.ProgressBar(3, quiet=True) as bar:

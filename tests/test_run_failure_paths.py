@@ -155,6 +155,20 @@ def test_out_under_a_file_is_refused_before_running(fake, tmp_path, capsys):
     assert "--out" in _error_lines(capsys)[0] and not fake.prompts
 
 
+def test_out_in_a_folder_without_write_permission_is_refused_before_running(fake, tmp_path, capsys, monkeypatch):
+    """Session-14 coverage audit (never run: the suite runs as root, who may write anywhere): os.access stands in
+    for a read-only folder."""
+    import os
+
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == tmp_path
+                        else real_access(path, mode, **kw))
+    assert main([API, "--server", fake.url, "-q", "--out", str(tmp_path / "new" / "sub")]) == EXIT_INVALID
+    assert _error_lines(capsys) == [f"error: --out {tmp_path / 'new' / 'sub'}: no permission to write in {tmp_path}; "
+                                    f"name another folder"]
+    assert not fake.prompts
+
+
 def test_save_failure_is_one_line_not_a_traceback(fake, tmp_path, capsys, monkeypatch):
     import os
 

@@ -193,3 +193,20 @@ def test_pack_that_failed_to_import_is_named_not_unknown_nodes(fake_comfyui_dir,
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert errors[0].startswith("error: the started ComfyUI could not import this pack") and "unknown node type" not in err
     assert "No module named 'diffusers'" in err
+
+
+def test_a_node_failing_on_the_started_comfyui_brings_its_log(fake_comfyui_dir, tmp_path, monkeypatch, capsys):
+    """The started server's traceback is in its log, which goes away with the server: the error lines end with the
+    log's tail (session-14 coverage audit: this path had never run)."""
+    from leandiffusion.runner.cli import main
+    from leandiffusion.runner.errors import EXIT_EXECUTION
+
+    monkeypatch.setenv("FAKE_COMFYUI_MODE", "fail:2")
+    code = main([str(FIXTURES / "core_image.api.json"), "--comfyui", str(fake_comfyui_dir), "--python",
+                 sys.executable, "--out", str(tmp_path / "out"), "-q"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == EXIT_EXECUTION
+    assert err[0].startswith("error: node 2 (ImageScale) failed: ")
+    assert "  the end of ComfyUI's log:" in err
+    assert any("!!! Exception during processing !!! (the fake fails node 2)" in line for line in err)
+    assert not _alive(_server_pid(fake_comfyui_dir)) and not (tmp_path / "out").exists()

@@ -86,7 +86,7 @@ def parse_param(text: str, source: str = "<param>") -> list[Layer]:
                 else:
                     params[k] = _parse_value(value)
         except (IndexError, ValueError) as exc:
-            raise ValueError(f"{source}: line {number} is not a valid ncnn layer line: {line[:80]!r}") from exc
+            raise ValueError(f"{source}: line {number} is not a valid ncnn layer line ({exc}): {line[:80]!r}") from exc
         layers.append(Layer(tok[0], tok[1], bottoms, tops, params))
     if len(layers) != layer_count:
         raise ValueError(f"{source}: header says {layer_count} layers, file has {len(layers)} (truncated?)")

@@ -35,18 +35,14 @@ StateDict = Mapping[str, torch.Tensor]
 # --------------------------------------------------------------------------------------------- conditions
 @dataclass(frozen=True)
 class KeyCondition:
-    """``kind`` is "all", "any" or "none" over ``items`` (key names or nested conditions)."""
+    """``kind`` is "all" or "none" over ``items`` (key names or nested conditions)."""
 
     kind: str
     items: tuple
 
     def matches(self, keys) -> bool:
         hits = (item.matches(keys) if isinstance(item, KeyCondition) else item in keys for item in self.items)
-        if self.kind == "all":
-            return all(hits)
-        if self.kind == "any":
-            return any(hits)
-        return not any(hits)
+        return all(hits) if self.kind == "all" else not any(hits)
 
 
 Item = Union[str, KeyCondition]
@@ -54,10 +50,6 @@ Item = Union[str, KeyCondition]
 
 def has_all(*items: Item) -> KeyCondition:
     return KeyCondition("all", items)
-
-
-def has_any(*items: Item) -> KeyCondition:
-    return KeyCondition("any", items)
 
 
 def has_none(*items: Item) -> KeyCondition:

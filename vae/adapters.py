@@ -12,8 +12,12 @@ from typing import Optional
 
 import torch
 
-from .attention import spec_from_diffusers, spec_from_ldm
+from .attention import NEEDS_COMFYUI, spec_from_diffusers, spec_from_ldm
 from .program import Op, Program, Stage
+
+
+def _unsupported(what: str) -> TypeError:
+    return TypeError(f"unsupported {what}; {NEEDS_COMFYUI}")
 
 
 def _conv(module, what: str) -> Op:
@@ -25,36 +29,38 @@ def _conv(module, what: str) -> Op:
             return Op("conv1", module)
         if ks == (3, 3) and pad == (1, 1) and getattr(module, "padding_mode", "zeros") == "zeros":
             return Op("conv3", module)
-    raise TypeError(f"unsupported convolution at {what}: kernel {ks}, stride {stride}, padding {pad}; "
-                    f"this VAE needs ComfyUI's own VAE Decode (Tiled)")
+    mode = getattr(module, "padding_mode", "zeros")
+    extra = "".join(text for bad, text in ((mode != "zeros", f", padding_mode {mode!r}"),
+                                           (module.groups != 1, f", groups {module.groups}"),
+                                           (dil != (1, 1), f", dilation {dil}")) if bad)
+    raise _unsupported(f"convolution at {what}: kernel {ks}, stride {stride}, padding {pad}{extra}")
 
 
 def _gn(module, what: str) -> Op:
     if not isinstance(module, torch.nn.GroupNorm):
-        raise TypeError(f"unsupported normalisation at {what}: {type(module).__name__} (expected a GroupNorm); "
-                        f"this VAE needs ComfyUI's own VAE Decode (Tiled)")
+        raise _unsupported(f"normalisation at {what}: {type(module).__name__} (expected a GroupNorm)")
     return Op("gn", module)
 
 
 def _silu_check(act, what: str) -> None:
     if act is not None and not isinstance(act, torch.nn.SiLU):
-        raise TypeError(f"unsupported activation at {what}: {type(act).__name__} (expected SiLU)")
+        raise _unsupported(f"activation at {what}: {type(act).__name__} (expected SiLU)")
 
 
 def _resnet(block, name: str, diffusers: bool) -> Stage:
     if diffusers:
         if block.upsample is not None or block.downsample is not None:
-            raise TypeError(f"unsupported ResNet block with resampling at {name}")
+            raise _unsupported(f"ResNet block with resampling at {name}")
         _silu_check(block.nonlinearity, name)
         shortcut = block.conv_shortcut
         scale = float(block.output_scale_factor)
     else:
         if getattr(block, "use_conv_shortcut", False) and block.in_channels != block.out_channels:
-            raise TypeError(f"unsupported 3x3 shortcut at {name}")
+            raise _unsupported(f"3x3 shortcut at {name}")
         shortcut = getattr(block, "nin_shortcut", None) if block.in_channels != block.out_channels else None
         scale = 1.0
     if shortcut is not None and _conv(shortcut, f"{name}.shortcut").kind != "conv1":
-        raise TypeError(f"unsupported 3x3 shortcut at {name}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
+        raise _unsupported(f"3x3 shortcut at {name}")
     ops = [_gn(block.norm1, f"{name}.norm1"), Op("silu"), _conv(block.conv1, f"{name}.conv1"),
            _gn(block.norm2, f"{name}.norm2"), Op("silu"), _conv(block.conv2, f"{name}.conv2")]
     return Stage("chain", ops, residual_src=0, shortcut=shortcut, output_scale=scale, name=name)
@@ -63,7 +69,7 @@ def _resnet(block, name: str, diffusers: bool) -> Stage:
 def _upsample_diffusers(up, name: str) -> Stage:
     if getattr(up, "use_conv_transpose", False) or not getattr(up, "interpolate", True) or up.norm is not None \
             or not up.use_conv:
-        raise TypeError(f"unsupported upsampler at {name}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
+        raise _unsupported(f"upsampler at {name}")
     conv = up.conv if up.name == "conv" else up.Conv2d_0
     return Stage("chain", [Op("up2"), _conv(conv, f"{name}.conv")], name=name)
 
@@ -72,7 +78,7 @@ def _downsample(conv, name: str, padding: int) -> Stage:
     ks, stride = tuple(conv.kernel_size), tuple(conv.stride)
     pad = tuple(conv.padding) if not isinstance(conv.padding, str) else conv.padding
     if padding != 0 or ks != (3, 3) or stride != (2, 2) or pad not in ((0, 0), "valid"):
-        raise TypeError(f"unsupported downsampler at {name}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
+        raise _unsupported(f"downsampler at {name}")
     return Stage("chain", [Op("down2", conv)], name=name)
 
 
@@ -82,7 +88,7 @@ def _tail(norm, act, conv, name: str) -> Stage:
 
 
 def _attention(block, name: str, diffusers: bool) -> Stage:
-    spec = spec_from_diffusers(block) if diffusers else spec_from_ldm(block)
+    spec = spec_from_diffusers(block, name) if diffusers else spec_from_ldm(block)
     return Stage("attention", attention=spec, name=name)
 
 
@@ -101,7 +107,7 @@ def _check(ae) -> bool:
     if is_ldm(ae):
         return False
     raise TypeError(f"vae: {type(ae).__name__} is neither a diffusers AutoencoderKL nor a ComfyUI/LDM AutoencoderKL "
-                    f"(no decoder.up_blocks or decoder.up); exact tiling supports those two")
+                    f"(no decoder.up_blocks or decoder.up); exact tiling supports those two; {NEEDS_COMFYUI}")
 
 
 def _resampling_factor(stages: list, kind: str) -> int:
@@ -134,12 +140,12 @@ def decoder_program(ae) -> Program:
     stages = []
     if diff:
         if getattr(dec, "up_blocks", None) is None or type(dec.conv_norm_out).__name__ == "SpatialNorm":
-            raise TypeError("unsupported diffusers decoder (SpatialNorm); this VAE needs ComfyUI's own VAE Decode (Tiled)")
+            raise _unsupported("diffusers decoder (SpatialNorm)")
         stages.append(Stage("chain", head + [_conv(dec.conv_in, "decoder.conv_in")], name="conv_in"))
         stages += _mid_stages(dec.mid_block, True)
         for bi, block in enumerate(dec.up_blocks):
             if getattr(block, "attentions", None):
-                raise TypeError(f"unsupported attention in decoder up block {bi}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
+                raise _unsupported(f"attention in decoder up block {bi}")
             for ri, res in enumerate(block.resnets):
                 stages.append(_resnet(res, f"up_blocks.{bi}.resnets.{ri}", True))
             for ui, up in enumerate(block.upsamplers or []):
@@ -148,7 +154,7 @@ def decoder_program(ae) -> Program:
         out_ch = int(dec.conv_out.out_channels)
     else:
         if getattr(dec, "give_pre_end", False) or getattr(dec, "tanh_out", False):
-            raise TypeError("unsupported LDM decoder (give_pre_end/tanh_out); this VAE needs ComfyUI's own VAE Decode (Tiled)")
+            raise _unsupported("LDM decoder (give_pre_end/tanh_out)")
         stages.append(Stage("chain", head + [_conv(dec.conv_in, "decoder.conv_in")], name="conv_in"))
         stages += _mid_stages(dec.mid, False)
         for i_level in reversed(range(dec.num_resolutions)):
@@ -159,7 +165,7 @@ def decoder_program(ae) -> Program:
                     stages.append(_attention(up.attn[i_block], f"up.{i_level}.attn.{i_block}", False))
             if i_level != 0:
                 if not getattr(up.upsample, "with_conv", False) or up.upsample.scale_factor not in (2, 2.0):
-                    raise TypeError(f"unsupported upsampler at up.{i_level}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
+                    raise _unsupported(f"upsampler at up.{i_level}")
                 stages.append(Stage("chain", [Op("up2"), _conv(up.upsample.conv, f"up.{i_level}.upsample.conv")],
                                     name=f"up.{i_level}.upsample"))
         stages.append(_tail(dec.norm_out, None, dec.conv_out, "decoder.out"))
@@ -176,12 +182,12 @@ def encoder_program(ae) -> Program:
     if diff:
         for bi, block in enumerate(enc.down_blocks):
             if getattr(block, "attentions", None):
-                raise TypeError(f"unsupported attention in encoder down block {bi}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
+                raise _unsupported(f"attention in encoder down block {bi}")
             for ri, res in enumerate(block.resnets):
                 stages.append(_resnet(res, f"down_blocks.{bi}.resnets.{ri}", True))
             for di, down in enumerate(block.downsamplers or []):
                 if not down.use_conv or down.norm is not None:
-                    raise TypeError(f"unsupported downsampler at down_blocks.{bi}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
+                    raise _unsupported(f"downsampler at down_blocks.{bi}")
                 stages.append(_downsample(down.conv, f"down_blocks.{bi}.downsamplers.{di}", down.padding))
         stages += _mid_stages(enc.mid_block, True)
         tail = _tail(enc.conv_norm_out, enc.conv_act, enc.conv_out, "encoder.out")
@@ -194,7 +200,7 @@ def encoder_program(ae) -> Program:
                     stages.append(_attention(down.attn[i_block], f"down.{i_level}.attn.{i_block}", False))
             if i_level != enc.num_resolutions - 1:
                 if not getattr(down.downsample, "with_conv", False):
-                    raise TypeError(f"unsupported average-pool downsampler at down.{i_level}; this VAE needs ComfyUI's own VAE Decode (Tiled)")
+                    raise _unsupported(f"average-pool downsampler at down.{i_level}")
                 stages.append(_downsample(down.downsample.conv, f"down.{i_level}.downsample", 0))
         stages += _mid_stages(enc.mid, False)
         tail = _tail(enc.norm_out, None, enc.conv_out, "encoder.out")

@@ -22,6 +22,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+# the fix every refusal of an unsupported VAE architecture names (adapters.py builds the programs)
+NEEDS_COMFYUI = "this VAE needs ComfyUI's own VAE Decode (Tiled) / VAE Encode (Tiled)"
+
 _SCORE_BYTES = 256 * 2**20  # cap on one chunk's fp32 score matrix on the fallback path
 
 
@@ -127,12 +130,16 @@ def spec_from_ldm(block) -> AttentionSpec:
                          _conv1x1_tokens(block.v), _conv1x1_tokens(block.proj_out), heads=1)
 
 
-def spec_from_diffusers(attn) -> AttentionSpec:
+def spec_from_diffusers(attn, where: str = "") -> AttentionSpec:
     """diffusers ``Attention`` as the VAE uses it (group_norm, to_q/k/v, to_out, residual connection)."""
     unsupported = [name for name in ("spatial_norm", "norm_q", "norm_k", "norm_cross")
                    if getattr(attn, name, None) is not None]
-    if unsupported or not getattr(attn, "residual_connection", False) or attn.group_norm is None:
-        raise TypeError(f"unsupported VAE attention block ({type(attn).__name__}: {unsupported or 'no residual'}); "
-                        f"this VAE needs ComfyUI's own VAE Decode (Tiled)")
+    if not getattr(attn, "residual_connection", False):
+        unsupported.append("no residual connection")
+    if attn.group_norm is None:
+        unsupported.append("no group_norm")
+    if unsupported:
+        raise TypeError(f"unsupported VAE attention block{f' at {where}' if where else ''} ({type(attn).__name__}: "
+                        f"{', '.join(unsupported)}); {NEEDS_COMFYUI}")
     return AttentionSpec(attn.group_norm, attn.to_q, attn.to_k, attn.to_v, attn.to_out[0], heads=int(attn.heads),
                          rescale=float(getattr(attn, "rescale_output_factor", 1.0)))

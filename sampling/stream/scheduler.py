@@ -232,13 +232,25 @@ def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, r
     except BaseException as exc:
         streams.synchronize()
         finished = int(decoder.written.sum())
-        note = (f"Stream Scheduler Sampler stopped: {finished} of {n} images were finished (images {start}.. were "
-                f"in progress); nothing was returned")
+        unfinished = _spans((~decoder.written).nonzero().flatten().tolist())
+        note = (f"Stream Scheduler Sampler stopped: {finished} of {n} images were finished (unfinished: images "
+                f"{unfinished}); nothing was returned")
         logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
         if hasattr(exc, "add_note"):
             exc.add_note(note)
         raise
     return StreamResult(images, latents, tuple(used), retries)
+
+
+def _spans(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 def _settle(streams: StageStreams) -> None:

@@ -86,6 +86,8 @@ def test_usage_errors(tmp_path, capsys):
         cli.main(["--smoke", "--suite-dir", str(STUBS)])
     with pytest.raises(SystemExit, match="--smoke only"):
         cli.main(["--quick", "--isolation", "fork", "--suite-dir", str(STUBS), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"--budget=0.0: expected a positive number of seconds"):  # session 14
+        cli.main(["--smoke", "--budget", "0", "--suite-dir", str(STUBS), "--out", str(tmp_path)])
 
 
 def test_list(capsys):

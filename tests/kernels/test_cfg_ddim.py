@@ -151,3 +151,31 @@ def test_gpu_kernel_matches_reference(shape, dtype):
     mi_ref = torch.empty_like(mi)
     cfg_ddim_reference(x, c, u, coeffs, n, model_input=mi_ref)
     torch.testing.assert_close(mi, mi_ref, atol=2e-3, rtol=2e-3)
+
+
+# Session-14 coverage audit: these paths had never run.
+def test_explicit_reference_choice_and_a_tensor_on_another_device():
+    x, c, u, n = _inputs((1, 4, 5, 3), torch.float32)
+    coeffs = _coeffs()
+    torch.testing.assert_close(cfg_ddim_step(x, c, u, coeffs, impl="reference"), cfg_ddim_reference(x, c, u, coeffs),
+                               atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"noise is on meta but sample is on cpu; move it to one device"):
+        cfg_ddim_reference(x, c, u, coeffs, noise=torch.empty(x.shape, device="meta"))
+
+
+def test_triton_entry_refuses_what_it_cannot_run(monkeypatch):
+    x, c, u, n = _inputs((1, 4, 6, 6), torch.float32)
+    with pytest.raises(ValueError, match=r"cfg_ddim_triton needs contiguous tensors; call .contiguous\(\) or use "
+                                         r"cfg_ddim_reference"):
+        cfg_ddim_triton(x.transpose(2, 3), c, u, _coeffs())
+    monkeypatch.setattr(cfg_ddim, "triton", None)
+    with pytest.raises(RuntimeError, match=r"cfg_ddim_triton needs the 'triton' package; install triton or use "
+                                           r"cfg_ddim_reference"):
+        cfg_ddim_triton(x, c, u, _coeffs())
+
+
+@interpret
+def test_triton_on_an_empty_batch_returns_the_empty_output():
+    x, c, u, n = _inputs((0, 4, 6, 6), torch.float32)
+    out = torch.empty_like(x)
+    assert cfg_ddim_triton(x, c, u, _coeffs(), out=out) is out

@@ -131,3 +131,27 @@ def test_gpu_kernel_matches_reference(m, n, r, dtype):
     got = geglu_lora(p, h, up)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
+# Session-14 coverage audit: these paths had never run.
+def test_reference_writes_into_a_given_output():
+    p, h, up = _inputs(5, 6, 4, torch.float32)
+    out = torch.full((5, 6), float("nan"))
+    assert geglu_lora_reference(p, h, up, out=out) is out
+    torch.testing.assert_close(out, geglu_lora_reference(p, h, up), atol=0, rtol=0)
+
+
+def test_triton_entry_refuses_what_it_cannot_run(monkeypatch):
+    p, h, up = _inputs(4, 6, 4, torch.float32)
+    with pytest.raises(ValueError, match=r"geglu_lora_triton supports float16, bfloat16 and float32, got "
+                                         r"torch.float64; use geglu_lora_reference"):
+        geglu_lora_triton(p.double(), h.double(), up.double())
+    monkeypatch.setattr(gl, "triton", None)
+    with pytest.raises(RuntimeError, match=r"geglu_lora_triton needs the 'triton' package; install triton or use "
+                                           r"geglu_lora_reference"):
+        geglu_lora_triton(p, h, up)
+
+
+def test_triton_on_no_rows_returns_the_empty_output():
+    p, h, up = _inputs(0, 6, 4, torch.float32)
+    assert geglu_lora_triton(p, h, up).shape == (0, 6)

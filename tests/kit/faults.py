@@ -1,9 +1,11 @@
-"""Fault injection for error-path tests: a stand-in that runs out of memory once, then runs the real function.
+"""Fault injection for error-path tests: a stand-in that runs out of memory once, then runs the real function; and
+a package that cannot be imported.
 
 Invariant: the failed attempt's tensor is reachable only through a weak reference, so ``alive_at_retry`` says
 whether the code under test still held the failed attempt (its exception or traceback) when it retried."""
 from __future__ import annotations
 
+import builtins
 import weakref
 from typing import Callable, Optional
 
@@ -29,3 +31,16 @@ class OutOfMemoryOnce:
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
         self.alive_at_retry.append(self.failed_attempt_alive())
         return self.real(*args, **kwargs)
+
+
+def refuse_import(monkeypatch, name: str) -> None:
+    """``import name`` (and ``from name import ...``) raises ``ImportError`` for the rest of the test, as on a
+    machine without that package (modules imported before keep working)."""
+    real_import = builtins.__import__
+
+    def guarded(module, *args, **kwargs):
+        if module == name or module.startswith(name + "."):
+            raise ImportError(f"No module named {module!r} (refused by the test)")
+        return real_import(module, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", guarded)

@@ -160,3 +160,59 @@ def test_merged_refused_under_weight_streaming(sd1, sd1_lora, tmp_path):
     path = lf.write(sd1_lora, tmp_path / "ok.safetensors")
     _refused(engine, path, "cannot be used while the model's VRAM policy streams", mode="merged")
     assert len(inject_lora(engine, path, mode="unmerged").adapters) == 1
+
+
+# Session-14 coverage audit: these refusals had never run. Each names the file, the layer and the problem, and
+# leaves the model untouched.
+_Q = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"  # Linear 32 -> 32
+_PROJ = "lora_unet_down_blocks_0_attentions_0_proj_in"  # 1x1 conv 32 -> 32
+_CONV_IN = "lora_unet_conv_in"  # 3x3 conv 4 -> 32
+
+
+def _pair(key, down, up):
+    return {key + ".lora_down.weight": down, key + ".lora_up.weight": up}
+
+
+_FIT = r"1 layers do not fit their modules; use a LoRA made for this model family: "
+
+
+@pytest.mark.parametrize("sd,match", [
+    ({}, r"lora bad.safetensors: the file holds no tensors"),
+    (_pair(_Q, torch.zeros(2, 32, dtype=torch.int32), torch.zeros(32, 2, dtype=torch.int32)),
+     rf"layer {_Q} has non-float factors \(torch.int32, torch.int32\)"),
+    (_pair(_Q, torch.zeros(2, 32, 1), torch.zeros(32, 2)),
+     rf"layer {_Q} has down \(2, 32, 1\) / up \(32, 2\); expected 2-D \(linear\) or 4-D \(conv\) factors"),
+    (_pair(_Q, torch.zeros(2, 32), torch.zeros(32, 3)),
+     rf"layer {_Q} has inconsistent factors down \(2, 32\) / up \(32, 3\); expected down \[r, in, ...\] and up"),
+    ({**_pair(_PROJ, torch.zeros(2, 32, 1, 1), torch.zeros(32, 2, 1, 1)),
+      **_pair("lora_unet_input_blocks_1_1_proj_in", torch.zeros(2, 32, 1, 1), torch.zeros(32, 2, 1, 1))},
+     r"layers lora_unet_down_blocks_0_attentions_0_proj_in and lora_unet_input_blocks_1_1_proj_in both target "
+     r"unet.down_blocks.0.attentions.0.proj_in; the file is inconsistent"),
+    (_pair(_PROJ, torch.zeros(2, 32, 3, 3), torch.zeros(32, 2, 1, 1)),
+     _FIT + r"unet.down_blocks.0.attentions.0.proj_in is a \(1, 1\) conv but the LoRA down factor has kernel \(3, 3\)"),
+    (_pair(_CONV_IN, torch.zeros(2, 4), torch.zeros(32, 2)),
+     _FIT + r"unet.conv_in is a \(3, 3\) conv but the LoRA down factor is linear"),
+    (_pair(_CONV_IN, torch.zeros(2, 8, 3, 3), torch.zeros(32, 2, 1, 1)),
+     _FIT + r"unet.conv_in maps 4->32 channels but the LoRA maps 8->32"),
+    (_pair(_Q, torch.zeros(2, 32, 3, 3), torch.zeros(32, 2, 1, 1)),
+     _FIT + r"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q is Linear but the LoRA down factor is "
+            r"a \(3, 3\) conv"),
+    (_pair("lora_unet_input_blocks_7_1_transformer_blocks_9_ff_net_2", torch.zeros(2, 32), torch.zeros(32, 2)),
+     r"1 of 1 layers match no module of the sd1 model \(the file looks like a SDXL LoRA; the model is sd1\); use a "
+     r"LoRA made for this model family: lora_unet_input_blocks_7_1_transformer_blocks_9_ff_net_2"),
+])
+def test_malformed_or_foreign_kohya_layers_are_named(sd1, tmp_path, sd, match):
+    _refused(sd1, lf.write(sd, tmp_path / "bad.safetensors"), rf"lora bad.safetensors: {match}" if sd else match)
+
+
+def test_malformed_peft_files_are_named(sd1, tmp_path):
+    peft = lf.peft_state_dict({"unet": sd1.parts.unet}, {"unet": UNET_ATTN}, rank=2)
+    first = sorted(peft)[0].rsplit(".lora_", 1)[0]
+    _refused(sd1, lf.write({**peft, "unet.conv_in.weight": torch.zeros(2)}, tmp_path / "a.safetensors"),
+             r"lora a.safetensors: keys that are neither lora_A/lora_B weights nor alphas: unet.conv_in.weight")
+    no_b = {k: v for k, v in peft.items() if k != first + ".lora_B.weight"}
+    _refused(sd1, lf.write(no_b, tmp_path / "b.safetensors"),
+             rf"lora b.safetensors: these layers lack a lora_A or lora_B weight: {re.escape(first)}$")
+    for raw, what in (("{not json", r"is not valid JSON \(.+\)"), ("[1]", "is not a JSON object")):
+        _refused(sd1, lf.write(peft, tmp_path / "c.safetensors", {"lora_adapter_metadata": raw}),
+                 rf"lora c.safetensors: the lora_adapter_metadata header {what}")

@@ -70,3 +70,47 @@ def test_alpha_that_is_not_one_number_is_named(layout):
         assert parse_lora({**sd, name + ".alpha": alpha}).layers[0].scale == 0.5
     with pytest.raises(ValueError, match=re.escape(name) + r".*alpha.*2 values"):
         parse_lora({**sd, name + ".alpha": torch.ones(2)})
+
+
+# Session-14 coverage audit: torch-file LoRAs and PEFT files saved from a bare (unprefixed) model had never run.
+def _unet_out(view):
+    inputs = lf.unet_inputs("sd1")
+    with view.session("unet"):
+        return lf.run_unet(view.parts.unet, inputs)
+
+
+@pytest.mark.parametrize("wrap", ["flat", "state_dict"])
+def test_torch_file_lora_computes_what_the_safetensors_file_does(tmp_path, wrap):
+    """Old kohya ``.pt`` files (a flat dict) and ``.ckpt``-style files (``{"state_dict": ...}``)."""
+    c = tiny_components("sd1")
+    engine = engine_from_parts(parts_from_components(c))
+    sd = lf.kohya_state_dict({"unet": c["unet"], "text_encoder": c["text_encoder"]},
+                             {"unet": lf.ATTN_FF, "text_encoder": lf.TE_LINEARS}, rank=2)
+    ref = _unet_out(inject_lora(engine, lf.write(sd, tmp_path / "style.safetensors"), 0.7))
+    torch.save(sd if wrap == "flat" else {"state_dict": sd, "epoch": 3}, str(tmp_path / "style.pt"))
+    got = _unet_out(inject_lora(engine, tmp_path / "style.pt", 0.7))
+    assert (ref - _unet_out(engine)).abs().max() > 0.05
+    assert torch.equal(got, ref)
+
+
+def test_torch_file_that_is_not_a_flat_dict_of_tensors_is_refused(tmp_path):
+    c = tiny_components("sd1")
+    engine = engine_from_parts(parts_from_components(c))
+    sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=2)
+    torch.save({**sd, "epoch": 3}, str(tmp_path / "mixed.pt"))
+    with pytest.raises(ValueError, match=r"lora file 'mixed.pt' does not hold a flat dict of tensors"):
+        inject_lora(engine, tmp_path / "mixed.pt")
+
+
+@pytest.mark.parametrize("prefix", ["base_model.model.", ""])
+def test_peft_unet_file_without_component_prefix_is_a_unet_lora(tmp_path, prefix):
+    """PEFT's ``save_pretrained`` on a bare UNet writes ``base_model.model.<module>.lora_A.weight`` (and
+    ``get_peft_model_state_dict`` plain ``<module>.lora_A.weight``): both name UNet modules."""
+    c = tiny_components("sd1")
+    engine = engine_from_parts(parts_from_components(c))
+    sd = lf.peft_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=4, seed=3)
+    ref = _unet_out(inject_lora(engine, lf.write(sd, tmp_path / "unet.safetensors"), 0.6))
+    renamed = {prefix + k[len("unet."):]: v for k, v in sd.items()}
+    got = _unet_out(inject_lora(engine, lf.write(renamed, tmp_path / "bare.safetensors"), 0.6))
+    assert (ref - _unet_out(engine)).abs().max() > 0.05
+    assert torch.equal(got, ref)

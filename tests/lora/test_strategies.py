@@ -218,3 +218,14 @@ def test_torch_compile_fullgraph_follows_attach_and_detach(strategy):
     assert (got - _run(_merged_reference(block, [b.targets], [0.6]), x, ctx)).abs().max().item() <= TOL
     assert (compiled(x, encoder_hidden_states=ctx) - base).abs().max().item() <= TOL
     torch._dynamo.reset()
+
+
+def test_strategy_setting_is_read_and_a_bad_one_is_named(monkeypatch):
+    """Session-14 audit: the environment variable's check had never run."""
+    from leandiffusion.lora.unmerged import resolve_strategy
+
+    monkeypatch.setenv("LEANDIFFUSION_LORA_STRATEGY", " Hook ")
+    assert resolve_strategy() == "hook" and resolve_strategy("geglu") == "geglu"
+    monkeypatch.setenv("LEANDIFFUSION_LORA_STRATEGY", "fused")
+    with pytest.raises(ValueError, match=r"LEANDIFFUSION_LORA_STRATEGY='fused': expected one of hook, geglu, auto"):
+        resolve_strategy()

@@ -90,6 +90,32 @@ def test_strength_zero_is_base_bit_exact(tmp_path, mode, strategy):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["unmerged", "merged"])
+def test_strength_zero_after_another_strength_is_base_bit_exact(tmp_path, mode, strategy):
+    """Views of one file share its buffers: a strength-0 view run after a 0.8 view must zero them again
+    (session-14 audit: the zeroing had never run; the first strength 0 finds the buffers zeroed at creation)."""
+    engine, _, path = _setup(tmp_path)
+    base = _outputs(engine)
+    strong, off = (inject_lora(engine, path, s, s, mode=mode) for s in (0.8, 0.0))
+    assert _max_diff(_outputs(strong), base) > 0.05
+    for a, b in zip(_outputs(off), base):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["unmerged", "merged"])
+def test_linear_factors_on_a_one_by_one_conv_equal_conv_factors(tmp_path, mode, strategy):
+    """Some converters store a 1x1 conv's LoRA (SD1's proj_in/proj_out) as 2-D factors; they mean the same
+    [out, r, 1, 1] / [r, in, 1, 1] product (session-14 audit: the reshape had never run)."""
+    engine, sd, path = _setup(tmp_path)
+    flat = {k: (v.flatten(1) if v.ndim == 4 and v.shape[2:] == (1, 1) else v) for k, v in sd.items()}
+    changed = [k for k in sd if sd[k].ndim == 4 and sd[k].shape[2:] == (1, 1)]
+    assert any("proj_in" in k for k in changed), "the test needs 1x1 conv layers"
+    flat_path = lf.write(flat, tmp_path / "flat.safetensors")
+    want = _outputs(inject_lora(engine, path, 0.9, 0.9, mode=mode))
+    for a, b in zip(_outputs(inject_lora(engine, flat_path, 0.9, 0.9, mode=mode)), want):
+        assert torch.equal(a, b)
+
+
 def test_target_blocks_leave_every_other_module_bit_identical(tmp_path, strategy):
     engine, _, path = _setup(tmp_path)
     view = inject_lora(engine, path, 1.0, 1.0, target_blocks="mid_block, up_blocks.1.attentions.0")
@@ -105,7 +131,8 @@ def test_target_blocks_leave_every_other_module_bit_identical(tmp_path, strategy
             probes[name] = torch.randn(3, m.proj.in_features, generator=g)
         elif isinstance(m, torch.nn.Conv2d):
             probes[name] = torch.randn(1, m.in_channels, 6, 6, generator=g)
-    te_probe = engine.tokenize(["a cat"])
+    tok = engine.parts.tokenizer
+    te_probe = tok(["a cat"], padding="max_length", max_length=tok.model_max_length, return_tensors="pt").input_ids
     with torch.no_grad():
         base = {n: engine.parts.unet.get_submodule(n)(x) for n, x in probes.items()}
         base_te = engine.parts.text_encoder(te_probe)[0]

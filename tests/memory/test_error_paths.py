@@ -37,6 +37,13 @@ def test_bad_policy_inputs_are_refused_before_the_checkpoint_is_read(monkeypatch
     assert read == [], "the checkpoint was read before the inputs were checked"
 
 
+@pytest.mark.parametrize("choice", ["", None])
+def test_an_empty_model_choice_is_named(choice):
+    """Session-14 coverage audit: never run (an API prompt can carry any value)."""
+    with pytest.raises(ValueError, match=rf"model={choice!r}: expected a name from the node's model list"):
+        LeanModelLoader().load(choice, "full", 4.0, "auto", "auto")
+
+
 def _stream_engine():
     parts = tiny_parts("sd1")
     budget = stream_working_minimum_gb(parts, "cpu") + 0.3 * module_bytes(parts.unet, torch.float32) / GiB
@@ -136,3 +143,47 @@ def test_an_onload_cut_short_is_undone_in_full_by_offload(monkeypatch):
     assert [p.data_ptr() for p in module.parameters()] == host_ptrs
     for key, value in module.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+# Session-14 coverage audit: two failure paths of the block streamer that had never run.
+def test_a_streamed_block_called_outside_the_unet_is_refused_and_the_model_stays_usable():
+    """A block run on its own (another node pack's hook, a user's script) would compute with whatever weights the
+    staging ring holds; it is refused by name, and the next whole-UNet call still gives the reference output."""
+    engine = _stream_engine()
+    ref = _unet_call(engine)
+    streamer = engine.placement.streamer
+    name = streamer.schedule.order[streamer.schedule.streamed[0]].name
+    block = dict(engine.parts.unet.named_modules())[name]
+    with engine.session("unet"), torch.no_grad():
+        with pytest.raises(RuntimeError, match=rf"UNet block {name} ran outside a UNet forward; streamed blocks can "
+                                               r"only run inside the whole UNet"):
+            block(torch.zeros(1))
+    assert torch.equal(_unet_call(engine), ref)
+
+
+def test_a_unet_call_refused_before_the_streamer_began_leaves_it_usable():
+    """Another pre-hook on the UNet (placed before the streamer's) refuses a call: the streamer's end hook still
+    runs (always_call) and must find nothing to close, so the next call runs normally."""
+    engine = _stream_engine()
+    ref = _unet_call(engine)
+
+    def refuse(module, args, kwargs):
+        raise ValueError("refused by another hook")
+
+    handle = engine.parts.unet.register_forward_pre_hook(refuse, prepend=True, with_kwargs=True)
+    try:
+        with pytest.raises(ValueError, match="refused by another hook"):
+            _unet_call(engine)
+    finally:
+        handle.remove()
+    streamer = engine.placement.streamer
+    assert not streamer._active and streamer._depth == 0
+    assert torch.equal(_unet_call(engine), ref)
+
+
+def test_a_cuda_device_without_cuda_is_refused_by_name(monkeypatch):
+    from leandiffusion.memory.policies import apply_vram_policy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda': CUDA is not available in this process; use device='cpu'"):
+        apply_vram_policy(tiny_parts("sd1"), "full", device="cuda")

@@ -95,6 +95,22 @@ def test_missing_tokenizer_says_where(tmp_path):
         load_ldm_checkpoint(path)
 
 
+@pytest.mark.parametrize("vocab", ["{not json", "[1, 2]", ""])
+def test_damaged_tokenizer_files_are_one_named_error_before_the_weights_are_read(tmp_path, monkeypatch, vocab):
+    """Session-14 audit: a damaged vocab.json made the tokenizers library raise a plain ``Exception`` ("Error while
+    initializing BPE") that named no file, and only after the whole checkpoint had been read and converted."""
+    from leandiffusion.memory import ldm
+
+    path = save_ldm_checkpoint(tiny_components("sd1"), tmp_path / "m.safetensors")
+    (tmp_path / "tokenizer" / "vocab.json").write_text(vocab)
+    read = []
+    monkeypatch.setattr(ldm, "read_tensors", lambda p: read.append(p) or {})
+    with pytest.raises(ValueError, match=rf"tokenizer files in {tmp_path / 'tokenizer'} could not be loaded \(.*\); "
+                                         r"replace them with CLIP's vocab.json and merges.txt"):
+        load_ldm_checkpoint(path)
+    assert read == [], "the checkpoint's tensors were read before the tokenizer was checked"
+
+
 def test_comfy_tokenizer_fallback(tmp_path, monkeypatch):
     from leandiffusion import bridge
     from leandiffusion.memory.tiny import write_tiny_clip_tokenizer
@@ -102,3 +118,52 @@ def test_comfy_tokenizer_fallback(tmp_path, monkeypatch):
     comfy_dir = write_tiny_clip_tokenizer(tmp_path / "comfy" / "sd1_tokenizer")
     monkeypatch.setattr(bridge, "comfy_tokenizer_dir", lambda: comfy_dir)
     assert find_tokenizer_dir(tmp_path / "model" / "m.safetensors") == comfy_dir
+
+
+# Session-14 coverage audit: the explanations for files that are no SD checkpoint had never run.
+# AuraFlow's marker keys in diffusers' CHECKPOINT_KEY_NAMES (a family our registry does not list)
+AURAFLOW = {k: (8, 8) for k in ("double_layers.0.attn.w2q.weight", "double_layers.0.attn.w1q.weight",
+                                "cond_seq_linear.weight", "t_embedder.mlp.0.weight")}
+
+
+def test_family_known_only_to_diffusers_is_named():
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+
+    assert infer_diffusers_model_type(AURAFLOW) == "auraflow"  # the premise, in the diffusers that runs the test
+    with pytest.raises(UnsupportedFamilyError, match=r"checkpoint: detected family 'auraflow' \(by diffusers' key "
+                                                     r"table\), which LeanDiffusion does not run; supported families"):
+        detect_family(AURAFLOW)
+
+
+def test_text_encoder_only_file_says_what_it_lacks(shapes):
+    clip_only = {k: v for k, v in shapes["sd1"].items() if k.startswith("cond_stage_model.")}
+    with pytest.raises(UnsupportedFamilyError, match=r"not a complete SD1.x/SD2.x/SDXL checkpoint: it lacks a UNet "
+                                                     r"\(model.diffusion_model.\*\), a VAE \(first_stage_model.\*\) "
+                                                     r"\(first keys: cond_stage_model.*\); use an all-in-one"):
+        detect_family(clip_only)
+
+
+def test_unet_input_of_the_wrong_rank_is_not_taken_for_sd1(shapes):
+    """An SD-like file whose UNet input layer is not a 4-D conv would match SD1 by its second axis alone and then
+    fail inside the conversion; the rank check keeps it out and the file is reported as unknown."""
+    odd = dict(shapes["sd1"])
+    odd[families.UNET_IN] = (32, 4)
+    with pytest.raises(UnsupportedFamilyError, match=r"unknown checkpoint family \(first keys: .*\); supported: "
+                                                     r"SD1.x, SD2.x, SDXL base"):
+        detect_family(odd)
+
+
+@pytest.mark.parametrize("how", ["missing", "raises"])
+def test_without_diffusers_key_table_the_file_is_still_explained(monkeypatch, how):
+    """diffusers' ``infer_diffusers_model_type`` is internal API: when it is gone or fails on a file, the
+    explanation falls back to what the file lacks instead of failing with diffusers' error."""
+    from diffusers.loaders import single_file_utils
+
+    if how == "missing":
+        monkeypatch.delattr(single_file_utils, "infer_diffusers_model_type")
+    else:
+        def broken(checkpoint):
+            raise KeyError("double_layers.0.attn.w2q.weight")
+        monkeypatch.setattr(single_file_utils, "infer_diffusers_model_type", broken)
+    with pytest.raises(UnsupportedFamilyError, match=r"it lacks a UNet .*, a VAE .*, text encoders"):
+        detect_family(AURAFLOW)

@@ -97,3 +97,63 @@ def test_fp16_checkpoint_loads_in_file_dtype(tmp_path):
     out = _unet_out(got["unet"].float(), "sd1")
     ref_out = _unet_out(ref["unet"].half().float(), "sd1")
     _assert_close(out, ref_out, "fp16 file")
+
+
+# Session-14 coverage audit: a damaged checkpoint's errors had never run. Each must name the file, the part that
+# does not fit and the fix, and come before any module is returned.
+def _damaged(tmp_path, family, change):
+    from safetensors.torch import save_file
+
+    from leandiffusion.tests.kit import ldm_state_dict, tiny_tokenizer_dir
+
+    sd = ldm_state_dict(tiny_components(family))
+    change(sd)
+    tiny_tokenizer_dir(tmp_path / "tokenizer")
+    path = tmp_path / f"damaged-{family}.safetensors"
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    return path
+
+
+_TE = "cond_stage_model.transformer.text_model.final_layer_norm.weight"
+_VAE = "first_stage_model.decoder.conv_out.weight"
+_ATTN = "model.diffusion_model.middle_block.1.proj_in.weight"
+
+
+@pytest.mark.parametrize("family,change,match", [
+    ("sd1", lambda sd: sd.pop(_TE), r"text encoder \(cond_stage_model.transformer.\*\): the checkpoint's tensors do "
+                                    r"not fit .*final_layer_norm.weight.*re-download it"),
+    ("sd1", lambda sd: sd.__setitem__(_VAE, torch.zeros(3, 7, 3, 3)), r"VAE: the checkpoint's tensors do not fit .*"
+                                                                        r"decoder.conv_out.weight.*re-download it"),
+    ("sdxl", lambda sd: sd.pop(_ATTN), r"UNet: the checkpoint's tensors do not fit .*proj_in.weight.*re-download it"),
+    ("sdxl", lambda sd: [sd.pop(k) for k in [k for k in sd if "attn2" in k]],
+     r"checkpoint UNet has no cross-attention \(attn2.to_k\) weights; not a text-to-image UNet"),
+])
+def test_damaged_checkpoint_is_one_named_error(tmp_path, family, change, match):
+    path = _damaged(tmp_path, family, change)
+    with pytest.raises(ValueError, match=rf"(?s)model='{path.name}' \(detected as {family}\): {match}"):
+        load_ldm_checkpoint(path)
+
+
+def test_a_directory_is_not_read_as_a_checkpoint(tmp_path):
+    (tmp_path / "folder.safetensors").mkdir()
+    with pytest.raises(ValueError, match=r"model='folder.safetensors': .*folder.safetensors is not a file"):
+        load_ldm_checkpoint(tmp_path / "folder.safetensors")
+
+
+def test_a_file_cut_short_after_its_header_was_read_is_one_named_error(tmp_path, monkeypatch):
+    """A download still being written (or replaced) between the header check and the data read."""
+    from leandiffusion.memory import ldm
+
+    path = save_ldm_checkpoint(tiny_components("sd1"), tmp_path / "growing.safetensors")
+    real_header = ldm.read_header
+
+    def header_then_cut(p):
+        shapes = real_header(p)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) * 2 // 3])
+        return shapes
+
+    monkeypatch.setattr(ldm, "read_header", header_then_cut)
+    with pytest.raises(ValueError, match=r"model='growing.safetensors' could not be read completely \(.*\); the file "
+                                         r"is truncated or damaged"):
+        load_ldm_checkpoint(path)

@@ -105,3 +105,13 @@ def test_initial_noise_equals_comfyuis_prepare_noise():
     for shape, index in (((3, 4, 5, 3), [2, 0, 2]), ((2, 4, 8, 8), [7, 3]), ((2, 16, 6, 10), None)):
         want = prepare_noise(torch.zeros(shape), 123, index)
         assert torch.equal(initial_noise(shape, torch.Generator().manual_seed(123), index), want)
+
+
+def test_batch_index_given_as_a_tensor_counts_like_the_list(engine):
+    """Session-14 audit (never run): a tensor ``batch_index`` (another pack's latent node) picks the same noise."""
+    lat = torch.zeros(2, 4, 8, 8)
+    listed = sample(engine, _settings(), latent_image={"samples": lat, "batch_index": [1, 0]}, quiet=True)
+    tensor = sample(engine, _settings(), latent_image={"samples": lat, "batch_index": torch.tensor([1, 0])},
+                    quiet=True)
+    assert tensor["batch_index"] == [1, 0]
+    assert torch.equal(tensor["samples"], listed["samples"])

@@ -26,6 +26,7 @@ CONFIGS = {
     "cosine": dict(SD, beta_schedule="squaredcos_cap_v2"),
     "zero-snr-v-trailing": dict(SD, prediction_type="v_prediction", rescale_betas_zero_snr=True,
                                 timestep_spacing="trailing"),
+    "trained-betas": dict(SD, trained_betas=(torch.linspace(1e-4, 0.03, 1000, dtype=torch.float64) ** 1.3).tolist()),
 }
 
 
@@ -146,3 +147,20 @@ def test_impossible_numbers_raise():
         ddim.make_schedule(SD, 4, eta=-0.1)
     with pytest.raises(ValueError, match="timestep_spacing"):
         ddim.timesteps(SD, 4, "karras")
+
+
+@pytest.mark.parametrize("trained,got", [
+    ([0.001] * 10, r"got 10 values of shape \(10,\), from 0.001 to 0.001"),
+    ([[0.001]] * 1000, r"got 1000 values of shape \(1000, 1\), from 0.001 to 0.001"),
+    ([0.001] * 999 + [1.5], r"got 1000 values of shape \(1000,\), from 0.001 to 1.5"),
+    (["0.001"] * 1000, r"got values that are not numbers \(.+\)"),
+    ([], r"got no values"),
+])
+def test_trained_betas_that_cannot_be_the_schedule_are_refused_by_name(trained, got):
+    """Session-14 audit: ten trained betas for 1000 training timesteps failed mid-sampling with a bare
+    ``IndexError: index 751 is out of bounds``; strings with ``ValueError: too many dimensions 'str'``."""
+    cfg = dict(SD, trained_betas=trained)
+    with pytest.raises(ValueError, match=r"scheduler_config\['trained_betas'\]: expected 1000 numbers in 0..1 \(one "
+                                         rf"per training timestep, num_train_timesteps=1000\), {got}; correct or "
+                                         r"remove trained_betas in the model's scheduler_config.json"):
+        ddim.make_schedule(cfg, 4)

@@ -128,3 +128,45 @@ def test_failed_torch_compile_names_the_acceleration_and_the_fix(engine, monkeyp
     again = loop.sample(engine, SamplerSettings(acceleration="cuda_graph", **settings), runner=runner, quiet=True)
     plain = loop.sample(engine, SamplerSettings(acceleration="none", **settings), quiet=True)
     assert torch.equal(again["samples"], plain["samples"])
+
+
+@pytest.mark.parametrize("samples,match", [
+    (torch.zeros(1, 4, 2, 8, 8), r"latent_image\['samples'\]: expected a float tensor \[B, C, h, w\], got "
+                                 r"torch.Size\(\[1, 4, 2, 8, 8\]\)"),  # a video LATENT [B, C, T, h, w]
+    (torch.zeros(1, 4, 8, 8, dtype=torch.int64), r"expected a float tensor \[B, C, h, w\]"),
+    ([[0.0]], r"expected a float tensor \[B, C, h, w\], got list"),
+    (torch.zeros(1, 4, 0, 8), r"latent_image\['samples'\] is empty: shape \(1, 4, 0, 8\)"),
+    (torch.zeros(0, 4, 8, 8), r"latent_image\['samples'\] is empty: shape \(0, 4, 8, 8\)"),
+])
+def test_latents_the_sampler_cannot_take_are_refused_by_name(engine, samples, match):
+    """Session-14 audit: these checks had never run."""
+    args = dict(lean_model=engine, positive="a boat", negative="", seed=1, steps=2, cfg=5.0, eta=0.0, width=64,
+                height=64, batch_size=1, timestep_spacing="leading", cfg_mode="batched", acceleration="none")
+    with pytest.raises(ValueError, match=match):
+        LeanFusedDDIMSampler().run(**args, latent_image={"samples": samples})
+
+
+def test_stream_tiled_decode_out_of_memory_at_the_smallest_tile_says_what_it_tried(engine, monkeypatch):
+    """Guide 9 (degrade, then re-raise with what was tried; session-14 audit: the final raise had never run): the
+    tiled decode halves its tile down to 128 px, then raises naming every size it tried and the fix; the run
+    returns nothing, and the next run of the same engine works."""
+    attempts = []
+
+    def always_oom(program, z, cfg, *args, **kwargs):
+        attempts.append(cfg.tile_px)
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    s = StreamSettings.from_text("a boat", seed=2, steps=1, cfg=5.0, width=64, height=64, acceleration="none",
+                                 decode_tile_size=512)
+    reference = run_stream(engine, s, quiet=True)
+    monkeypatch.setattr(stream_decode, "run_exact", always_oom)
+    with pytest.raises(torch.OutOfMemoryError, match=r"Stream Scheduler Sampler: tiled VAE decode ran out of memory "
+                                                     r"even with 128 px tiles \(tried \[512, 256, 128\] px\); free "
+                                                     r"VRAM or lower the resolution. Last error: injected") as info:
+        run_stream(engine, s, quiet=True)
+    assert attempts == [512, 256, 128]
+    # the note named "images 1.." (past the last image) as in progress: the decode fails after the UNet loop
+    assert "0 of 1 images were finished (unfinished: images 0); nothing was returned" in \
+        "".join(getattr(info.value, "__notes__", []))
+    monkeypatch.undo()
+    assert torch.equal(run_stream(engine, s, quiet=True).images, reference.images)

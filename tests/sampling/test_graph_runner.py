@@ -453,3 +453,20 @@ def test_cached_graph_keeps_the_lora_binding_it_reads(tmp_path):
     del eng, again
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-1", "1.5"])
+def test_a_bad_max_graphs_setting_names_the_variable(monkeypatch, value):
+    """Session-14 audit: LEANDIFFUSION_MAX_GRAPHS=two failed every sampler run with a bare
+    ``invalid literal for int() with base 10: 'two'``."""
+    monkeypatch.setenv("LEANDIFFUSION_MAX_GRAPHS", value)
+    with pytest.raises(ValueError, match=rf"LEANDIFFUSION_MAX_GRAPHS='{value}': expected a positive int \(CUDA graphs "
+                                         r"cached per model, default 2\); set it to 1 or more, or unset it"):
+        GraphRunner()
+
+
+def test_max_graphs_setting_is_read(monkeypatch):
+    monkeypatch.setenv("LEANDIFFUSION_MAX_GRAPHS", " 3 ")
+    assert GraphRunner().max_graphs == 3
+    monkeypatch.setenv("LEANDIFFUSION_MAX_GRAPHS", "")
+    assert GraphRunner().max_graphs == 2

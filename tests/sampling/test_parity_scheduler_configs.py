@@ -140,3 +140,10 @@ def test_folder_scheduler_keys_reach_the_sampler(tmp_path):
                output_type="latent").images / pipe.vae.config.scaling_factor
     # the same bound as the other parity tests here (fp32 CPU: rounding level)
     assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_trained_betas_replace_the_beta_schedule():
+    """A folder's ``trained_betas`` (diffusers takes them over ``beta_schedule``; session-14 audit: never run)."""
+    n = 1000
+    trained = (torch.linspace(0.0001 ** 0.5, 0.03 ** 0.5, n, dtype=torch.float64) ** 2).tolist()
+    _check(_engine("sd1", trained_betas=trained), _settings(steps=4, eta=0.5))

@@ -69,6 +69,8 @@ def test_round_trip_through_conditioning(sdxl):
     ([[torch.zeros(1, 77, 64), {"strength": 0.5}]], "'strength'"),
     ([[torch.zeros(1, 77, 768), {}]], "768 channels"),
     ([[torch.zeros(77, 64), {}]], "shape"),
+    ([["a red cube", {}]], r"positive_cond: each CONDITIONING entry must be \[tensor, dict\], got \['a red cube'"),
+    ([[torch.zeros(1, 77, 64)]], r"positive_cond: each CONDITIONING entry must be \[tensor, dict\]"),
 ])
 def test_bad_conditioning_is_refused(sd1, value, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -78,6 +80,26 @@ def test_bad_conditioning_is_refused(sd1, value, match):
 def test_sdxl_needs_pooled(sdxl):
     with pytest.raises(ValueError, match="pooled_output"):
         from_conditioning([[torch.zeros(1, 77, 192), {}]], sdxl, 1)
+
+
+def test_sdxl_pooled_output_of_another_width_is_refused(sdxl):
+    """e.g. a pooled output from another model's CLIP (session-14 audit: never run)."""
+    with pytest.raises(ValueError, match=r"positive_cond: pooled_output has width 64, the SDXL model expects 128; "
+                                         r"encode the text with this model's CLIP"):
+        from_conditioning([[torch.zeros(1, 77, 192), {"pooled_output": torch.zeros(1, 64)}]], sdxl, 1)
+
+
+def test_keys_at_their_neutral_values_are_accepted_and_change_nothing(sdxl):
+    """ConditioningSetTimestepRange 0..1 and a strength of 1 mean a plain pair; ComfyUI samples them unchanged."""
+    c, p = torch.randn(1, 77, 192), torch.randn(1, 128)
+    neutral = {"pooled_output": p, "strength": 1.0, "start_percent": 0.0, "end_percent": 1.0,
+               "clip_start_percent": 0.0, "clip_end_percent": 1.0}
+    got = from_conditioning([[c, neutral]], sdxl, 2, width=64, height=64)
+    plain = from_conditioning([[c, {"pooled_output": p}]], sdxl, 2, width=64, height=64)
+    for a, b in ((got.context, plain.context), (got.pooled, plain.pooled), (got.time_ids, plain.time_ids)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"'end_percent'=0.5"):
+        from_conditioning([[c, dict(neutral, end_percent=0.5)]], sdxl, 2)
 
 
 def test_argument_errors(sd1):

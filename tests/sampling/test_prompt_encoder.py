@@ -141,6 +141,43 @@ def test_textual_inversion_files(family, engine, comps, models_dir):
         assert (got.pooled - pooled).abs().max().item() <= TOL
 
 
+def test_textual_inversion_list_and_lora_bundled_files(family, engine, comps, models_dir):
+    """Session-14 audit: the list-of-dicts layout and LoRA-bundled embeddings (``bundle_emb.*``) had never run.
+    ComfyUI's ``load_embed``: a list keeps every tensor of the encoder's width, in order; a bundle concatenates
+    its ``bundle_emb.*.string_to_param.*`` (else ``bundle_emb.*.<encoder key>``) tensors."""
+    a, b, c = (_vectors(2, 64, 11), _vectors(1, 64, 12), _vectors(1, 128, 13))
+    torch.save([{"a": a}, {"wide": _vectors(1, 768, 14)}, {"b": b, "c": c}], str(models_dir / "listed.pt"))
+    if family == "sdxl":
+        g1, g2 = _vectors(1, 128, 15), _vectors(2, 128, 16)
+        bundle = {"lora_unet_x.lora_down.weight": torch.zeros(4, 8), "bundle_emb.s1.clip_l": a,
+                  "bundle_emb.s1.clip_g": g1, "bundle_emb.s2.clip_l": b, "bundle_emb.s2.clip_g": g2}
+        vl = {"listed": torch.cat([a, b]), "bundled": torch.cat([a, b])}
+        vg = {"listed": c, "bundled": torch.cat([g1, g2])}
+    else:
+        bundle = {"lora_unet_x.lora_down.weight": torch.zeros(4, 8), "bundle_emb.s1.string_to_param.*": a,
+                  "bundle_emb.s2.string_to_param.*": b}
+        vl, vg = {"listed": torch.cat([a, b]), "bundled": torch.cat([a, b])}, None
+    save_file(bundle, str(models_dir / "bundled.safetensors"))
+    text = "a photo embedding:listed of embedding:bundled and " + "long " * 10
+    got = _encode(engine, text)
+    cond, pooled = ref_encode(comps, text, vl, vg)
+    assert (got.context - cond).abs().max().item() <= TOL
+    if pooled is not None:
+        assert (got.pooled - pooled).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("content,match", [
+    ({"name": "old", "step": 10}, r"embedding:empty.pt: the file holds no textual-inversion tensor ComfyUI would "
+                                  r"read \(expected emb_params, string_to_param, clip_l or a list of tensors\)"),
+    ([{"wide": torch.zeros(1, 768)}], r"embedding:empty.pt: the file holds no textual-inversion tensor"),
+    ({"clip_l": [0.5, 0.25]}, r"embedding:empty.pt: expected a tensor under the selected key, got list"),
+])
+def test_embedding_files_without_usable_vectors_are_named(models_dir, content, match):
+    torch.save(content, str(models_dir / "empty.pt"))
+    with pytest.raises(ValueError, match=match):
+        _encode(tiny_engine("sd1"), "a embedding:empty cat")
+
+
 def test_unknown_embedding_errors_or_is_ignored(engine, comps, models_dir):
     with pytest.raises(ValueError, match="embedding:nosuch was not found"):
         _encode(engine, "a embedding:nosuch cat")

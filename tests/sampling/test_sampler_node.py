@@ -50,24 +50,37 @@ def test_node_img2img_optional_inputs(engine):
     assert torch.equal(latent["samples"], want)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(width=100), "width=100 is not a multiple of 8"),
-    (dict(height=68), "height=68 is not a multiple of 8"),
-    (dict(steps=4, denoise=0.2), "steps \\* denoise"),
-    (dict(steps=0), "steps=0"),
-    (dict(cfg=31.0), "cfg=31"),
-    (dict(eta=1.5), "eta=1.5"),
-    (dict(timestep_spacing="karras"), "timestep_spacing"),
-    (dict(cfg_mode="parallel"), "cfg_mode"),
-    (dict(acceleration="tensorrt"), "acceleration"),
-    (dict(batch_size=65), "batch_size=65"),
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(width=100), ValueError, "width=100 is not a multiple of 8"),
+    (dict(height=68), ValueError, "height=68 is not a multiple of 8"),
+    (dict(steps=4, denoise=0.2), ValueError, "steps \\* denoise"),
+    (dict(steps=0), ValueError, "steps=0"),
+    (dict(cfg=31.0), ValueError, "cfg=31"),
+    (dict(eta=1.5), ValueError, "eta=1.5"),
+    (dict(timestep_spacing="karras"), ValueError, "timestep_spacing"),
+    (dict(cfg_mode="parallel"), ValueError, "cfg_mode"),
+    (dict(acceleration="tensorrt"), ValueError, "acceleration"),
+    (dict(batch_size=65), ValueError, "batch_size=65"),
+    # session-14 audit: the type checks had never run
+    (dict(positive=None), TypeError, r"positive: expected a prompt string, got NoneType"),
+    (dict(negative=["fog"]), TypeError, r"negative: expected a prompt string, got list"),
+    (dict(cfg="7.5"), TypeError, r"cfg='7.5': expected a finite number"),
+    (dict(eta=float("nan")), TypeError, r"eta=nan: expected a finite number"),
+    (dict(denoise=True), TypeError, r"denoise=True: expected a finite number"),
 ])
-def test_bad_settings_raise_before_running(engine, kw, match, monkeypatch):
+def test_bad_settings_raise_before_running(engine, kw, exc, match, monkeypatch):
     calls = []
     monkeypatch.setattr(type(engine), "unet", lambda *a, **k: calls.append(1))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(exc, match=match):
         LeanFusedDDIMSampler().run(**_node_args(engine, **kw))
     assert calls == []
+
+
+def test_unknown_prompt_syntax_is_refused():
+    from leandiffusion.sampling.settings import SamplerSettings
+
+    with pytest.raises(ValueError, match=r"prompt_syntax='a1111': expected one of \('comfyui', 'extended'\)"):
+        SamplerSettings(positive="a boat", prompt_syntax="a1111").validated()
 
 
 def test_bad_latents_raise(engine):

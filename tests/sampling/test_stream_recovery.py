@@ -151,7 +151,7 @@ def test_oom_at_batch_1_reports_what_was_tried(engine):
     eng, _ = _with_unet(engine, lambda rows, i: True)
     with pytest.raises(OOM, match=r"batch sizes tried: \[2, 1\]") as info:
         run_stream(eng, _settings(max_batch=2), quiet=True)
-    assert "0 of 3 images were finished" in "".join(getattr(info.value, "__notes__", []))
+    assert "0 of 3 images were finished (unfinished: images 0-2)" in "".join(getattr(info.value, "__notes__", []))
 
 
 def test_decode_oom_falls_back_to_exact_tiles(engine, monkeypatch):
@@ -245,3 +245,9 @@ def test_node_inputs_match_the_issue():
     assert spec["required"]["images_per_prompt"][1]["max"] == 64
     assert spec["required"]["max_batch"][1]["min"] == 0
 
+
+
+def test_unfinished_images_are_named_as_spans():
+    from leandiffusion.sampling.stream.scheduler import _spans
+
+    assert _spans([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and _spans([4]) == "4" and _spans([]) == ""

@@ -204,3 +204,26 @@ def test_saturating_batch_sizes():
 def test_shrink_halves_down_to_one():
     assert [shrink(8), shrink(5), shrink(2), shrink(1)] == [4, 2, 1, None]
     assert even_out(16, 6) == 6 and even_out(10, 8) == 5
+
+
+def test_a_lora_view_streams_like_the_fused_sampler_in_both_stages(tmp_path, monkeypatch):
+    """Session-14 audit: no test had run the Stream Scheduler on an engine with adapters (its text and UNet stages
+    attach them on their own streams). Each image equals the Fused DDIM Sampler's on the same LoRA view, and the
+    LoRA's text-encoder part changes the images (it is applied in the text stage, not dropped)."""
+    from leandiffusion.nodes.lora import LeanLoraInjector
+    from leandiffusion.tests.kit import tiny_components
+    from leandiffusion.tests.lora import lorafiles as lf
+
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(tmp_path))
+    comps = tiny_components("sd1")
+    sd = lf.kohya_state_dict({"unet": comps["unet"], "text_encoder": comps["text_encoder"]},
+                             {"unet": lf.ATTN_FF, "text_encoder": lf.TE_LINEARS})
+    lf.write(sd, tmp_path / "loras" / "style.safetensors")
+    base = tiny_engine("sd1")
+    (view,) = LeanLoraInjector().inject(base, "style.safetensors", 0.8, 1.0, "", "unmerged")
+    (unet_only,) = LeanLoraInjector().inject(base, "style.safetensors", 0.8, 0.0, "", "unmerged")
+    s = _settings(prompts="a red boat\nsnowy forest", max_batch=1)
+    result = run_stream(view, s, quiet=True)
+    assert _check(view, s, result) == 0.0
+    without_text = run_stream(unet_only, s, quiet=True)
+    assert (result.latents - without_text.latents).abs().max().item() > 1e-2

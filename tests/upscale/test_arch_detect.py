@@ -81,6 +81,55 @@ def test_detection_is_by_keys_and_ordered():
     assert detect({"foo.weight": torch.zeros(1)}) is None
 
 
+def _compact_odd_last(sd):
+    last = max(int(k.split(".")[1]) for k in sd)
+    sd[f"body.{last + 1}.weight"] = torch.ones(8)  # a trailing PReLU: the net ends on an activation
+    return sd
+
+
+def _compact_bad_scale(sd):
+    last = max(int(k.split(".")[1]) for k in sd)
+    sd[f"body.{last}.weight"] = sd[f"body.{last}.weight"][:40]  # 40 = 3 * 13.3: no square scale
+    sd[f"body.{last}.bias"] = sd[f"body.{last}.bias"][:40]
+    return sd
+
+
+def _original_layout(extra_top):
+    sd = H.to_original_keys(H.random_rrdb(n_up=2), 2)
+    sd[f"model.{extra_top}.weight"] = torch.zeros(3)
+    return sd
+
+
+@pytest.mark.parametrize("sd,match", [  # session-14 audit: these refusals had never run
+    (_original_layout(99), r"looks like ESRGAN \(original keys\) but does not load: original-ESRGAN state dict: "
+                           r"top-level layers model.\[3, 6, 8, 10, 99\] do not follow the ESRGAN layout"),
+    ({**H.random_rrdb(), "conv_first.weight": torch.zeros(8, 3, 3)},
+     r"looks like ESRGAN \(Real-ESRGAN keys\) but does not load: key 'conv_first.weight': expected a 4-D tensor, "
+     r"got \(8, 3, 3\)"),
+    (H.random_rrdb(n_up=0, unshuffle=2), r"looks like ESRGAN \(Real-ESRGAN keys\) but does not load: RRDBNet with 0 "
+                                        r"upsampling layers and pixel-unshuffle 2 would downscale"),
+    (_compact_odd_last(H.random_compact()), r"looks like SRVGGNetCompact but does not load: SRVGGNetCompact: last "
+                                            r"body index 9 should be even"),
+    (_compact_bad_scale(H.random_compact()), r"looks like SRVGGNetCompact but does not load: SRVGGNetCompact: last "
+                                             r"conv has 40 outputs, not 3 x a square scale"),
+])
+def test_state_dicts_that_only_look_like_an_architecture_are_named(sd, match):
+    with pytest.raises(ValueError, match=r"<state dict>: " + match):
+        build_upscaler(sd)
+
+
+@pytest.mark.parametrize("obj,match", [
+    ([torch.zeros(2)], r"holds list, not a state dict of tensors; an upscaler file must be a"),
+    ({}, r"holds dict, not a state dict of tensors"),
+    ({"epoch": 3, "note": "x"}, r"the mapping holds no tensors, so it is not a model's weights"),
+])
+def test_files_without_weights_are_named(tmp_path, obj, match):
+    path = tmp_path / "odd.pth"
+    torch.save(obj, str(path))
+    with pytest.raises(ValueError, match=rf"{path}: {match}"):
+        load_upscaler(path)
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
 def test_file_round_trip_and_wrappers(tmp_path, suffix):
     sd = H.random_rrdb()

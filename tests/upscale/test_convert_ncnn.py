@@ -118,3 +118,48 @@ def test_unknown_graph_refused(tmp_path):
     (tmp_path / "g.bin").write_bytes(struct.pack("<I", 0) + bytes(108 * 4) + bytes(16))
     with pytest.raises(ValueError, match="neither an RRDBNet nor an SRVGGNetCompact"):
         convert_ncnn.convert(tmp_path / "g.param")
+
+
+# Session-14 coverage audit: the converter's graph checks had never run. Each takes a real model's .param with one
+# change a different network (or a damaged file) would have, and must name the layer and what is wrong.
+ANIME, VIDEO = "REALESRGAN_X4PLUSANIME_UP4X", "REALESRGAN_ANIMAVIDEOV3_UP2X"
+
+
+@pytest.mark.parametrize("name,old,new,match", [
+    (ANIME, "-23301=2,2.000000e-01,1.000000e+00", "-23301=2,5.000000e-01,1.000000e+00",
+     r"residual Add_16 has coefficients \[0.5, 1.0\]; RRDBNet uses 0.2 and 1.0"),
+    (ANIME, "Resize_310               1 1 501 506 0=1", "Resize_310               1 1 501 506 0=2",
+     r"upsampler Resize_310 is not a nearest 2x resize \(RRDBNet's upsampling\)"),
+    (ANIME, "6=18432 9=2 -23310=1,2.000000e-01", "6=18432 9=2 -23310=1,1.000000e-01",
+     r"layer Conv_1 mapped to body.0.rdb1.conv1 lacks the LeakyReLU\(0.2\) RRDBNet puts there; the graph is not an "
+     r"RRDBNet"),
+    (VIDEO, "Add_38                   2 1 106 111 112", "Add_38                   2 1 111 111 112",
+     r"SRVGGNetCompact adds the nearest-upsampled input to the shuffled output; no such add"),
+    (VIDEO, "Conv_0                   1 1 input.1_splitncnn_1 54 0=64 1=3 4=1 5=1 6=1728",
+     "Conv_0                   1 1 input.1_splitncnn_1 54 0=64 1=3 4=1 5=1 6=1727",
+     r"layer Conv_0 has inconsistent sizes 0=64 1=3 6=1727"),
+    (VIDEO, "PReLU                    PRelu_1", "Softmax                  PRelu_1",
+     r"layer type 'Softmax' \(PRelu_1\) is not part of RRDBNet or SRVGGNetCompact graphs"),
+    (VIDEO, "41 42", "forty 42", r"second line must be 'layer_count blob_count'"),
+    (VIDEO, "0=64 1=3 4=1 5=1 6=1728", "0=64 1=three 4=1 5=1 6=1728",
+     r"line 5 is not a valid ncnn layer line \(.*'three'\): 'Convolution +Conv_0 "),
+])
+def test_graphs_that_are_not_the_supported_networks_are_named(ncnn_dir, tmp_path, name, old, new, match):
+    param, _ = _copy_pair(ncnn_dir, tmp_path, name, name)
+    text = param.read_text()
+    assert old in text, "the test's premise: the real .param holds this text"
+    param.write_text(text.replace(old, new, 1))
+    with pytest.raises(ValueError, match=match):
+        convert_ncnn.convert(param)
+    assert convert_ncnn.main([str(param), str(tmp_path / "out.safetensors")]) == 2
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_bad_arguments_are_named(ncnn_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"dtype='bf16': expected 'keep' \(as stored: fp16 weights, fp32 biases\), "
+                                         r"'fp16' or 'fp32'"):
+        convert_ncnn.convert(ncnn_dir / f"{VIDEO}.param", dtype="bf16")
+    param, bin_ = _copy_pair(ncnn_dir, tmp_path, VIDEO, VIDEO)
+    bin_.unlink()
+    with pytest.raises(ValueError, match=rf"ncnn file {bin_} does not exist"):
+        convert_ncnn.convert(param)

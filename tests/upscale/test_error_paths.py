@@ -44,3 +44,21 @@ def test_converter_cli_write_failure_is_one_line_and_leaves_nothing(ncnn_dir, tm
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith(f"error: cannot write {out}: ") and "choose another output path" in err
     assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"] and not any(out.iterdir())
+
+
+@pytest.mark.parametrize("flag,precision,match", [
+    ("supports_half", "fp16", r"precision='fp16': ESRGAN does not run correctly in fp16; use 'bf16' or 'fp32'"),
+    ("supports_bf16", "bf16", r"precision='bf16': ESRGAN does not run correctly in bf16; use 'fp32'"),
+])
+def test_a_precision_the_architecture_cannot_run_is_refused(flag, precision, match):
+    """Some spandrel architectures (inside ComfyUI) run in fp32 only (session-14 audit: never run)."""
+    from dataclasses import replace
+
+    from leandiffusion.tests.upscale import helpers as H
+    from leandiffusion.upscale.loader import build_upscaler
+    from leandiffusion.upscale.runner import upscale_images
+
+    up = replace(build_upscaler(H.random_rrdb()), **{flag: False})
+    with pytest.raises(ValueError, match=match):
+        upscale_images(up, IMAGE, device="cpu", precision=precision, quiet=True)
+    assert upscale_images(up, IMAGE, device="cpu", precision="fp32", quiet=True).shape == (1, 64, 64, 3)

@@ -56,6 +56,33 @@ def test_bad_seam_mode_and_vae(engine):
         LeanTiledVAEDecode().decode({"samples": torch.randn(1, 4, 8, 8)}, 0, 64, "exact", vae=object())
 
 
+@pytest.mark.parametrize("samples,match", [  # session-14 audit: these checks had never run
+    (torch.zeros(1, 4, 2, 8, 8),
+     r"samples: expected a LATENT tensor \[B, C, h, w\], got torch.Size\(\[1, 4, 2, 8, 8\]\)"),
+    ([[0.0]], r"samples: expected a LATENT tensor \[B, C, h, w\], got list"),
+    (torch.zeros(1, 4, 0, 8), r"samples: empty latent of shape \(1, 4, 0, 8\)"),
+])
+def test_latents_that_cannot_be_decoded_are_named(engine, samples, match):
+    with pytest.raises(ValueError, match=match):
+        LeanTiledVAEDecode().decode({"samples": samples}, 0, 64, "exact", lean_model=engine)
+
+
+@pytest.mark.parametrize("tile,overlap,match", [
+    (256.0, 64, r"tile_size=256.0: expected 0 \(auto\) or an integer number of pixels >= 128"),
+    (True, 64, r"tile_size=True: expected 0 \(auto\)"),
+    (256, 600, r"overlap=600: expected an integer number of pixels in 0..512"),
+    (256, "64", r"overlap='64': expected an integer number of pixels in 0..512"),
+])
+def test_tile_settings_of_the_wrong_type_are_named(engine, tile, overlap, match):
+    with pytest.raises(ValueError, match=match):
+        LeanTiledVAEDecode().decode({"samples": torch.zeros(1, 4, 8, 8)}, tile, overlap, "exact", lean_model=engine)
+
+
+def test_a_lean_model_that_is_no_engine_is_named():
+    with pytest.raises(TypeError, match=r"lean_model: expected a LEAN_MODEL engine, got str"):
+        LeanTiledVAEDecode().decode({"samples": torch.zeros(1, 4, 8, 8)}, 0, 64, "exact", lean_model="model")
+
+
 # ----------------------------------------------------------------------------------------------- OOM fallback
 def test_oom_halves_tile_and_retries(engine, monkeypatch, caplog):
     """An injected OOM for tiles above 256 px: the run retries at 512, then 256, and still matches untiled."""
