@@ -63,7 +63,6 @@ def warn_missing_requirements() -> None:
                        "is" if one else "are", "it" if one else "them", sys.executable, requirements)
 
 
-
 def torch_too_old(version: str) -> bool:
     """Whether a PyTorch version string (``2.3.1+cu121``, ``2.13.0+cpu``) is below ``MIN_TORCH``."""
     major, minor = (int(re.match(r"\d+", part).group()) for part in version.split(".")[:2])
@@ -87,5 +86,6 @@ def installed_torch_version():
 
 
 warn_missing_requirements()
-if installed_torch_version() is not None:
-    warn_old_torch(installed_torch_version())
+_TORCH_VERSION = installed_torch_version()
+if _TORCH_VERSION is not None:
+    warn_old_torch(_TORCH_VERSION)

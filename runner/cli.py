@@ -132,15 +132,13 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
         return EXIT_OK
     client_id = uuid.uuid4().hex
     ws = client.open_websocket(client_id)
-    requested_id, prompt_id = str(uuid.uuid4()), None
+    prompt_id = str(uuid.uuid4())  # chosen here, so a Ctrl-C cancels it even while POST /prompt is in flight
     try:
-        prompt_id = requested_id  # from here on a Ctrl-C cancels it, even while POST /prompt is in flight
-        prompt_id = client.submit(prompt, client_id, prompt_id=requested_id)
+        prompt_id = client.submit(prompt, client_id, prompt_id=prompt_id)
         with RunProgress(prompt, quiet=args.quiet) as progress:
             entry = client.follow(prompt_id, ws, args.timeout, on_event=progress.event)  # cancels on timeout
     except KeyboardInterrupt:
-        if prompt_id is not None:  # do not leave the prompt running on a server we do not own
-            client.cancel(prompt_id)
+        client.cancel(prompt_id)  # do not leave the prompt running on a server we do not own
         raise
     finally:
         if ws is not None:
