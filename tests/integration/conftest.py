@@ -13,18 +13,25 @@ import pytest
 from leandiffusion.runner.local import LocalComfyUI
 
 
-def comfyui_server_pids() -> set[int]:
-    """Pids of every ComfyUI process the runner started (its command line names a runner temp folder)."""
+def comfyui_server_pids(tag: str = "") -> set[int]:
+    """Pids of every ComfyUI process the runner started (its command line names a runner temp folder).
+
+    With ``tag``, only those whose environment holds ``LEANDIFFUSION_TEST_TAG=<tag>``: the servers started by one
+    test's runner (a child inherits the runner's environment), not by a concurrent test session on this machine."""
     pids = set()
+    marker = f"LEANDIFFUSION_TEST_TAG={tag}".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"main.py" not in cmdline or not any(b"leandiffusion-comfyui-" in part for part in cmdline):
+                continue
+            if tag and marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
         except OSError:
             continue
-        if b"main.py" in cmdline and any(b"leandiffusion-comfyui-" in part for part in cmdline):
-            pids.add(int(entry.name))
+        pids.add(int(entry.name))
     return pids
 
 

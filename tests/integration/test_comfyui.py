@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -203,10 +204,11 @@ def test_execution_error_exits_3(comfyui, tmp_path, capsys):
 
 
 def test_runner_started_comfyui_leaves_no_server(comfyui, tmp_path, server_pids):
-    before = server_pids()
+    tag = uuid.uuid4().hex  # marks this runner's server: concurrent ComfyUI servers elsewhere do not count
     result = subprocess.run([sys.executable, "-m", "leandiffusion.run", str(FIXTURES / "core_image.api.json"),
                              "--comfyui", os.environ["COMFYUI_PATH"], "--cpu", "--out", str(tmp_path / "out"), "-q",
-                             "--start-timeout", "300"], env=runner_env(), capture_output=True, text=True, timeout=600)
+                             "--start-timeout", "300"], env=runner_env({"LEANDIFFUSION_TEST_TAG": tag}),
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == EXIT_OK, result.stderr
     assert len(list((tmp_path / "out").glob("*.png"))) == 2
-    assert server_pids() == before  # only the session's own server remains
+    assert server_pids(tag) == set()  # the server the runner started is gone
