@@ -11,8 +11,9 @@ Estimates (bytes, in the run dtype):
   the measured ``max_memory_reserved`` above the weights was 0.85 GB under ``full`` and 0.69-0.77 GB under
   ``stream`` (eager / CUDA graph), while 1.3 x (skips + transient) is 0.33 GB; with the former 256 MiB the
   estimate (0.58 GB) let the 1.5 GB stream budget overrun to 1.57-1.61 GB. 576 MiB gives 0.89 GB (GB = 2^30 bytes),
-  and ``stream`` keeps a further 5% of the budget free (``policies.HEADROOM``). Measured with it: stream peak
-  reserved 1.25 / 1.29 GB at a 1.5 GB budget and 3.59 / 3.63 GB at 4 GB (eager / CUDA graph);
+  and ``stream`` kept a further 5% of the budget free (``policies.HEADROOM``): stream peak reserved 1.25 / 1.29 GB
+  at a 1.5 GB budget and 3.59 / 3.63 GB at 4 GB (eager / CUDA graph). Since 2026-11-23 the headroom is 0 (the
+  estimate's own margin suffices under the allocator cap; see ``policies.HEADROOM``): 3.72 / 3.75-3.77 GB at 4 GB;
 - text and VAE activations are small next to their weights for a prompt batch / a decode tile; the VAE stage's
   working memory belongs to the decode node (tiling), so the plan counts VAE weights only.
 

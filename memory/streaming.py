@@ -8,9 +8,9 @@ What is streamed
     forward of an empty copy of the UNet on the ``meta`` device (no data, no memory, milliseconds).
 
 Resident set
-    ``capacity = 0.95 * budget - activations_estimate - always_resident - arena`` (5% headroom for allocator
-    rounding and workspaces; resident weights sit in one exact-size flat buffer). Units stay resident until the
-    capacity is used; the rest (``S`` bytes) stream. Which units stream: those with the most compute per weight
+    ``capacity = budget - headroom - activations_estimate - always_resident - arena`` (``policies.HEADROOM``,
+    currently 0: the estimate has its own margin; resident weights sit in one exact-size flat buffer). Units stay
+    resident until the capacity is used; the rest (``S`` bytes) stream. Which units stream: those with the most compute per weight
     byte (``flops_i / bytes_i``; the high-resolution blocks), so their copies hide behind their own compute;
     among equal ratios (SDXL's 60 identical 32x32 transformer blocks) a bit-reversed pick spreads the streamed ones
     evenly through the forward instead of clustering them.
@@ -236,7 +236,7 @@ def plan_schedule(units: list[Unit], capacity_bytes: int) -> StreamSchedule:
     biggest = max(u.nbytes for u in units)
     best: Optional[StreamSchedule] = None
     for m in ARENA_MULTIPLES:
-        arena = m * biggest
+        arena = int(m * biggest)
         if arena > capacity_bytes:
             break
         streamed = choose_streamed(units, total - (capacity_bytes - arena))
@@ -252,7 +252,7 @@ def plan_schedule(units: list[Unit], capacity_bytes: int) -> StreamSchedule:
 
 
 def minimum_arena_bytes(units: list[Unit]) -> int:
-    return ARENA_MULTIPLES[0] * max(u.nbytes for u in units)
+    return int(ARENA_MULTIPLES[0] * max(u.nbytes for u in units))
 
 
 # --------------------------------------------------------------------------------------------- runtime
