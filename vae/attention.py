@@ -10,8 +10,9 @@ O(N); where none applies (the CPU, odd head sizes) the queries are processed in 
 once is ``chunk x N`` instead of ``N x N`` - exact, because softmax rows are independent. With ``tf32`` (the
 untiled decode, ``vae.untiled``, passes ``tf32_like_convolutions(x)``: an fp32 map on CUDA whose VAE convolutions
 already run in TF32; the tiled executor does not: it runs ``attend`` on query bands against whole-map keys and
-values, and its budget counts no score matrix) the CUDA path takes those chunks too, with the two score matmuls on TF32 tensor cores: PyTorch's fp32 attention kernels have no TF32 path,
-and the SDXL decode's mid-block attention took 13.9 of its 86.7 ms in fp32 (H100).
+values, and its budget counts no score matrix) the CUDA path takes those chunks too, with the two score matmuls
+on TF32 tensor cores: PyTorch's fp32 attention kernels have no TF32 path, and the SDXL decode's mid-block
+attention took 13.9 of its 86.7 ms in fp32 (H100).
 """
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def plan(program: Program, in_shape: tuple, cfg: ExactConfig) -> list[PlannedSta
 
     def fits_device(o, j):
         """Whether stage ``j``'s output ``o`` can stay on the device: with the input store, the band work floor
-        and, beside an attention stage (``j`` or ``j + 1``), that attention's keys and values (``attention_band_bytes``)."""
+        and, beside an attention stage (``j`` or ``j + 1``), that attention's whole-map keys and values."""
         size = o[0] * o[1] * o[2] * eb
         kv = 2 * size if stages[j].kind == "attention" or (j + 1 < len(stages) and
                                                            stages[j + 1].kind == "attention") else 0
