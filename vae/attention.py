@@ -9,10 +9,9 @@ the SD VAE's mid block, where the map is small). Memory: on CUDA, PyTorch's memo
 O(N); where none applies (the CPU, odd head sizes) the queries are processed in chunks so the score matrix held at
 once is ``chunk x N`` instead of ``N x N`` - exact, because softmax rows are independent. With ``tf32`` (the
 untiled decode, ``vae.untiled``, passes ``tf32_like_convolutions(x)``: an fp32 map on CUDA whose VAE convolutions
-already run in TF32; the tiled executor does not: it runs ``attend`` on query bands against whole-map keys and
-values, and its budget counts no score matrix) the CUDA path takes those chunks too, with the two score matmuls
-on TF32 tensor cores: PyTorch's fp32 attention kernels have no TF32 path, and the SDXL decode's mid-block
-attention took 13.9 of its 86.7 ms in fp32 (H100).
+already run in TF32; the tiled executor does not, its budget counts no score matrix) the CUDA path takes those
+chunks too, with the two score matmuls on TF32 tensor cores: PyTorch's fp32 attention kernels have no TF32 path,
+and the SDXL decode's mid-block attention took 13.9 of its 86.7 ms in fp32 (H100).
 """
 from __future__ import annotations
 
@@ -96,41 +95,22 @@ def tf32_like_convolutions(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.float32 and convolutions_use_tf32()
 
 
-def tokens(x: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, H*W, C] (a view; contiguous for a channels-last map)."""
-    return x.flatten(2).transpose(1, 2)
-
-
-def attend(spec: AttentionSpec, hs_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           tf32: bool = False) -> torch.Tensor:
-    """``out(softmax(q k^T / sqrt(d)) v)`` for the normalised query tokens ``hs_q`` [B, n, C] against the keys and
-    values ``k``, ``v`` [B, N, C] of the whole map; returns [B, n, C'] (before the residual)."""
-    b, n, _ = hs_q.shape
-
-    def split(t):
-        return t.reshape(b, t.shape[1], spec.heads, -1).transpose(1, 2)
-
-    q = spec.q(hs_q)
-    o = _sdpa(split(q), split(k), split(v), tf32)
-    del q
-    return spec.out(o.transpose(1, 2).reshape(b, n, -1))
-
-
-def add_residual(spec: AttentionSpec, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """``(x + o) / rescale`` with the tokens ``o`` [B, h*w, C] laid back onto ``x``'s [B, C, h, w] grid."""
-    b, _, h, w = x.shape
-    o = o.transpose(1, 2).reshape(b, -1, h, w)
-    return (x + o) / spec.rescale if spec.rescale != 1.0 else x + o
-
-
 def run_attention(spec: AttentionSpec, x: torch.Tensor, tf32: bool = False) -> torch.Tensor:
     """The attention block's output for the whole map ``x`` [B, C, H, W] (see the module docstring); ``tf32``: see
     ``_sdpa``. A channels-last ``x`` gives a channels-last output (no layout copy)."""
-    hs = tokens(spec.norm(x))  # [B, N, C]
-    k, v = spec.k(hs), spec.v(hs)
-    o = attend(spec, hs, k, v, tf32)
-    del hs, k, v
-    return add_residual(spec, x, o)
+    b, c, h, w = x.shape
+    hs = spec.norm(x).flatten(2).transpose(1, 2)  # [B, N, C]
+    q, k, v = spec.q(hs), spec.k(hs), spec.v(hs)
+    del hs
+
+    def split(t):
+        return t.reshape(b, h * w, spec.heads, -1).transpose(1, 2)
+
+    o = _sdpa(split(q), split(k), split(v), tf32)
+    del q, k, v
+    o = spec.out(o.transpose(1, 2).reshape(b, h * w, -1))
+    o = o.transpose(1, 2).reshape(b, -1, h, w)
+    return (x + o) / spec.rescale if spec.rescale != 1.0 else x + o
 
 
 def _conv1x1_tokens(conv) -> Callable:

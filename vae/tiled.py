@@ -45,9 +45,7 @@ MIN_ACTIVATION_BYTES = 64 * 2**20
 # H100 a 0.27 GiB budget at 0.38 GiB allocated and 0.85 GiB reserved (the bands' and convolutions' buffers differ
 # in size, so freed blocks are not always reusable). Under a hard budget the allocator cap (``memory.cap``)
 # returns such cached blocks to the driver before the process would hold more than the budget, so this factor has
-# to cover what is allocated (about 1.4x the estimate then) with room for the blocks that stay split. Those numbers
-# predate session 15's tensor-by-tensor count (``exact.band_bytes``), whose allocated peak is meant to sit at the
-# estimate; scripts/diag/vae_budget_fp32.py records reserved / allocated per case to re-check this factor.
+# to cover what is allocated (about 1.4x the estimate) with room for the blocks that stay split.
 DECODE_RESERVED_FACTOR = 2.2
 
 
