@@ -10,21 +10,26 @@ Formulas: ``lycoris.py`` (LoHa, LoKr) and ``dora.py`` (DoRA). Each term is a for
   For a conv, ``W2`` carries the kernel: the input's ``i1`` channel groups become the batch of one conv with
   ``W2`` (the base conv's stride/padding/dilation), then ``W1`` mixes the groups (one batched GEMM). The dense
   ``dW`` would cost a full GEMM per token plus building it; the identity is never dearer in multiply-adds.
-- LoHa: ``lycoris.LohaLayer.lowrank_factors`` turns it into a plain rank-``r1*r2`` LoRA (Khatri-Rao) when that costs
-  at most one dense GEMM per token: the binding then treats it as a LoRA (shared downs, fused GEGLU, merged mode
-  alike). Otherwise ``_DenseTerm`` builds ``dW = (s * w1_a @ w1_b) * (w2_a @ w2_b)`` each forward (two rank-r GEMMs
-  over the weight's size, no token dependence) and applies it as one dense GEMM/conv: about the cost of the
-  layer itself again.
+- LoHa, ``_LohaKhatriRao``: as a rank-``r1*r2`` LoRA whose factors are the Khatri-Rao products of the file's
+  (``lycoris.py``), formed per call, when that costs at most one dense GEMM per token: two skinny GEMMs/convs.
+  Otherwise ``_DenseTerm`` builds ``dW = (s * w1_a @ w1_b) * (w2_a @ w2_b)`` each forward (two rank-r GEMMs over the
+  weight's size, no token dependence) and applies it as one dense GEMM/conv: about the layer's own cost again.
+  Either way only the file's factors (and one strength buffer like ``w1_a``) stay resident.
 - DoRA (any kind with a ``dora_scale``), ``_DenseTerm``: ``s * ((W + dW) * g - W)`` with ``g`` the magnitude over
   the norm of ``W + dW`` is built each forward in fp32 from the module's *current* weight (read at call time, so a
   placement that moves or streams weights is followed), then applied as one dense GEMM/conv: roughly doubles the
   layer's cost, plus fp32 temporaries of the weight's size. ``merged`` mode has no per-step cost.
 
 Strength is data (as for plain LoRA in ``unmerged.py``): each term owns one persistent buffer the binding rewrites
-in place at attach (``w1_s = strength * W1`` for LoKr, ``w1a_s = strength * w1_a`` for dense LoHa, a 0-d
+in place at attach (``w1_s = strength * W1`` for LoKr, ``w1a_s = strength * w1_a`` for LoHa, a 0-d
 ``strength`` for DoRA). Nothing in a forward reads a Python number derived from data, syncs the host or allocates
 by data (shapes only): capture-safe, and a captured CUDA graph replays a new strength without recapture. At
 strength 0 every buffer is zero, the term is exact zeros and the output is the base bit-for-bit.
+
+Why hand-written: peft's LoHa/LoKr/DoRA layers (and LyCORIS' modules, not a dependency) replace the model's modules,
+rebuild the dense ``dW`` in every forward (LoKr through ``torch.kron``) and keep the strength as a Python float baked
+into a captured graph; none applies LoKr by the Kronecker identity or keeps the strength in capture-stable buffers.
+peft serves as the reference in ``tests/lora/test_lycoris.py``.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ import torch.nn.functional as F
 from .dora import dora_delta
 from .formats import LoraLayer
 from .keymap import Target
-from .lycoris import LohaLayer, LokrLayer
+from .lycoris import LohaLayer, LokrLayer, khatri_rao_down, khatri_rao_up
 
 
 def can_add_in_place(output: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -44,15 +49,10 @@ def can_add_in_place(output: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def lowrank_factors(target: Target) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """``(down, up)`` when ``target``'s term is a plain low-rank product (LoRA, or LoHa via Khatri-Rao when
-    cheaper), else None (``make_term`` builds it)."""
+    """``(down, up)`` when ``target`` is a plain LoRA (``unmerged.py`` runs it), else None (``make_term``)."""
     layer = target.layer
-    if layer.magnitude is not None:
-        return None
-    if isinstance(layer, LoraLayer):
+    if layer.magnitude is None and isinstance(layer, LoraLayer):
         return layer.down, layer.up
-    if isinstance(layer, LohaLayer):
-        return layer.lowrank_factors(tuple(target.module.weight.shape))
     return None
 
 
@@ -108,6 +108,35 @@ class _KronTerm:
         foreign = x.device != self.w1_s.device or x.dtype != self.w1_s.dtype
         xin = x.to(self.w1_s.device, self.w1_s.dtype) if foreign else x
         return _add(output, self._conv(xin) if self.geo.conv else self._linear(xin), foreign)
+
+
+class _LohaKhatriRao:
+    """Forward hook of a LoHa layer in its rank-``r1*r2`` form: ``out += up(down(x))`` with ``up`` / ``down`` the
+    Khatri-Rao products of the factors, formed per call (``R * (n + out)`` multiplies, small next to the GEMMs) so
+    that nothing of size ``R`` stays resident (a rank-16 LoHa on SDXL's attention and feed-forward layers would
+    hold ~2 GB of them, with the strength buffer); ``w1a_s`` is the strength-scaled buffer."""
+
+    __slots__ = ("w1a_s", "w1b", "w2a", "w2b", "geo", "__weakref__")
+
+    def __init__(self, w1a_s: torch.Tensor, layer: LohaLayer, module: torch.nn.Module):
+        self.w1a_s, self.w1b, self.w2a, self.w2b = w1a_s, layer.w1b, layer.w2a, layer.w2b
+        self.geo = _Geometry(module)
+
+    def __call__(self, module, args, output):
+        x = args[0]
+        foreign = x.device != self.w1b.device or x.dtype != self.w1b.dtype
+        xin = x.to(self.w1b.device, self.w1b.dtype) if foreign else x
+        up, down = khatri_rao_up(self.w1a_s, self.w2a), khatri_rao_down(self.w1b, self.w2b)
+        g = self.geo
+        if g.conv:
+            h = F.conv2d(xin, down.view(down.shape[0], xin.shape[1], *module.kernel_size), None, g.stride,
+                         g.padding, g.dilation)
+            return _add(output, F.conv2d(h, up[:, :, None, None]), foreign)
+        h = F.linear(xin, down)
+        if not foreign and can_add_in_place(output, up.dtype):
+            output.view(-1, output.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), up.t())
+            return None
+        return output + F.linear(h, up).to(output.device, output.dtype)
 
 
 class _LohaDelta:
@@ -175,6 +204,8 @@ def make_term(target: Target) -> tuple[object, torch.Tensor, torch.Tensor]:
         return _KronTerm(buf, w2, module), layer.w1, buf
     if isinstance(layer, LohaLayer):
         buf = torch.zeros_like(layer.w1a)
+        if layer.khatri_rao_cheaper():
+            return _LohaKhatriRao(buf, layer, module), layer.w1a, buf
         return _DenseTerm(_LohaDelta(buf, layer, shape), module), layer.w1a, buf
     raise TypeError(f"no unmerged term for a {type(layer).__name__}")  # pragma: no cover - kinds are closed
 

@@ -21,9 +21,9 @@ multiplied out here, once, in fp32 (``W1``, ``W2`` are small: their sizes multip
 
 How the terms run (``fullrank.py``): LoHa's ``dW`` equals a rank-``r1 * r2`` LoRA through the face-splitting
 (row-wise Khatri-Rao) identity ``(A1 B1) * (A2 B2) = (A1 (.) A2) (B1 (.) B2)``, with ``up[o, i*r2+j] =
-w1_a[o, i] w2_a[o, j]`` and ``down[i*r2+j, n] = w1_b[i, n] w2_b[j, n]``; ``lowrank_factors`` returns that pair when
-it costs at most one dense GEMM of the layer per token (``r1 r2 (n + out) <= n * out``: rank 8 on SD/SDXL
-layers), else None and the term builds ``dW`` each forward.
+w1_a[o, i] w2_a[o, j]`` and ``down[i*r2+j, n] = w1_b[i, n] w2_b[j, n]`` (``khatri_rao_up`` / ``_down``); that form
+is used when it costs at most one dense GEMM of the layer per token (``r1 r2 (n + out) <= n * out``, e.g. every
+attention and feed-forward layer of SDXL up to rank 16), else ``dW`` is built each forward.
 """
 from __future__ import annotations
 
@@ -115,19 +115,21 @@ class LohaLayer:
                     f"{list(weight_shape)}{flat}")
         return ""
 
-    def lowrank_factors(self, weight_shape: tuple) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """``(down, up)`` of the equal rank-``r1*r2`` LoRA, shaped for the weight (conv: ``down [R, in, kh, kw]``,
-        ``up [out, R, 1, 1]``), when that is no dearer than a dense GEMM per token; else None."""
-        r1, r2 = self.w1a.shape[1], self.w2a.shape[1]
-        if r1 * r2 * (self.in_dim + self.out_dim) > self.in_dim * self.out_dim:
-            return None
-        f32 = torch.float32
-        up = (self.w1a.to(f32)[:, :, None] * self.w2a.to(f32)[:, None, :]).reshape(self.out_dim, r1 * r2)
-        down = (self.w1b.to(f32)[:, None, :] * self.w2b.to(f32)[None, :, :]).reshape(r1 * r2, self.in_dim)
-        if len(weight_shape) == 4:
-            down = down.reshape(r1 * r2, *weight_shape[1:])
-            up = up.reshape(self.out_dim, r1 * r2, 1, 1)
-        return down.to(self.w1b.dtype), up.to(self.w1a.dtype)
+    def khatri_rao_cheaper(self) -> bool:
+        """True when the rank-``r1*r2`` form costs at most one dense GEMM of the layer per token:
+        ``r1 r2 (n + out) <= n * out`` (module docstring)."""
+        r = self.w1a.shape[1] * self.w2a.shape[1]
+        return r * (self.in_dim + self.out_dim) <= self.in_dim * self.out_dim
+
+
+def khatri_rao_up(w1a: torch.Tensor, w2a: torch.Tensor) -> torch.Tensor:
+    """``up[o, i*r2 + j] = w1a[o, i] * w2a[o, j]`` (``[out, r1*r2]``): the row-wise Khatri-Rao product."""
+    return (w1a[:, :, None] * w2a[:, None, :]).flatten(1)
+
+
+def khatri_rao_down(w1b: torch.Tensor, w2b: torch.Tensor) -> torch.Tensor:
+    """``down[i*r2 + j, n] = w1b[i, n] * w2b[j, n]`` (``[r1*r2, n]``), so ``up @ down = (w1a @ w1b) * (w2a @ w2b)``."""
+    return (w1b[:, None, :] * w2b[None, :, :]).flatten(0, 1)
 
 
 @dataclass(frozen=True, eq=False)

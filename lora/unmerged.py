@@ -26,8 +26,8 @@ a subclass, a ``proj`` found without ``roots``, a GEGLU whose ``forward`` anothe
 call time the override computes the plain ``proj(x) + terms``, then ``a * gelu(g)`` (out of place), when the
 input or LoRA factors differ in device/dtype (a placement ran the module elsewhere) or autograd needs the graph.
 
-LyCORIS terms (LoKr, a LoHa too wide for its low-rank form, DoRA) come from ``fullrank.make_term`` and always use the
-hook path; a LoHa in its Khatri-Rao low-rank form (``fullrank.lowrank_factors``) is a plain LoRA term here.
+LyCORIS terms (LoHa, LoKr, DoRA on any kind) come from ``fullrank.make_term`` and always use the hook path; only plain
+LoRA layers (``fullrank.lowrank_factors``) get the terms, shared downs and fused GEGLU described here.
 
 Invariants
 - Base weights are never written. ``detach`` removes exactly what ``attach`` installed: hooks by their reserved
@@ -347,7 +347,7 @@ class UnmergedBinding(RefCountedBinding):
         self._shared = list({id(g): g for g, _ in shared.values()}.values())
         for t in self.targets:
             override = None
-            if id(t) not in lowrank:  # LoKr, dense LoHa, DoRA (``fullrank``): always a hook
+            if id(t) not in lowrank:  # LoHa, LoKr, DoRA (``fullrank``): always a hook
                 term, up, up_s = make_term(t)
             else:
                 down = _shaped(t, lowrank[id(t)][0], "down")

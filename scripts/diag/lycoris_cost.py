@@ -4,7 +4,7 @@ SDXL UNet, fp16, 1024 px (128x128 latent), batch 2, random weights; every attent
 layers) carries the adapter (kohya/LyCORIS layout, LDM names, fp16 file in a temp folder). Per case: the unmerged
 (default strategy) and merged graph-replay ms of one UNet call next to no adapter, the attach time of a strength
 change (same graph replayed after it, checked against eager at the new strength), merged vs unmerged, strength 0 vs
-the base, and the file's load time. Cases: plain LoRA r32 (the yardstick), LoHa r8 / r16 (run as rank-64 / 256
+the base, the file's load time and the GPU memory the loaded adapter and its binding hold. Cases: plain LoRA r32 (the yardstick), LoHa r8 / r16 (run as rank-64 / 256
 LoRAs by the Khatri-Rao identity) and r32 (built densely on most layers), LoKr with LyCORIS' default factorisation
 (factor -1, W2 low-rank r16) and factor 8, DoRA on the r32 LoRA on the input and the output axis.
 Usage (device machine, pack importable as ``leandiffusion``): python scripts/diag/lycoris_cost.py [case,...];
@@ -102,11 +102,16 @@ def main():
             t0 = time.perf_counter()
             path = write_file(case, unet, folder)
             clear_cache()
+            gc.collect()
+            torch.cuda.empty_cache()
+            mem0 = torch.cuda.memory_allocated()
             t1 = time.perf_counter()
             load_lora(path, dev, torch.float16)
             load_s = time.perf_counter() - t1
             row = {"file_mb": round(path.stat().st_size / 2**20, 1), "load_s": round(load_s, 2)}
             view = inject_lora(engine, path, 1.0, mode="unmerged")
+            # the loaded factors plus the binding's own tensors (strength buffers, Khatri-Rao factors, shared downs)
+            row["unmerged_resident_mb"] = round((torch.cuda.memory_allocated() - mem0) / 2**20, 1)
             terms = {}
             for _, _, term, ov in view.adapters[0].binding._slots["unet"]:
                 kind = type(term).__name__ + ("+geglu" if ov is not None else "")

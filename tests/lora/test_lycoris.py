@@ -14,8 +14,6 @@ import pytest
 import torch
 
 from leandiffusion.lora import inject_lora
-from leandiffusion.lora.fullrank import _DenseTerm, _KronTerm
-from leandiffusion.lora.unmerged import _LinearTerm
 from leandiffusion.memory.engine import engine_from_parts, parts_from_components
 from leandiffusion.tests.kit import tiny_components
 from leandiffusion.tests.lora import lorafiles as lf
@@ -99,9 +97,8 @@ def test_sd1_matches_the_fp64_formula(tmp_path, case, mode, strategy):
     assert lf.max_diff(lf.view_outputs(view), ref) <= TOL
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
     if mode == "unmerged":  # each layout runs the term it is documented to
-        want = {"loha_lowrank": {"_LinearTerm", "_ConvLoraHook"}, "loha_dense": {"_DenseTerm", "_LinearTerm",
-                "_ConvLoraHook"}}.get(case, {"_KronTerm"} if case.startswith("lokr_") and "dora" not in case
-                                      else {"_DenseTerm"})
+        want = {"loha_lowrank": {"_LohaKhatriRao"}, "loha_dense": {"_DenseTerm", "_LohaKhatriRao"}}.get(
+            case, {"_KronTerm"} if case.startswith("lokr_") and "dora" not in case else {"_DenseTerm"})
         assert _terms(view) == want
 
 
