@@ -24,7 +24,8 @@ layer kind (``LoraLayer``, ``lycoris.LohaLayer``, ``lycoris.LokrLayer``) offers 
 ``[out, in * kh * kw]``), ``placed()`` (on a device, scale folded in), ``in_dim``/``out_dim`` and ``magnitude``
 (the DoRA ``dora_scale``, else None; ``dora.py``).
 
-Anything else (Tucker "lora_mid"/"hada_t1", bias-LoRA, full-diff, OFT/GLoRA keys, PEFT DoRA ``lora_magnitude_vector``,
+LoCon with Tucker factors (``lora_mid``) becomes a plain LoCon layer (``_tucker_down``). Anything else (LoHa Tucker
+"hada_t1", bias-LoRA, full-diff, OFT/GLoRA keys, PEFT DoRA ``lora_magnitude_vector``,
 LoHa/LoKr/DoRA keys outside the kohya layout, a down without its up) is refused with a ``ValueError`` naming the
 keys, never skipped silently. Hand-written because diffusers' converters are private,
 string-replacement heuristics that (by design) also rewrite names for their own PEFT injection.
@@ -56,7 +57,7 @@ _PEFT_SUFFIXES = {
     ".lora_linear_layer.down.weight": "down", ".lora_linear_layer.up.weight": "up",
 }
 _UNSUPPORTED_MARKERS = {
-    "lora_magnitude_vector": "PEFT DoRA (lora_magnitude_vector)", "lora_mid": "LoCon with Tucker decomposition",
+    "lora_magnitude_vector": "PEFT DoRA (lora_magnitude_vector)",
     "hada_t1": "LoHa with Tucker decomposition", "hada_t2": "LoHa with Tucker decomposition",
     ".diff": "full weight difference", ".diff_b": "bias difference", "lora_B.bias": "LoRA with bias",
     ".w_norm": "GLoRA/OFT", "oft_": "OFT", ".b_norm": "GLoRA/OFT",
@@ -182,7 +183,8 @@ def _refuse_unsupported(state_dict: Mapping[str, torch.Tensor], source: str, koh
                              f"{', '.join(hits[:3])}); save the file with kohya-style key names")
 
 
-_KOHYA_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".alpha", ".dora_scale") + LYCORIS_SUFFIXES
+_KOHYA_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_mid.weight", ".alpha", ".dora_scale") + \
+    LYCORIS_SUFFIXES
 
 
 def _kohya_split(key: str) -> tuple[str, str]:
@@ -220,10 +222,27 @@ def _parse_kohya(state_dict: Mapping[str, torch.Tensor], source: str) -> tuple[L
             layers.append(parse_lycoris(g, component, name, base, source, magnitude))
             continue
         down, up = g[".lora_down.weight"], g[".lora_up.weight"]
+        if ".lora_mid.weight" in g:
+            down = _tucker_down(down, g[".lora_mid.weight"], base, source)
         rank = _check_pair(down, up, base, source)
         alpha = alpha_value(g[".alpha"], base, source) if ".alpha" in g else float(rank)
         layers.append(LoraLayer(component, name, "kohya", down, up, alpha / rank, base, magnitude))
     return tuple(layers)
+
+
+def _tucker_down(down: torch.Tensor, mid: torch.Tensor, name: str, source: str) -> torch.Tensor:
+    """LoCon with Tucker factors (``lora_down`` a 1x1 ``[r, in]``, ``lora_mid`` a ``[r, r, kh, kw]`` conv, ``lora_up``
+    ``[out, r, 1, 1]``; the layer runs ``up(mid(down(x)))``, LyCORIS' ``use_tucker``) as one ``[r, in, kh, kw]``
+    down factor: ``down'[a, c] = sum_b mid[a, b] * down[b, c]`` (fp32, once), the product ComfyUI forms; the rank
+    (``alpha / rank``) stays ``r``. The combined kernel costs ``r in kh kw`` per pixel instead of ``r in + r r kh kw``,
+    a few % of the base conv at SD's widths, and the layer then runs as any LoCon layer."""
+    if not (down.is_floating_point() and mid.is_floating_point()) or mid.ndim != 4 or down.ndim not in (2, 4) or (
+            down.ndim == 4 and tuple(down.shape[2:]) != (1, 1)) or not mid.shape[0] == mid.shape[1] == down.shape[0]:
+        raise ValueError(f"lora {source}: layer {name} has lora_mid {tuple(mid.shape)} ({mid.dtype}) and lora_down "
+                         f"{tuple(down.shape)} ({down.dtype}); expected float lora_mid [r, r, kh, kw] after a 1x1 "
+                         f"lora_down [r, in(, 1, 1)]; the file is corrupt or not a LoCon")
+    combined = torch.einsum("abkl,bc->ackl", mid.float(), down.flatten(1).float())
+    return combined.to(down.dtype)
 
 
 def _peft_split(key: str) -> tuple[str, str]:

@@ -37,7 +37,7 @@ from .dora import placed_magnitude
 LOHA_SUFFIXES = (".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b")
 LOKR_SUFFIXES = (".lokr_w1", ".lokr_w1_a", ".lokr_w1_b", ".lokr_w2", ".lokr_w2_a", ".lokr_w2_b", ".lokr_t2")
 LYCORIS_SUFFIXES = LOHA_SUFFIXES + LOKR_SUFFIXES
-_PLAIN_SUFFIXES = (".lora_down.weight", ".lora_up.weight")
+_PLAIN_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_mid.weight")
 
 
 def alpha_value(tensor: torch.Tensor, name: str, source: str) -> float:

@@ -1,4 +1,4 @@
-"""LoHa, LoKr and DoRA: the merged weights equal what ComfyUI's own LoRA code (``comfy.lora.calculate_weight``, the
+"""LoHa, LoKr, Tucker LoCon and DoRA: the merged weights equal what ComfyUI's own LoRA code (``comfy.lora.calculate_weight``, the
 math behind its LoraLoader) computes from the same file, on the tiny SD1 UNet's attention, feed-forward and conv
 layers, at strengths 1 and -0.6 (ComfyUI has separate code paths for strength 1).
 

@@ -307,6 +307,15 @@ def lokr_factors(module: torch.nn.Module, rank: int, gen: torch.Generator, varia
     return sd
 
 
+def locon_tucker_factors(module: torch.nn.Conv2d, rank: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """LyCORIS' ``use_tucker`` LoCon of a kxk conv: lora_down [r, in, 1, 1], lora_mid [r, r, kh, kw], lora_up
+    [out, r, 1, 1]."""
+    k = tuple(module.kernel_size)
+    return {"lora_down.weight": torch.randn(rank, module.in_channels, 1, 1, generator=gen) / module.in_channels ** 0.5,
+            "lora_mid.weight": torch.randn(rank, rank, *k, generator=gen) / (rank * k[0] * k[1]) ** 0.5,
+            "lora_up.weight": 0.25 * torch.randn(module.out_channels, rank, 1, 1, generator=gen) / rank ** 0.5}
+
+
 def dora_scale(module: torch.nn.Module, delta: torch.Tensor, axis: str, gen: torch.Generator) -> torch.Tensor:
     """A DoRA magnitude near the norm of ``W + delta`` (as a trained one is), ``[1, in(,1,1)]`` (axis "in") or
     ``[out, 1(,1,1)]`` (axis "out"), fp32."""
@@ -319,7 +328,8 @@ def dora_scale(module: torch.nn.Module, delta: torch.Tensor, axis: str, gen: tor
 def lycoris_state_dict(roots: dict, patterns: dict, kind: str, rank: int = 2, seed: int = 0,
                        variant: str = "w2_lowrank", alpha: float | None = 1.5, dora: str = "",
                        ldm_names: dict | None = None) -> dict[str, torch.Tensor]:
-    """A kohya-layout LyCORIS file: ``kind`` "loha" | "lokr" | "lora" (plain, for DoRA), ``dora`` "" | "in" | "out"
+    """A kohya-layout LyCORIS file: ``kind`` "loha" | "lokr" | "lora" (plain, for DoRA) | "locon_tucker" (kxk convs
+    with lora_mid, the rest plain), ``dora`` "" | "in" | "out"
     adds a ``dora_scale`` per layer. Names as ``kohya_state_dict``."""
     gen = torch.Generator().manual_seed(seed)
     sd = {}
@@ -328,6 +338,8 @@ def lycoris_state_dict(roots: dict, patterns: dict, kind: str, rank: int = 2, se
             factors = loha_factors(module, rank, gen)
         elif kind == "lokr":
             factors = lokr_factors(module, rank, gen, variant)
+        elif kind == "locon_tucker" and isinstance(module, torch.nn.Conv2d) and module.kernel_size != (1, 1):
+            factors = locon_tucker_factors(module, rank, gen)
         else:
             down, up = random_factors(module, rank, gen)
             factors = {"lora_down.weight": down, "lora_up.weight": up}
@@ -347,6 +359,7 @@ LYCORIS_CASES = {
     "lokr_both_lowrank": ("lokr", "both_lowrank", 2, ""), "lokr_tucker": ("lokr", "tucker", 2, ""),
     "dora_in": ("lora", "", 2, "in"), "dora_out": ("lora", "", 2, "out"),
     "lokr_dora_in": ("lokr", "tucker", 2, "in"), "loha_dora_out": ("loha", "", 2, "out"),
+    "locon_tucker": ("locon_tucker", "", 3, ""), "locon_tucker_dora_in": ("locon_tucker", "", 3, "in"),
 }
 
 
@@ -368,6 +381,11 @@ def reference_delta(sd: dict, key: str, module: torch.nn.Module) -> torch.Tensor
     if "lora_down.weight" in g:
         down, up = g["lora_down.weight"], g["lora_up.weight"]
         scale = alpha / down.shape[0] if alpha is not None else 1.0
+        if "lora_mid.weight" in g:  # up(mid(down(x))): kernel[o, c, k, l] = sum_ab up[o, a] mid[a, b, k, l] down[b, c]
+            mid, u, d = g["lora_mid.weight"], up.flatten(1), down.flatten(1)
+            kernel = (u[:, :, None, None, None, None] * mid[None, :, :, None, :, :] *
+                      d[None, None, :, :, None, None]).sum(dim=(1, 2))
+            return scale * kernel.reshape(shape)
         return scale * (up.reshape(up.shape[0], -1) @ down.reshape(down.shape[0], -1)).reshape(shape)
     if "hada_w1_a" in g:
         scale = alpha / g["hada_w1_b"].shape[0] if alpha is not None else 1.0

@@ -93,9 +93,10 @@ def test_corrupt_files(sd1, sd1_lora, tmp_path, content):
 
 @pytest.mark.parametrize("bad_key,kind", [("lora_unet_x.hada_t1", "LoHa with Tucker"),
                                           ("lora_unet_x.lora_magnitude_vector", "PEFT DoRA"),
-                                          ("lora_unet_x.oft_blocks", "OFT"), ("lora_unet_x.lora_mid.weight", "Tucker")])
+                                          ("lora_unet_x.oft_blocks", "OFT"), ("lora_unet_x.diff", "full weight difference")])
 def test_unsupported_variants(sd1, sd1_lora, tmp_path, bad_key, kind):
-    """LoHa, LoKr and DoRA load since session 15 (tests/lora/test_lycoris*.py); these variants are still refused."""
+    """LoHa, LoKr, DoRA and Tucker LoCon load since session 15 (tests/lora/test_lycoris*.py); these are still
+    refused."""
     sd = dict(sd1_lora)
     sd[bad_key] = torch.zeros(2, 2)
     _refused(sd1, lf.write(sd, tmp_path / "v.safetensors"), kind)

@@ -53,7 +53,7 @@ def test_graph_replay_follows_strength(tmp_path, family, mode, strategy):
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
 @pytest.mark.parametrize("case", ["loha_lowrank", "loha_dense", "lokr_tucker", "lokr_both_lowrank", "dora_in",
-                                  "dora_out"])
+                                  "dora_out", "locon_tucker"])
 @pytest.mark.parametrize("mode", ["unmerged", "merged"])
 @torch.no_grad()
 def test_lycoris_graph_replay_follows_strength(tmp_path, family, case, mode):

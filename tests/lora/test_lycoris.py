@@ -97,7 +97,8 @@ def test_sd1_matches_the_fp64_formula(tmp_path, case, mode, strategy):
     assert lf.max_diff(lf.view_outputs(view), ref) <= TOL
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
     if mode == "unmerged":  # each layout runs the term it is documented to
-        want = {"loha_lowrank": {"_LohaKhatriRao"}, "loha_dense": {"_DenseTerm", "_LohaKhatriRao"}}.get(
+        want = {"loha_lowrank": {"_LohaKhatriRao"}, "loha_dense": {"_DenseTerm", "_LohaKhatriRao"},
+                "locon_tucker": {"_LinearTerm", "_ConvLoraHook"}}.get(
             case, {"_KronTerm"} if case.startswith("lokr_") and "dora" not in case else {"_DenseTerm"})
         assert _terms(view) == want
 
@@ -115,7 +116,8 @@ def test_sdxl_with_ldm_names_and_both_text_encoders(tmp_path, case):
 @pytest.mark.parametrize("case,key", [("loha_dense", "hada_w2_b"), ("loha_lowrank", "hada_w1_a"),
                                       ("lokr_tucker", "lokr_t2"), ("lokr_both_lowrank", "lokr_w1_b"),
                                       ("dora_in", "dora_scale"), ("dora_out", "dora_scale"),
-                                      ("lokr_w2_lowrank", "alpha"), ("lokr_full", "lokr_w2"), ("loha_dense", "alpha")])
+                                      ("lokr_w2_lowrank", "alpha"), ("lokr_full", "lokr_w2"), ("loha_dense", "alpha"),
+                                      ("locon_tucker", "lora_mid.weight")])
 def test_a_perturbed_factor_fails_the_check(tmp_path, case, key):
     """The tolerance can fail: one factor of one layer off by 2% moves the output past TOL."""
     assert _perturbed_error(tmp_path, case, key) > TOL

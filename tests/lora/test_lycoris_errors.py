@@ -1,4 +1,4 @@
-"""Malformed LoHa / LoKr / DoRA files are refused with a message naming the file, the layer key, the bad value and
+"""Malformed LoHa / LoKr / DoRA / Tucker LoCon files are refused with a message naming the file, the layer key, the bad value and
 the fix, and leave the model untouched; the variants that stay unsupported are refused by name.
 
 Guards the parser in ``lora/lycoris.py`` and ``lora/dora.py`` and the fit checks in ``lora/keymap.py`` (session 15).
@@ -86,6 +86,13 @@ CASES = [
       f"{Q}.dora_scale": torch.zeros(1, 16)},
      FIT + rf"{re.escape(Q_MODULE)} \(file key {Q}, LoRA\): its DoRA dora_scale \(1, 16\) is an input-axis magnitude "
            r"of 16 channels but the layer has 32 input channels"),
+    ({f"{CONV}.lora_down.weight": torch.zeros(2, 32, 1, 1), f"{CONV}.lora_mid.weight": torch.zeros(3, 2, 3, 3),
+      f"{CONV}.lora_up.weight": torch.zeros(32, 3, 1, 1)},
+     rf"layer {CONV} has lora_mid \(3, 2, 3, 3\) \(torch.float32\) and lora_down \(2, 32, 1, 1\) \(torch.float32\); "
+     r"expected float lora_mid \[r, r, kh, kw\] after a 1x1 lora_down \[r, in\(, 1, 1\)\]; the file is corrupt"),
+    ({f"{CONV}.lora_down.weight": torch.zeros(2, 32, 3, 3), f"{CONV}.lora_mid.weight": torch.zeros(2, 2, 3, 3),
+      f"{CONV}.lora_up.weight": torch.zeros(32, 2, 1, 1)}, rf"layer {CONV} has lora_mid \(2, 2, 3, 3\) .* and lora_down "
+                                                           r"\(2, 32, 3, 3\)"),
     ({**_loha(), f"{Q}.hada_t1": torch.zeros(2, 2, 1, 1), f"{Q}.hada_t2": torch.zeros(2, 2, 1, 1)},
      r"LoHa with Tucker decomposition weights are not supported by the LoRA injector \(keys such as .*hada_t1"),
     ({"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.hada_w1_a": torch.zeros(32, 2),
