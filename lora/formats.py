@@ -14,12 +14,20 @@ Supported layouts
   ``lora_adapter_metadata`` JSON diffusers writes into the safetensors header (``<component>.lora_alpha``,
   ``.alpha_pattern``, ``.use_rslora``); with neither, alpha = rank (PEFT's and diffusers' convention).
 
-Math (the invariant every consumer relies on): a layer contributes
-``delta_W = scale * up @ down`` with ``scale = alpha / rank`` (``alpha / sqrt(rank)`` under rsLoRA) and
-``rank = down.shape[0]``; for conv layers the product is taken over the rank axis with ``up`` a 1x1 kernel.
+- LyCORIS LoHa / LoKr in the kohya layout (``hada_w1_a``..., ``lokr_w1``...), and DoRA (``dora_scale``) on any of
+  the three: parsed by ``lycoris.py`` (formulas there).
 
-Anything else (LoHa/LoKr/DoRA/Tucker "lora_mid"/bias-LoRA/full-diff keys, a down without its up) is refused with a
-``ValueError`` naming the keys, never skipped silently. Hand-written because diffusers' converters are private,
+Math (the invariant every consumer relies on): a plain LoRA layer contributes
+``delta_W = scale * up @ down`` with ``scale = alpha / rank`` (``alpha / sqrt(rank)`` under rsLoRA) and
+``rank = down.shape[0]``; for conv layers the product is taken over the rank axis with ``up`` a 1x1 kernel. Every
+layer kind (``LoraLayer``, ``lycoris.LohaLayer``, ``lycoris.LokrLayer``) offers ``delta_flat()`` (that product,
+``[out, in * kh * kw]``), ``placed()`` (on a device, scale folded in), ``in_dim``/``out_dim`` and ``magnitude``
+(the DoRA ``dora_scale``, else None; ``dora.py``).
+
+LoCon with Tucker factors (``lora_mid``) becomes a plain LoCon layer (``_tucker_down``). Anything else (LoHa Tucker
+"hada_t1", bias-LoRA, full-diff, OFT/GLoRA keys, PEFT DoRA ``lora_magnitude_vector``,
+LoHa/LoKr/DoRA keys outside the kohya layout, a down without its up) is refused with a ``ValueError`` naming the
+keys, never skipped silently. Hand-written because diffusers' converters are private,
 string-replacement heuristics that (by design) also rewrite names for their own PEFT injection.
 """
 from __future__ import annotations
@@ -28,13 +36,15 @@ import json
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Optional
 
 import torch
 
 from ..torchfile import load_tensors, read_safetensors
+from .dora import check_magnitude, placed_magnitude
+from .lycoris import LYCORIS_SUFFIXES, alpha_value, lycoris_kind, parse_lycoris
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +57,14 @@ _PEFT_SUFFIXES = {
     ".lora_linear_layer.down.weight": "down", ".lora_linear_layer.up.weight": "up",
 }
 _UNSUPPORTED_MARKERS = {
-    "hada_": "LoHa (LyCORIS Hadamard product)", "lokr_": "LoKr (LyCORIS Kronecker product)",
-    "dora_scale": "DoRA", "lora_magnitude_vector": "DoRA", "lora_mid": "LoCon with Tucker decomposition",
+    "lora_magnitude_vector": "PEFT DoRA (lora_magnitude_vector)",
+    "hada_t1": "LoHa with Tucker decomposition", "hada_t2": "LoHa with Tucker decomposition",
     ".diff": "full weight difference", ".diff_b": "bias difference", "lora_B.bias": "LoRA with bias",
     ".w_norm": "GLoRA/OFT", "oft_": "OFT", ".b_norm": "GLoRA/OFT",
 }
+# Supported in the kohya layout only (``lycoris.py``); elsewhere refused.
+_KOHYA_ONLY_MARKERS = {"hada_": "LoHa (LyCORIS Hadamard product)", "lokr_": "LoKr (LyCORIS Kronecker product)",
+                       "dora_scale": "DoRA"}
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 # diffusers' attention-processor files (0.14-0.20; its ``UNET_TO_DIFFUSERS`` / ``DIFFUSERS_OLD_TO_PEFT`` tables).
 _ATTN_PROCESSOR_KEY = re.compile(r"(?P<parent>.+?)(?:\.processor)?\.(?P<proj>to_q|to_k|to_v|to_out)_lora\."
@@ -71,6 +84,37 @@ class LoraLayer:
     up: torch.Tensor  # [out, r] or [out, r, 1, 1]
     scale: float  # alpha / rank (or alpha / sqrt(rank))
     source: str  # the file key prefix, for error messages
+    magnitude: Optional[torch.Tensor] = None  # DoRA ``dora_scale`` ([1, in(,1,1)] or [out, 1(,1,1)]), else None
+
+    kind = "LoRA"
+
+    @property
+    def in_dim(self) -> int:
+        return int(self.down.shape[1])
+
+    @property
+    def out_dim(self) -> int:
+        return int(self.up.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.down, self.up, self.magnitude) if t is not None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.down.dtype
+
+    def delta_flat(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``scale * up @ down`` as ``[out, in * kh * kw]``, computed in ``dtype`` (default: the factors')."""
+        dt = dtype or self.dtype
+        return (self.up.flatten(1).to(dt) @ self.down.flatten(1).to(dt)) * self.scale
+
+    def placed(self, device: torch.device, dtype: torch.dtype) -> "LoraLayer":
+        """On ``device``/``dtype`` with the scale folded into ``up`` (fp32 product, rounded once); the DoRA
+        magnitude stays fp32."""
+        up = (self.up.to(device=device, dtype=torch.float32) * self.scale).to(dtype)
+        return replace(self, down=self.down.to(device=device, dtype=dtype), up=up, scale=1.0,
+                       magnitude=placed_magnitude(self.magnitude, device))
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,9 +149,9 @@ def parse_lora(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mappin
     """Detect the layout of ``state_dict`` and return its layers. Raises ``ValueError`` on anything unknown."""
     if not state_dict:
         raise ValueError(f"lora {source}: the file holds no tensors")
-    _refuse_unsupported(state_dict, source)
     keys = list(state_dict)
     kohya = [k.startswith(tuple(KOHYA_PREFIXES)) for k in keys]
+    _refuse_unsupported(state_dict, source, kohya_layout=all(kohya))
     if all(kohya):
         return ParsedLora("kohya", _parse_kohya(state_dict, source), source)
     if any(k.endswith(tuple(_PEFT_SUFFIXES)) or _ATTN_PROCESSOR_KEY.fullmatch(k) for k in keys):
@@ -123,16 +167,28 @@ def parse_lora(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mappin
                      f"(lora_unet_*/lora_te*_* with lora_down/lora_up) or diffusers/PEFT keys (lora_A/lora_B)")
 
 
-def _refuse_unsupported(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+def _refuse_unsupported(state_dict: Mapping[str, torch.Tensor], source: str, kohya_layout: bool) -> None:
     for marker, kind in _UNSUPPORTED_MARKERS.items():
         hits = [k for k in state_dict if marker in k]
         if hits:
             raise ValueError(f"lora {source}: {kind} weights are not supported by the LoRA injector "
-                             f"(keys such as {', '.join(hits[:3])}); use a plain LoRA/LoCon file")
+                             f"(keys such as {', '.join(hits[:3])}); use a plain LoRA/LoCon, LoHa or LoKr file")
+    if kohya_layout:
+        return
+    for marker, kind in _KOHYA_ONLY_MARKERS.items():
+        hits = [k for k in state_dict if marker in k]
+        if hits:
+            raise ValueError(f"lora {source}: {kind} weights are supported in the kohya/LyCORIS layout only "
+                             f"(lora_unet_*/lora_te*_* keys), not in this file's layout (keys such as "
+                             f"{', '.join(hits[:3])}); save the file with kohya-style key names")
+
+
+_KOHYA_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_mid.weight", ".alpha", ".dora_scale") + \
+    LYCORIS_SUFFIXES
 
 
 def _kohya_split(key: str) -> tuple[str, str]:
-    for suffix in (".lora_down.weight", ".lora_up.weight", ".alpha"):
+    for suffix in _KOHYA_SUFFIXES:
         if key.endswith(suffix):
             return key[: -len(suffix)], suffix
     return key, ""
@@ -149,20 +205,44 @@ def _parse_kohya(state_dict: Mapping[str, torch.Tensor], source: str) -> tuple[L
         groups.setdefault(base, {})[suffix] = tensor
     if unknown:
         raise ValueError(f"lora {source}: keys with an unknown suffix (expected .lora_down.weight, "
-                         f".lora_up.weight, .alpha): {', '.join(sorted(unknown)[:20])}")
+                         f".lora_up.weight, .alpha, .dora_scale or LyCORIS .hada_*/.lokr_* factors): "
+                         f"{', '.join(sorted(unknown)[:20])}")
     layers = []
-    incomplete = sorted(b for b, g in groups.items() if ".lora_down.weight" not in g or ".lora_up.weight" not in g)
+    plain = {b: g for b, g in groups.items() if not lycoris_kind(g)}
+    incomplete = sorted(b for b, g in plain.items() if ".lora_down.weight" not in g or ".lora_up.weight" not in g)
     if incomplete:
         raise ValueError(f"lora {source}: these layers lack a lora_down or lora_up weight: "
                          f"{', '.join(incomplete[:20])}")
     for base in sorted(groups):
         g = groups[base]
         prefix = next(p for p in sorted(KOHYA_PREFIXES, key=len, reverse=True) if base.startswith(p))
+        component, name = KOHYA_PREFIXES[prefix], base[len(prefix):]
+        magnitude = check_magnitude(g.get(".dora_scale"), base, source)
+        if base not in plain:
+            layers.append(parse_lycoris(g, component, name, base, source, magnitude))
+            continue
         down, up = g[".lora_down.weight"], g[".lora_up.weight"]
+        if ".lora_mid.weight" in g:
+            down = _tucker_down(down, g[".lora_mid.weight"], base, source)
         rank = _check_pair(down, up, base, source)
-        alpha = _alpha(g[".alpha"], base, source) if ".alpha" in g else float(rank)
-        layers.append(LoraLayer(KOHYA_PREFIXES[prefix], base[len(prefix):], "kohya", down, up, alpha / rank, base))
+        alpha = alpha_value(g[".alpha"], base, source) if ".alpha" in g else float(rank)
+        layers.append(LoraLayer(component, name, "kohya", down, up, alpha / rank, base, magnitude))
     return tuple(layers)
+
+
+def _tucker_down(down: torch.Tensor, mid: torch.Tensor, name: str, source: str) -> torch.Tensor:
+    """LoCon with Tucker factors (``lora_down`` a 1x1 ``[r, in]``, ``lora_mid`` a ``[r, r, kh, kw]`` conv, ``lora_up``
+    ``[out, r, 1, 1]``; the layer runs ``up(mid(down(x)))``, LyCORIS' ``use_tucker``) as one ``[r, in, kh, kw]``
+    down factor: ``down'[a, c] = sum_b mid[a, b] * down[b, c]`` (fp32, once), the product ComfyUI forms; the rank
+    (``alpha / rank``) stays ``r``. The combined kernel costs ``r in kh kw`` per pixel instead of ``r in + r r kh kw``,
+    a few % of the base conv at SD's widths, and the layer then runs as any LoCon layer."""
+    if not (down.is_floating_point() and mid.is_floating_point()) or mid.ndim != 4 or down.ndim not in (2, 4) or (
+            down.ndim == 4 and tuple(down.shape[2:]) != (1, 1)) or not mid.shape[0] == mid.shape[1] == down.shape[0]:
+        raise ValueError(f"lora {source}: layer {name} has lora_mid {tuple(mid.shape)} ({mid.dtype}) and lora_down "
+                         f"{tuple(down.shape)} ({down.dtype}); expected float lora_mid [r, r, kh, kw] after a 1x1 "
+                         f"lora_down [r, in(, 1, 1)]; the file is corrupt or not a LoCon")
+    combined = torch.einsum("abkl,bc->ackl", mid.float(), down.flatten(1).float())
+    return combined.to(down.dtype)
 
 
 def _peft_split(key: str) -> tuple[str, str]:
@@ -231,21 +311,13 @@ def _parse_peft(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, s
         comp, module = _component_of(base)
         rank = _check_pair(g["down"], g["up"], base, source)
         if "alpha" in g:
-            alpha = _alpha(g["alpha"], base, source)
+            alpha = alpha_value(g["alpha"], base, source)
         else:
             pattern = _pattern_value(meta.get(f"{comp}.alpha_pattern") or {}, module)
             alpha = pattern if pattern is not None else float(meta.get(f"{comp}.lora_alpha", rank))
         denom = math.sqrt(rank) if meta.get(f"{comp}.use_rslora") else rank
         layers.append(LoraLayer(comp, module, "dotted", g["down"], g["up"], alpha / denom, base))
     return tuple(layers)
-
-
-def _alpha(tensor: torch.Tensor, name: str, source: str) -> float:
-    """The scalar of an ``.alpha`` key (files store it 0-d or as one element, in any float or int dtype)."""
-    if tensor.numel() != 1:
-        raise ValueError(f"lora {source}: layer {name} has an alpha of shape {tuple(tensor.shape)} "
-                         f"({tensor.numel()} values); expected one number; the file is corrupt or not a LoRA")
-    return float(tensor.float().item())
 
 
 def _check_pair(down: torch.Tensor, up: torch.Tensor, name: str, source: str) -> int:
@@ -271,7 +343,7 @@ def family_hint(parsed: ParsedLora) -> str:
     widths = {768: "SD1.x", 1024: "SD2.x", 2048: "SDXL"}
     for layer in parsed.layers:
         if layer.component == "unet" and re.search(r"attn2[._]to_k$", layer.name):
-            return widths.get(int(layer.down.shape[1]), "")
+            return widths.get(layer.in_dim, "")
     if any(re.match(r"(input_blocks_[78]_1|output_blocks_[0-2]_1)_transformer_blocks_9", layer.name)
            for layer in parsed.layers):
         return "SDXL"

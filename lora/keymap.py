@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .dora import magnitude_problem
 from .formats import LoraLayer, ParsedLora, family_hint
 
 TARGET_TYPES = (torch.nn.Linear, torch.nn.Conv2d)
@@ -174,8 +175,18 @@ def resolve(parsed: ParsedLora, roots: dict[str, Optional[torch.nn.Module]], mod
 def shape_problem(target: Target) -> str:
     """'' when the factors fit the module, else a description."""
     m, layer = target.module, target.layer
-    down, up = layer.down, layer.up
     where = f"{target.component}.{target.module_name}"
+    if isinstance(m, torch.nn.Conv2d) and (m.groups != 1 or m.padding_mode != "zeros"):
+        return f"{where} is a grouped or non-zero-padded conv, which the injector does not support"
+    shape = tuple(m.weight.shape)
+    problem = magnitude_problem(layer.magnitude, shape)
+    if not problem and not isinstance(layer, LoraLayer):
+        problem = layer.fit_problem(shape)
+    if problem:
+        return f"{where} (file key {layer.source}, {layer.kind}): {problem}"
+    if not isinstance(layer, LoraLayer):
+        return ""
+    down, up = layer.down, layer.up
     if isinstance(m, torch.nn.Linear):
         if down.ndim == 4 and tuple(down.shape[2:]) != (1, 1):
             return f"{where} is Linear but the LoRA down factor is a {tuple(down.shape[2:])} conv"
@@ -183,8 +194,6 @@ def shape_problem(target: Target) -> str:
             return (f"{where} maps {m.in_features}->{m.out_features} but the LoRA maps "
                     f"{down.shape[1]}->{up.shape[0]}")
         return ""
-    if m.groups != 1 or m.padding_mode != "zeros":
-        return f"{where} is a grouped or non-zero-padded conv, which the injector does not support"
     kernel = tuple(m.kernel_size)
     if down.ndim == 2 and kernel != (1, 1):
         return f"{where} is a {kernel} conv but the LoRA down factor is linear"

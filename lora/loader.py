@@ -1,8 +1,9 @@
 """Load a LoRA file onto a device once, and cache it per (path, file identity, device, dtype, components).
 
 Invariant: a ``LoadedLora`` is immutable and model-independent; its layers hold the factors on the target
-device and dtype with the file's scale folded into ``up`` (``up_loaded = (alpha / rank) * up_file``, computed in
-fp32 and rounded once; each loaded layer's ``scale`` is 1.0). Views and bindings share it; nothing writes to it.
+device and dtype with the file's scale folded into one factor (LoRA: ``up_loaded = (alpha / rank) * up_file``; LoHa:
+``hada_w1_a``; LoKr: ``W1``; computed in fp32 and rounded once; each loaded layer's ``scale`` is 1.0; a DoRA
+magnitude stays fp32). Views and bindings share it; nothing writes to it.
 
 Cache: a bounded strong LRU (``MAX_CACHED`` most recent) plus a weak map, so a LoRA stays loaded as long as any
 engine view uses it and a re-run of an unchanged workflow does not re-read the file. A file changed on disk
@@ -14,7 +15,7 @@ import collections
 import logging
 import threading
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -38,7 +39,7 @@ class LoadedLora:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.down.nbytes + layer.up.nbytes for layer in self.parsed.layers)
+        return sum(layer.nbytes for layer in self.parsed.layers)
 
 
 def _file_key(path: Path) -> tuple:
@@ -50,16 +51,11 @@ def _file_key(path: Path) -> tuple:
 
 def to_device(parsed: ParsedLora, device: torch.device, dtype: torch.dtype,
               components: Optional[Iterable[str]] = None) -> ParsedLora:
-    """A copy of ``parsed`` (only ``components`` if given) on ``device``/``dtype`` with scale folded into up."""
+    """A copy of ``parsed`` (only ``components`` if given) on ``device``/``dtype`` with each layer's scale folded
+    into one factor (``layer.placed``)."""
     keep = set(components) if components is not None else None
-    layers = []
-    for layer in parsed.layers:
-        if keep is not None and layer.component not in keep:
-            continue
-        down = layer.down.to(device=device, dtype=dtype)
-        up = (layer.up.to(device=device, dtype=torch.float32) * layer.scale).to(dtype)
-        layers.append(replace(layer, down=down, up=up, scale=1.0))
-    return ParsedLora(parsed.format, tuple(layers), parsed.source)
+    layers = tuple(layer.placed(device, dtype) for layer in parsed.layers if keep is None or layer.component in keep)
+    return ParsedLora(parsed.format, layers, parsed.source)
 
 
 def load_lora(path: str | Path, device: torch.device | str, dtype: torch.dtype,

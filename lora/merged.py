@@ -1,4 +1,5 @@
-"""Merged LoRA: ``W <- W + strength * up @ down`` written into the shared weights for the duration of a session.
+"""Merged LoRA: ``W <- W + strength * dW`` written into the shared weights for the duration of a session
+(``dW``: LoRA ``up @ down``, LoHa, LoKr, DoRA; ``fullrank.weight_delta``).
 
 Design (the view does not own a merged copy; it merges on attach and restores on detach):
 - ``attach`` saves a copy of *only the weights it touches*, then writes ``round(W + s * up @ down)`` into each
@@ -26,6 +27,7 @@ from typing import Iterable
 import torch
 
 from .binding import RefCountedBinding
+from .fullrank import weight_delta
 from .keymap import Target
 from .unmerged import refuse_inside_capture
 
@@ -33,11 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 def lora_delta(target: Target, strength: float, device: torch.device) -> torch.Tensor:
-    """``strength * up @ down`` in fp32 on ``device``, shaped like the module's weight."""
-    w = target.module.weight
-    up, down = target.layer.up, target.layer.down
-    delta = up.reshape(up.shape[0], up.shape[1]).float() @ down.reshape(down.shape[0], -1).float()
-    return (delta * strength).reshape(w.shape).to(device)
+    """``strength * dW`` (LoRA ``up @ down``, LoHa, LoKr; DoRA against the weight as it is now:
+    ``fullrank.weight_delta``) in fp32 on ``device``, shaped like the module's weight."""
+    return weight_delta(target, strength, target.module.weight).to(device)
 
 
 def _save_copy(w: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,9 @@ a subclass, a ``proj`` found without ``roots``, a GEGLU whose ``forward`` anothe
 call time the override computes the plain ``proj(x) + terms``, then ``a * gelu(g)`` (out of place), when the
 input or LoRA factors differ in device/dtype (a placement ran the module elsewhere) or autograd needs the graph.
 
+LyCORIS terms (LoHa, LoKr, DoRA on any kind) come from ``fullrank.make_term`` and always use the hook path; only plain
+LoRA layers (``fullrank.lowrank_factors``) get the terms, shared downs and fused GEGLU described here.
+
 Invariants
 - Base weights are never written. ``detach`` removes exactly what ``attach`` installed: hooks by their reserved
   id (one dict insert / pop per module, no ``register_forward_hook`` call, ~2 us each), GEGLU terms from the
@@ -36,10 +39,11 @@ Invariants
   registry) holds the ordered list of active terms; each binding appends / removes its own (stacked terms are
   fused as one rank-(sum r_i) term). Hooks of several bindings run in registration order.
 - Strength is data, not structure. Each layer owns a persistent buffer ``up_s = strength * up`` (``up`` already
-  carries ``alpha / rank``); ``attach`` rewrites those buffers in place with two multi-tensor kernels
-  (``_foreach_copy_`` + ``_foreach_mul_``, no allocation) only when the strength changed. A CUDA graph captured
-  while the binding was attached reads ``up_s`` on replay, so a strength change costs the rewrite (~0.1 ms for a
-  rank-32 SDXL LoRA), never a recapture, recompile or base-weight copy.
+  carries ``alpha / rank``; a ``fullrank`` term's buffer is its own strength-scaled factor); ``attach`` rewrites
+  those buffers in place with two multi-tensor kernels (``_foreach_copy_`` + ``_foreach_mul_``, no allocation) only
+  when the strength changed. A CUDA graph captured while the binding was attached reads ``up_s`` on replay, so a
+  strength change costs the rewrite (~0.1 ms for a rank-32 SDXL LoRA), never a recapture, recompile or base-weight
+  copy.
 - No Python-side tensor creation in any forward (nothing host->device: capture safe). Siblings reading one input
   (``to_q/to_k/to_v``...) share one ``down`` GEMM (``_SharedDown``).
 - Strength writes happen at attach, never inside a CUDA-graph capture (``refuse_inside_capture`` raises): a
@@ -68,6 +72,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..kernels.geglu_lora import geglu_lora
 from .binding import RefCountedBinding
+from .fullrank import can_add_in_place, lowrank_factors, make_term
 from .keymap import Target
 
 logger = logging.getLogger(__name__)
@@ -104,10 +109,6 @@ def refuse_inside_capture(label: str, component: str) -> None:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"LoRA {label!r}: cannot write the {component} strength while a CUDA graph is being "
                            f"captured; enter the view's session('unet') before capturing and capture inside it")
-
-
-def _can_add_in_place(output: torch.Tensor, dtype: torch.dtype) -> bool:
-    return output.dtype == dtype and output.is_contiguous() and not (torch.is_grad_enabled() and output.requires_grad)
 
 
 class _SharedDown:
@@ -175,7 +176,7 @@ class _LinearTerm:
         if not self.fits(x):
             return self.added(x, output)
         h = self.hidden(x)
-        if _can_add_in_place(output, self.up_s.dtype):
+        if can_add_in_place(output, self.up_s.dtype):
             output.view(-1, output.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), self.up_s.t())
             return None
         return output + F.linear(h, self.up_s)
@@ -287,7 +288,7 @@ class _ConvLoraHook:
         foreign = x.device != down.device or x.dtype != down.dtype
         xin = x.to(down.device, down.dtype) if foreign else x
         delta = F.conv2d(F.conv2d(xin, down, None, self.stride, self.padding, self.dilation), up_s)
-        if not foreign and _can_add_in_place(output, up_s.dtype):
+        if not foreign and can_add_in_place(output, up_s.dtype):
             output.add_(delta)
             return None
         return output + delta.to(output.device, output.dtype)
@@ -296,29 +297,30 @@ class _ConvLoraHook:
 SIBLINGS = (("to_q", "to_k", "to_v"), ("q_proj", "k_proj", "v_proj"))
 
 
-def _share_downs(targets: list[Target]) -> dict[int, tuple[_SharedDown, slice]]:
+def _share_downs(targets: list[Target], downs: dict[int, torch.Tensor]) -> dict[int, tuple[_SharedDown, slice]]:
     """``id(target) -> (shared down, its rows)`` for Linear siblings (``SIBLINGS``) of one parent with the same
-    input width, dtype and device; targets without a sibling are absent. The concatenated factor is a new tensor
-    (the loaded factors are left as they are); each member's ``down`` becomes a row view of it."""
+    input width, dtype and device, among the targets with a low-rank ``downs[id(target)]``; targets without a
+    sibling are absent. The concatenated factor is a new tensor (the loaded factors are left as they are); each
+    member's ``down`` becomes a row view of it."""
     buckets: dict[tuple, list[Target]] = {}
     for t in targets:
-        if not isinstance(t.module, torch.nn.Linear):
+        if not isinstance(t.module, torch.nn.Linear) or id(t) not in downs:
             continue
         parent, _, leaf = t.module_name.rpartition(".")
         for family in SIBLINGS:
             if leaf in family:
-                d = t.layer.down
+                d = downs[id(t)]
                 buckets.setdefault((t.component, parent, family, d.shape[1], d.dtype, d.device), []).append(t)
     out: dict[int, tuple[_SharedDown, slice]] = {}
     for (_, _, family, *_), members in buckets.items():
         if len(members) < 2:
             continue
         members.sort(key=lambda t: family.index(t.module_name.rpartition(".")[2]))
-        group = _SharedDown(torch.cat([t.layer.down.reshape(t.layer.down.shape[0], -1) for t in members]))
+        group = _SharedDown(torch.cat([downs[id(t)].reshape(downs[id(t)].shape[0], -1) for t in members]))
         group.size = len(members)
         start = 0
         for t in members:
-            rows = slice(start, start + t.layer.down.shape[0])
+            rows = slice(start, start + downs[id(t)].shape[0])
             out[id(t)] = (group, rows)
             start = rows.stop
     return out
@@ -340,21 +342,25 @@ class UnmergedBinding(RefCountedBinding):
         self._slots: dict[str, list] = {c: [] for c in self.components}
         self._up: dict[str, list[torch.Tensor]] = {c: [] for c in self.components}
         self._up_s: dict[str, list[torch.Tensor]] = {c: [] for c in self.components}
-        shared = _share_downs(self.targets)
+        lowrank = {id(t): f for t in self.targets if (f := lowrank_factors(t)) is not None}
+        shared = _share_downs(self.targets, {i: f[0] for i, f in lowrank.items()})
         self._shared = list({id(g): g for g, _ in shared.values()}.values())
         for t in self.targets:
-            down = _shaped(t, t.layer.down, "down")
-            up = _shaped(t, t.layer.up, "up")
-            up_s = torch.zeros_like(up)  # persistent strength-scaled buffer (written at attach)
             override = None
-            if isinstance(t.module, torch.nn.Linear):
-                group, rows = shared.get(id(t), (None, slice(None)))
-                term = _LinearTerm(group.down[rows] if group is not None else down, up_s, group, rows)
-                parent = _geglu_parent(t, roots) if self.strategy == "geglu" else None
-                if parent is not None:
-                    override = _geglu_forward_for(parent)
+            if id(t) not in lowrank:  # LoHa, LoKr, DoRA (``fullrank``): always a hook
+                term, up, up_s = make_term(t)
             else:
-                term = _ConvLoraHook(down, up_s, t.module)
+                down = _shaped(t, lowrank[id(t)][0], "down")
+                up = _shaped(t, lowrank[id(t)][1], "up")
+                up_s = torch.zeros_like(up)  # persistent strength-scaled buffer (written at attach)
+                if isinstance(t.module, torch.nn.Linear):
+                    group, rows = shared.get(id(t), (None, slice(None)))
+                    term = _LinearTerm(group.down[rows] if group is not None else down, up_s, group, rows)
+                    parent = _geglu_parent(t, roots) if self.strategy == "geglu" else None
+                    if parent is not None:
+                        override = _geglu_forward_for(parent)
+                else:
+                    term = _ConvLoraHook(down, up_s, t.module)
             # A hook id reserved once per (binding, module) for the hook path (also the GEGLU term's fallback): attach
             # is one dict insert per module, detach one pop (``register_forward_hook`` costs ~2 us per module).
             slot = RemovableHandle(t.module._forward_hooks)

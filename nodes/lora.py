@@ -25,7 +25,8 @@ class LeanLoraInjector:
             "lean_model": ("LEAN_MODEL", {"tooltip": "The model to add the LoRA to (left unchanged)."}),
             "lora_name": (bridge.list_models("loras", LORA_EXTENSIONS), {
                 "tooltip": "A LoRA file from ComfyUI's loras folder: kohya (lora_unet_/lora_te_) or diffusers/PEFT "
-                           "(lora_A/lora_B), LoRA or LoCon, SD1.x / SD2.x / SDXL."}),
+                           "(lora_A/lora_B), LoRA or LoCon, SD1.x / SD2.x / SDXL; LyCORIS LoHa, LoKr, Tucker "
+                           "LoCon and DoRA in the kohya layout."}),
             "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
                                    "tooltip": "Multiplier of the LoRA on the UNet. 0 gives the base model exactly."}),
             "strength_text_encoder": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,

@@ -1,7 +1,7 @@
 """Bad inputs give a clear ValueError/TypeError naming the problem, and leave the input model untouched.
 
 Guards: keys matching no module are listed (never silently ignored); an SDXL LoRA on SD1 (and the reverse) is
-refused with the family named; corrupt files; unsupported LyCORIS variants; target_blocks typos; bad strengths.
+refused with the family named; corrupt files; unsupported LyCORIS variants (Tucker, OFT, PEFT DoRA); target_blocks typos; bad strengths.
 """
 import re
 
@@ -91,9 +91,12 @@ def test_corrupt_files(sd1, sd1_lora, tmp_path, content):
     _refused(sd1, pt, r"could not be read as a torch weights file")
 
 
-@pytest.mark.parametrize("bad_key,kind", [("lora_unet_x.hada_w1_a", "LoHa"), ("lora_unet_x.lokr_w1", "LoKr"),
-                                          ("lora_unet_x.dora_scale", "DoRA"), ("lora_unet_x.lora_mid.weight", "Tucker")])
+@pytest.mark.parametrize("bad_key,kind", [("lora_unet_x.hada_t1", "LoHa with Tucker"),
+                                          ("lora_unet_x.lora_magnitude_vector", "PEFT DoRA"),
+                                          ("lora_unet_x.oft_blocks", "OFT"), ("lora_unet_x.diff", "full weight difference")])
 def test_unsupported_variants(sd1, sd1_lora, tmp_path, bad_key, kind):
+    """LoHa, LoKr, DoRA and Tucker LoCon load since session 15 (tests/lora/test_lycoris*.py); these are still
+    refused."""
     sd = dict(sd1_lora)
     sd[bad_key] = torch.zeros(2, 2)
     _refused(sd1, lf.write(sd, tmp_path / "v.safetensors"), kind)

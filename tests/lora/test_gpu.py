@@ -1,5 +1,6 @@
 """GPU: a CUDA graph captured inside a LoRA view's session follows strength changes on replay (no recapture),
-in fp16, for unmerged and merged; the graph equals eager at every strength. Skipped without CUDA.
+in fp16, for unmerged and merged, for plain LoRA and LoHa / LoKr / DoRA files; the graph equals eager at every
+strength. Skipped without CUDA.
 
 The capture mirrors the sampler exactly: ``engine.session("unet")`` is entered first (adapters attach and write
 their strength buffers *outside* any capture), then ``sampling.graph_runner.CudaGraphBackend.capture`` warms up
@@ -38,15 +39,41 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+UNET_ALL = re.compile(lf.ATTN_FF.pattern + "|" + lf.LOCON.pattern)
+
+
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
 @pytest.mark.parametrize("mode,strategy", [("unmerged", "hook"), ("unmerged", "geglu"), ("merged", "auto")])
 @torch.no_grad()
 def test_graph_replay_follows_strength(tmp_path, family, mode, strategy):
     c = tiny_components(family)
+    sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": UNET_ALL}, rank=4)
+    _replay_follows_strength(tmp_path, c, sd, mode, strategy)
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+@pytest.mark.parametrize("case", ["loha_lowrank", "loha_dense", "lokr_tucker", "lokr_both_lowrank", "dora_in",
+                                  "dora_out", "locon_tucker"])
+@pytest.mark.parametrize("mode", ["unmerged", "merged"])
+@torch.no_grad()
+def test_lycoris_graph_replay_follows_strength(tmp_path, family, case, mode):
+    """LoHa (Khatri-Rao and dense), LoKr (Kronecker terms) and DoRA (dense terms from the live weight): the terms are
+    capture-safe, and one captured graph replays every strength (session 15)."""
+    c = tiny_components(family)
+    sd = lf.lycoris_case({"unet": c["unet"]}, {"unet": UNET_ALL}, case)
+    replayed, base = _replay_follows_strength(tmp_path, c, sd, mode, "geglu" if mode == "unmerged" else "auto")
+    # against fp32 on the CPU (checked there against the fp64 formulas): no further than fp16 puts the base model
+    cpu = engine_from_parts(parts_from_components(tiny_components(family)))
+    with inject_lora(cpu, tmp_path / "g.safetensors", 1.0, 1.0, mode=mode).session("unet"):
+        ref = lf.run_unet(cpu.parts.unet, lf.unet_inputs(family)).cuda()
+    base_ref = lf.run_unet(cpu.parts.unet, lf.unet_inputs(family)).cuda()
+    assert _rel(replayed, ref) <= max(2 * _rel(base, base_ref), 2e-3)
+
+
+def _replay_follows_strength(tmp_path, c, sd, mode, strategy):
+    family = "sdxl" if "text_encoder_2" in c else "sd1"
     engine = engine_from_parts(parts_from_components(c), device="cuda", dtype=torch.float16,
                                vae_dtype=torch.float16)
-    roots = {"unet": c["unet"]}
-    sd = lf.kohya_state_dict(roots, {"unet": re.compile(lf.ATTN_FF.pattern + "|" + lf.LOCON.pattern)}, rank=4)
     path = lf.write(sd, tmp_path / "g.safetensors")
     inputs = _cuda_inputs(family)
     views = [inject_lora(engine, path, s, 1.0, mode=mode, strategy=strategy) for s in (1.0, -0.7, 0.0)]
@@ -76,6 +103,7 @@ def test_graph_replay_follows_strength(tmp_path, family, mode, strategy):
     assert _rel(results[2], base) <= FP16_REL  # strength 0 (the same graph) gives the base model
     assert torch.equal(results[0], results[3])
     assert ptrs == [p.data_ptr() for p in engine.parts.unet.parameters()]
+    return results[0], base
 
 
 @pytest.mark.parametrize("mode", ["unmerged", "merged"])

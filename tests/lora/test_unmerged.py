@@ -50,25 +50,12 @@ def _reference_engine(sd_and_strengths, family="sd1"):
     return engine_from_parts(parts_from_components(c))
 
 
-def _outputs(view):
-    inputs = lf.unet_inputs(view.family)
-    with view.session("unet"):
-        u = lf.run_unet(view.parts.unet, inputs)
-    with view.session("text"):
-        t = lf.run_text(view.parts)
-    return [u] + t
-
-
-def _max_diff(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
-
-
 def test_per_layer_alphas_and_separate_strengths_match_plain_math(tmp_path, strategy):
     engine, sd, path = _setup(tmp_path)
     view = inject_lora(engine, path, strength=0.7, strength_text_encoder=-0.4)
     ref = _reference_engine([(sd, 0.7, -0.4)])
-    assert _max_diff(_outputs(ref), _outputs(engine)) > 0.05
-    assert _max_diff(_outputs(view), _outputs(ref)) <= TOL
+    assert lf.max_diff(lf.view_outputs(ref), lf.view_outputs(engine)) > 0.05
+    assert lf.max_diff(lf.view_outputs(view), lf.view_outputs(ref)) <= TOL
 
 
 @pytest.mark.parametrize("strength", [1.0, -1.3])
@@ -77,16 +64,16 @@ def test_merged_equals_unmerged_and_restores_bit_exactly(tmp_path, strength, str
     before = lf.snapshot(engine.parts.unet, engine.parts.text_encoder)
     unmerged = inject_lora(engine, path, strength, 0.5, mode="unmerged")
     merged = inject_lora(engine, path, strength, 0.5, mode="merged")
-    assert _max_diff(_outputs(merged), _outputs(unmerged)) <= TOL
+    assert lf.max_diff(lf.view_outputs(merged), lf.view_outputs(unmerged)) <= TOL
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
 
 
 @pytest.mark.parametrize("mode", ["unmerged", "merged"])
 def test_strength_zero_is_base_bit_exact(tmp_path, mode, strategy):
     engine, _, path = _setup(tmp_path)
-    base = _outputs(engine)
+    base = lf.view_outputs(engine)
     view = inject_lora(engine, path, 0.0, 0.0, mode=mode)
-    for a, b in zip(_outputs(view), base):
+    for a, b in zip(lf.view_outputs(view), base):
         assert torch.equal(a, b)
 
 
@@ -95,10 +82,10 @@ def test_strength_zero_after_another_strength_is_base_bit_exact(tmp_path, mode, 
     """Views of one file share its buffers: a strength-0 view run after a 0.8 view must zero them again
     (session-14 audit: the zeroing had never run; the first strength 0 finds the buffers zeroed at creation)."""
     engine, _, path = _setup(tmp_path)
-    base = _outputs(engine)
+    base = lf.view_outputs(engine)
     strong, off = (inject_lora(engine, path, s, s, mode=mode) for s in (0.8, 0.0))
-    assert _max_diff(_outputs(strong), base) > 0.05
-    for a, b in zip(_outputs(off), base):
+    assert lf.max_diff(lf.view_outputs(strong), base) > 0.05
+    for a, b in zip(lf.view_outputs(off), base):
         assert torch.equal(a, b)
 
 
@@ -111,8 +98,8 @@ def test_linear_factors_on_a_one_by_one_conv_equal_conv_factors(tmp_path, mode, 
     changed = [k for k in sd if sd[k].ndim == 4 and sd[k].shape[2:] == (1, 1)]
     assert any("proj_in" in k for k in changed), "the test needs 1x1 conv layers"
     flat_path = lf.write(flat, tmp_path / "flat.safetensors")
-    want = _outputs(inject_lora(engine, path, 0.9, 0.9, mode=mode))
-    for a, b in zip(_outputs(inject_lora(engine, flat_path, 0.9, 0.9, mode=mode)), want):
+    want = lf.view_outputs(inject_lora(engine, path, 0.9, 0.9, mode=mode))
+    for a, b in zip(lf.view_outputs(inject_lora(engine, flat_path, 0.9, 0.9, mode=mode)), want):
         assert torch.equal(a, b)
 
 
@@ -194,25 +181,25 @@ def test_stacking_two_files_and_the_same_file_twice(tmp_path, strategy):
     _, sd_b, path_b = _setup(tmp_path, seed=2)
     stacked = inject_lora(inject_lora(engine, path_a, 0.6, 0.3), path_b, -0.8, 0.9)
     ref = _reference_engine([(sd_a, 0.6, 0.3), (sd_b, -0.8, 0.9)])
-    assert _max_diff(_outputs(stacked), _outputs(ref)) <= TOL
+    assert lf.max_diff(lf.view_outputs(stacked), lf.view_outputs(ref)) <= TOL
     twice = inject_lora(inject_lora(engine, path_a, 0.4, 0.2, mode="merged"), path_a, 0.5, 0.1)
     once = inject_lora(engine, path_a, 0.9, 0.3)
     assert twice.adapters[0].graph_key != twice.adapters[1].graph_key
-    assert _max_diff(_outputs(twice), _outputs(once)) <= TOL
+    assert lf.max_diff(lf.view_outputs(twice), lf.view_outputs(once)) <= TOL
     same_twice = inject_lora(inject_lora(engine, path_a, 0.4, 0.2), path_a, 0.5, 0.1)
     assert same_twice.adapters[0].binding is not same_twice.adapters[1].binding
-    assert _max_diff(_outputs(same_twice), _outputs(once)) <= TOL
+    assert lf.max_diff(lf.view_outputs(same_twice), lf.view_outputs(once)) <= TOL
 
 
 def test_input_view_and_modules_untouched(tmp_path, strategy):
     engine, _, path = _setup(tmp_path)
     before = lf.snapshot(engine.parts.unet, engine.parts.text_encoder)
-    base = _outputs(engine)
+    base = lf.view_outputs(engine)
     view = inject_lora(engine, path, 1.0, 1.0)
     assert engine.adapters == () and len(view.adapters) == 1
     assert view.parts is engine.parts
-    _outputs(view)
-    for a, b in zip(_outputs(engine), base):
+    lf.view_outputs(view)
+    for a, b in zip(lf.view_outputs(engine), base):
         assert torch.equal(a, b)
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
 
