@@ -68,17 +68,26 @@ def magnitude_problem(magnitude: Optional[torch.Tensor], weight_shape: tuple) ->
     return ""
 
 
+def gain_shape(magnitude: torch.Tensor, ndim: int) -> tuple:
+    """The broadcast shape of the per-channel gain against a weight of ``ndim`` dims: ``(1, -1, 1, 1)`` for an
+    input-axis magnitude, ``(-1, 1, 1, 1)`` for an output-axis one (two entries for a Linear)."""
+    return ((1, -1) if on_input_axis(magnitude) else (-1, 1)) + (1,) * (ndim - 2)
+
+
+def dora_gain(weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """``g = m / (||W + dW|| + eps)`` in fp32, shaped ``gain_shape`` (one value per input or output channel);
+    ``weight`` and ``delta`` fp32 of one shape. Depends on the weights only, never on the strength."""
+    if on_input_axis(magnitude):
+        dims = (0,) + tuple(range(2, weight.ndim))
+    else:
+        dims = tuple(range(1, weight.ndim))
+    shape = gain_shape(magnitude, weight.ndim)
+    norm = torch.linalg.vector_norm(weight + delta, dim=dims).reshape(shape)
+    return magnitude.reshape(shape) / (norm + EPS)
+
+
 def dora_delta(weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tensor,
                strength: Union[float, torch.Tensor]) -> torch.Tensor:
     """``s * ((W + dW) * m / (||W + dW|| + eps) - W)`` in fp32 (module docstring); ``weight`` and ``delta`` fp32 of
     one shape, ``strength`` a number or a 0-d tensor (the unmerged strength buffer). No host sync."""
-    adapted = weight + delta
-    if on_input_axis(magnitude):
-        dims = (0,) + tuple(range(2, weight.ndim))
-        shape = (1, -1) + (1,) * (weight.ndim - 2)
-    else:
-        dims = tuple(range(1, weight.ndim))
-        shape = (-1,) + (1,) * (weight.ndim - 1)
-    norm = torch.linalg.vector_norm(adapted, dim=dims).reshape(shape)
-    gain = magnitude.reshape(shape) / (norm + EPS)
-    return (adapted * gain - weight) * strength
+    return ((weight + delta) * dora_gain(weight, delta, magnitude) - weight) * strength

@@ -15,10 +15,12 @@ Formulas: ``lycoris.py`` (LoHa, LoKr) and ``dora.py`` (DoRA). Each term is a for
   Otherwise ``_DenseTerm`` builds ``dW = (s * w1_a @ w1_b) * (w2_a @ w2_b)`` each forward (two rank-r GEMMs over the
   weight's size, no token dependence) and applies it as one dense GEMM/conv: about the layer's own cost again.
   Either way only the file's factors (and one strength buffer like ``w1_a``) stay resident.
-- DoRA (any kind with a ``dora_scale``), ``_DenseTerm``: ``s * ((W + dW) * g - W)`` with ``g`` the magnitude over
-  the norm of ``W + dW`` is built each forward in fp32 from the module's *current* weight (read at call time, so a
-  placement that moves or streams weights is followed), then applied as one dense GEMM/conv: roughly doubles the
-  layer's cost, plus fp32 temporaries of the weight's size. ``merged`` mode has no per-step cost.
+- DoRA (any kind with a ``dora_scale``) runs through ``dora_forward.DoraForward`` (the gain cached, no weight
+  built). ``_DenseTerm`` over ``_DoraDelta`` is its fallback (a second DoRA on one layer, a foreign input):
+  ``s * ((W + dW) * g - W)`` with ``g`` the magnitude over the norm of ``W + dW`` is built each forward in fp32 from
+  the module's *current* weight (read at call time, so a placement that moves or streams weights is followed),
+  then applied as one dense GEMM/conv: roughly doubles the layer's cost, plus fp32 temporaries of the weight's
+  size. ``merged`` mode has no per-step cost.
 
 Strength is data (as for plain LoRA in ``unmerged.py``): each term owns one persistent buffer the binding rewrites
 in place at attach (``w1_s = strength * W1`` for LoKr, ``w1a_s = strength * w1_a`` for LoHa, a 0-d

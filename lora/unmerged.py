@@ -26,8 +26,11 @@ a subclass, a ``proj`` found without ``roots``, a GEGLU whose ``forward`` anothe
 call time the override computes the plain ``proj(x) + terms``, then ``a * gelu(g)`` (out of place), when the
 input or LoRA factors differ in device/dtype (a placement ran the module elsewhere) or autograd needs the graph.
 
-LyCORIS terms (LoHa, LoKr, DoRA on any kind) come from ``fullrank.make_term`` and always use the hook path; only plain
-LoRA layers (``fullrank.lowrank_factors``) get the terms, shared downs and fused GEGLU described here.
+LyCORIS terms (LoHa, LoKr) come from ``fullrank.make_term`` and always use the hook path. A DoRA layer (any kind)
+gets its module's instance ``forward`` (``dora_forward.DoraForward``; the dense ``fullrank`` hook where that cannot
+sit); its gain is refreshed at attach when the weight changed, and its buffers are written with the strength (one
+of them ``strength * source + 1``: ``_plus_one``). Only plain LoRA layers (``fullrank.lowrank_factors``) get the
+terms, shared downs and fused GEGLU described here.
 
 Invariants
 - Base weights are never written. ``detach`` removes exactly what ``attach`` installed: hooks by their reserved
@@ -64,6 +67,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from dataclasses import replace
 from typing import Iterable
 
 import torch
@@ -72,6 +76,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..kernels.geglu_lora import geglu_lora
 from .binding import RefCountedBinding
+from .dora_forward import DoraForward
+from .formats import LoraLayer
 from .fullrank import can_add_in_place, lowrank_factors, make_term
 from .keymap import Target
 
@@ -345,9 +351,24 @@ class UnmergedBinding(RefCountedBinding):
         lowrank = {id(t): f for t in self.targets if (f := lowrank_factors(t)) is not None}
         shared = _share_downs(self.targets, {i: f[0] for i, f in lowrank.items()})
         self._shared = list({id(g): g for g, _ in shared.values()}.values())
+        self._dora: dict[str, list[DoraForward]] = {c: [] for c in self.components}
+        self._plus_one: dict[str, list[torch.Tensor]] = {c: [] for c in self.components}  # strength * source + 1
         for t in self.targets:
             override = None
-            if id(t) not in lowrank:  # LoHa, LoKr, DoRA (``fullrank``): always a hook
+            if t.layer.magnitude is not None:  # DoRA: its own forward (``dora_forward``), the dense hook as fallback
+                term, up, up_s = make_term(t)
+                inner = None
+                if not isinstance(t.layer, LoraLayer):  # LoHa / LoKr: their own term, run on g * x
+                    inner, inner_src, inner_buf = make_term(replace(t, layer=replace(t.layer, magnitude=None)))
+                    self._up[t.component].append(inner_src)
+                    self._up_s[t.component].append(inner_buf)
+                override = DoraForward(t, term, inner)
+                self._dora[t.component].append(override)
+                for src, buf in override.strength_pairs():
+                    self._up[t.component].append(src)
+                    self._up_s[t.component].append(buf)
+                self._plus_one[t.component] += override.plus_one()
+            elif id(t) not in lowrank:  # LoHa, LoKr (``fullrank``): always a hook
                 term, up, up_s = make_term(t)
             else:
                 down = _shaped(t, lowrank[id(t)][0], "down")
@@ -367,7 +388,8 @@ class UnmergedBinding(RefCountedBinding):
             self._slots[t.component].append((t.module._forward_hooks, slot.id, term, override))
             self._up[t.component].append(up)
             self._up_s[t.component].append(up_s)
-        self._written: dict[str, float] = {c: 0.0 for c in self.components}  # buffers start zeroed
+        # buffers start zeroed: strength 0 is written, unless a buffer holds strength * source + 1
+        self._written: dict[str, "float | None"] = {c: None if self._plus_one[c] else 0.0 for c in self.components}
         self._init_refcounts(self.components)
 
     def write_strength(self, component: str, strength: float) -> None:
@@ -382,6 +404,8 @@ class UnmergedBinding(RefCountedBinding):
             torch._foreach_copy_(bufs, ups)
             if strength != 1.0:
                 torch._foreach_mul_(bufs, float(strength))
+        if self._plus_one.get(component):
+            torch._foreach_add_(self._plus_one[component], 1.0)
         self._written[component] = strength
 
     def installed(self, comp: str) -> list[str]:
@@ -397,11 +421,17 @@ class UnmergedBinding(RefCountedBinding):
         return out
 
     def _activate(self, comp: str, strength: float) -> None:
-        self.write_strength(comp, strength)
+        if self._written.get(comp) != strength:
+            refuse_inside_capture(self.label, comp)
         try:
             for hooks, hook_id, term, override in self._slots[comp]:
                 if override is None or not override.add(term):
-                    hooks[hook_id] = term  # the hook path, or the fallback when another forward sits on the GEGLU
+                    hooks[hook_id] = term  # the hook path, or the fallback when another forward sits on the module
+            # a DoRA gain follows the weight it normalises (recomputed only when that changed); then the buffers
+            # derived from it are rewritten with the strength
+            if any([ov.refresh_gain() for ov in self._dora.get(comp, ()) if ov.active]):
+                self._written[comp] = None
+            self.write_strength(comp, strength)
         except BaseException:
             self._deactivate(comp)
             raise

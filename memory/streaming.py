@@ -56,6 +56,16 @@ from .hostmem import ALIGN, FlatLayout, PinnedBuffer, align
 
 logger = logging.getLogger(__name__)
 
+HOST_COPY_ATTR = "_leandiffusion_host_copy"
+
+
+def host_copy(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The pinned host tensor that holds a streamed parameter's values, else None. A streamed parameter's device
+    tensor is a slot of the staging ring: its contents are that parameter's only inside its unit's forward, so code
+    that reads weights outside a forward (the DoRA gain, ``lora/dora_forward.py``) reads this copy instead."""
+    return getattr(param, HOST_COPY_ATTR, None)
+
+
 ASSUMED_H2D_BYTES_PER_S = 50e9
 ASSUMED_FLOPS_PER_S = 200e12
 COPY_OVERHEAD_S = 5e-6
@@ -379,6 +389,7 @@ class BlockStreamer:
                 for p, hv, av in zip(params, lay.views(self.host.tensor, hoff), lay.views(self.arena, aoff)):
                     hv.copy_(p.data)
                     p.data = av
+                    setattr(p, HOST_COPY_ATTR, hv)
                     self._host_param_views.append((p, hv))
             # Resident weights: one flat device buffer (exact size; per-tensor allocations would each be rounded
             # up by the caching allocator, ~1 MB per large tensor, a quarter GB for SDXL).
@@ -482,6 +493,8 @@ class BlockStreamer:
         with torch.no_grad():
             for p, hv in self._host_param_views:
                 p.data = hv
+                if hasattr(p, HOST_COPY_ATTR):
+                    delattr(p, HOST_COPY_ATTR)
             for p in self.unet.parameters():
                 if p.device != torch.device("cpu"):
                     p.data = p.data.cpu()

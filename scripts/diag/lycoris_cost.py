@@ -2,7 +2,8 @@
 
 SDXL UNet, fp16, 1024 px (128x128 latent), batch 2, random weights; every attention and feed-forward Linear (700
 layers) carries the adapter (kohya/LyCORIS layout, LDM names, fp16 file in a temp folder). Per case: the unmerged
-(default strategy) and merged graph-replay ms of one UNet call next to no adapter, the attach time of a strength
+(default strategy) and merged graph-replay ms of one UNet call next to no adapter, the first attach (DoRA
+computes its gains there) and where each layer's term runs, the attach time of a strength
 change (same graph replayed after it, checked against eager at the new strength), merged vs unmerged, strength 0 vs
 the base, the file's load time and the GPU memory the loaded adapter and its binding hold. Cases: plain LoRA r32 (the yardstick), LoHa r8 / r16 (run as rank-64 / 256
 LoRAs by the Khatri-Rao identity) and r32 (built densely on most layers), LoKr with LyCORIS' default factorisation
@@ -112,9 +113,15 @@ def main():
             view = inject_lora(engine, path, 1.0, mode="unmerged")
             # the loaded factors plus the binding's own tensors (strength buffers, Khatri-Rao factors, shared downs)
             row["unmerged_resident_mb"] = round((torch.cuda.memory_allocated() - mem0) / 2**20, 1)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            with view.session("unet"):  # the first attach (a DoRA computes its gains here)
+                torch.cuda.synchronize()
+                row["first_attach_ms"] = round((time.perf_counter() - t1) * 1000, 1)
+                where = view.adapters[0].binding.installed("unet")
             terms = {}
-            for _, _, term, ov in view.adapters[0].binding._slots["unet"]:
-                kind = type(term).__name__ + ("+geglu" if ov is not None else "")
+            for (_, _, term, ov), w in zip(view.adapters[0].binding._slots["unet"], where):
+                kind = type(ov).__name__ if w == "override" else type(term).__name__
                 terms[kind] = terms.get(kind, 0) + 1
             row["terms"] = terms
             graph, out, ms, unmerged = replay_ms(view, unet, inputs)
