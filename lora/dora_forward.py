@@ -19,7 +19,8 @@ result by ``g``.
 The earlier path (``fullrank._DenseTerm`` over ``_DoraDelta``), which builds ``s * ((W + dW) * g - W)`` in fp32 every
 forward and applies it as a second dense GEMM/conv, measured +198-210% per SDXL step (H100, session 15); it stays as
 the fallback wherever this forward cannot sit (another ``forward`` already in the module's ``__dict__``: a second
-DoRA on the same layer, another library) and for an input on another device or dtype than the adapter.
+DoRA on the same layer, another library). On a GEGLU's ``proj`` (the ``geglu`` strategy) the low-rank term goes into
+the GEGLU's fused gating like a plain LoRA's (``fuse_into``); this forward keeps the per-channel part.
 
 Invariants
 - Installed as the module's instance ``forward`` (as ``unmerged._GegluForward``): the base op is the class's own
@@ -66,17 +67,20 @@ class DoraForward:
     """The instance ``forward`` of one Linear / Conv2d carrying one unmerged DoRA term (module docstring).
 
     ``inner`` is the adapter's own term at strength ``s`` for kinds other than plain LoRA (a forward hook:
-    ``inner(module, (z,), out)`` adds ``s * dW z`` to ``out`` in place or returns the sum); ``fallback`` is the dense
-    hook the binding installs instead when this forward cannot sit, and is also run here for a foreign input."""
+    ``inner(module, (z,), out)`` adds ``s * dW z`` to ``out`` in place or returns the sum). An input on another
+    device or dtype than the adapter (a placement ran the module elsewhere) gets the per-channel vectors moved to
+    it and the term computed on the adapter's device."""
 
-    __slots__ = ("module", "layer", "input_axis", "conv", "inner", "fallback", "terms", "attrs", "key",
+    __slots__ = ("module", "layer", "input_axis", "conv", "inner", "terms", "attrs", "key",
                  "gain", "gm1", "cm1", "nbg", "nbc", "down", "down_src", "up", "up_src", "up_s",
-                 "__weakref__")
+                 "geglu", "geglu_term", "term_in_geglu", "__weakref__")
 
-    def __init__(self, target: Target, fallback, inner=None):
-        self.module, self.layer, self.fallback, self.inner = target.module, target.layer, fallback, inner
+    def __init__(self, target: Target, inner=None):
+        self.module, self.layer, self.inner = target.module, target.layer, inner
         self.attrs = target.module.__dict__
         self.terms: list = []
+        self.geglu = self.geglu_term = None  # ``fuse_into``
+        self.term_in_geglu = False
         self.key: Optional[tuple] = None
         mod, mag = target.module, target.layer.magnitude
         self.conv = isinstance(mod, torch.nn.Conv2d)
@@ -105,6 +109,12 @@ class DoraForward:
             self.up_s = torch.zeros_like(up)
 
     # --------------------------------------------------------------------- install / remove (binding)
+    def fuse_into(self, geglu, geglu_term) -> None:
+        """For the ``proj`` of a GEGLU (the ``geglu`` strategy): hand the low-rank term (``geglu_term``, a plain
+        LoRA term over ``down`` / ``up_s``) to the GEGLU's override (``unmerged._GegluForward``), which fuses it
+        into the gating as it does a plain LoRA's; this forward then keeps only the per-channel part."""
+        self.geglu, self.geglu_term = geglu, geglu_term
+
     def add(self, term) -> bool:
         """Install this forward for ``term`` (the slot's fallback); False, nothing changed, when another ``forward``
         sits in the module's ``__dict__`` (the caller hooks ``term`` instead)."""
@@ -112,11 +122,15 @@ class DoraForward:
             return False
         self.attrs["forward"] = self
         self.terms = [term]
+        self.term_in_geglu = self.geglu is not None and self.geglu.add(self.geglu_term)
         return True
 
     def remove(self, term) -> None:
         if self.terms and self.terms[0] is term:
             self.terms = []
+            if self.term_in_geglu:
+                self.geglu.remove(self.geglu_term)
+                self.term_in_geglu = False
             if self.attrs.get("forward") is self:
                 del self.attrs["forward"]
 
@@ -171,45 +185,50 @@ class DoraForward:
         return True
 
     # --------------------------------------------------------------------- the forward
-    def _base(self, x: torch.Tensor) -> torch.Tensor:
-        return type(self.module).forward(self.module, x)
-
     def _term(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out + s * dW' x`` for the folded LoRA factors (``dW'`` carries ``g`` on its axis)."""
+        """``out + s * dW' x`` for the folded LoRA factors (``dW'`` carries ``g`` on its axis); an ``x`` on another
+        device or dtype than the factors is moved to them and the term back."""
+        down, up_s = self.down, self.up_s
+        foreign = x.device != down.device or x.dtype != down.dtype
+        xin = x.to(down.device, down.dtype) if foreign else x
         if self.conv:
             m = self.module
-            h = F.conv2d(x, self.down, None, m.stride, m.padding, m.dilation)
-            t = F.conv2d(h, self.up_s)
-            if can_add_in_place(out, t.dtype):
+            t = F.conv2d(F.conv2d(xin, down, None, m.stride, m.padding, m.dilation), up_s)
+            if not foreign and can_add_in_place(out, t.dtype):
                 return out.add_(t)
-            return out + t
-        h = F.linear(x, self.down)
-        if can_add_in_place(out, h.dtype):
-            out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), self.up_s.t())
+            return out + t.to(out.device, out.dtype)
+        h = F.linear(xin, down)
+        if not foreign and can_add_in_place(out, h.dtype):
+            out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), up_s.t())
             return out
-        return out + F.linear(h, self.up_s)
+        return out + F.linear(h, up_s).to(out.device, out.dtype)
 
     def _inner(self, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        r = self.inner(self.module, (z,), out)
+        r = self.inner(self.module, (z,), out)  # the fullrank terms move a foreign input themselves
         return out if r is None else r
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         m = self.module
-        if args or kwargs or x.dtype != self.cm1.dtype or x.device != self.cm1.device:
-            out = type(m).forward(m, x, *args, **kwargs)  # a foreign input: the dense fallback term
-            r = self.fallback(m, (x,), out)
-            return out if r is None else r
+        cm1, nbc, gain = self.cm1, self.nbc, self.gain
+        if x.dtype != cm1.dtype or x.device != cm1.device:  # a placement ran this module elsewhere
+            cm1, gain = cm1.to(x.device, x.dtype), gain.to(x.device, x.dtype)
+            nbc = None if nbc is None else nbc.to(x.device, x.dtype)
+        base = type(m).forward
         if self.input_axis:
-            out = self._base(torch.addcmul(x, x, self.cm1))  # W (c x) + b
+            out = base(m, torch.addcmul(x, x, cm1), *args, **kwargs)  # W (c x) + b
+            if self.term_in_geglu:
+                return out
             if self.down is not None:
                 return self._term(x, out)  # + s (up) (down * g) x
-            return self._inner(x * self.gain.view(self.cm1.shape), out)  # + s dW (g x)
-        out = self._base(x)  # W x + b
+            return self._inner(x * gain.view(cm1.shape), out)  # + s dW (g x)
+        out = base(m, x, *args, **kwargs)  # W x + b
         in_place = can_add_in_place(out, out.dtype)
-        if self.nbc is None:  # c (W x)
-            out = out.mul_(self.cm1) if in_place else out * self.cm1
+        if nbc is None:  # c (W x)
+            out = out.mul_(cm1) if in_place else out * cm1
         else:  # c (W x + b) - (c - 1) b, one pass
-            out = torch.addcmul(self.nbc, out, self.cm1, out=out) if in_place else torch.addcmul(self.nbc, out, self.cm1)
+            out = torch.addcmul(nbc, out, cm1, out=out) if in_place else torch.addcmul(nbc, out, cm1)
+        if self.term_in_geglu:
+            return out
         if self.down is not None:
             return self._term(x, out)  # + s (up * g) down x
-        return out.addcmul(self._inner(x, torch.zeros_like(out)), self.gain.view(self.cm1.shape))
+        return out.addcmul(self._inner(x, torch.zeros_like(out)), gain.view(cm1.shape))

@@ -29,8 +29,9 @@ input or LoRA factors differ in device/dtype (a placement ran the module elsewhe
 LyCORIS terms (LoHa, LoKr) come from ``fullrank.make_term`` and always use the hook path. A DoRA layer (any kind)
 gets its module's instance ``forward`` (``dora_forward.DoraForward``; the dense ``fullrank`` hook where that cannot
 sit); its gain is refreshed at attach when the weight changed, and its buffers are written with the strength (one
-of them ``strength * source + 1``: ``_plus_one``). Only plain LoRA layers (``fullrank.lowrank_factors``) get the
-terms, shared downs and fused GEGLU described here.
+of them ``strength * source + 1``: ``_plus_one``); under ``geglu`` a DoRA on a GEGLU ``proj`` hands its low-rank
+term to the GEGLU's override (``DoraForward.fuse_into``). Only plain LoRA layers (``fullrank.lowrank_factors``) get
+the shared downs described here.
 
 Invariants
 - Base weights are never written. ``detach`` removes exactly what ``attach`` installed: hooks by their reserved
@@ -362,7 +363,10 @@ class UnmergedBinding(RefCountedBinding):
                     inner, inner_src, inner_buf = make_term(replace(t, layer=replace(t.layer, magnitude=None)))
                     self._up[t.component].append(inner_src)
                     self._up_s[t.component].append(inner_buf)
-                override = DoraForward(t, term, inner)
+                override = DoraForward(t, inner)
+                parent = _geglu_parent(t, roots) if self.strategy == "geglu" and inner is None else None
+                if parent is not None:  # its low-rank term goes into the GEGLU's fused gating
+                    override.fuse_into(_geglu_forward_for(parent), _LinearTerm(override.down, override.up_s))
                 self._dora[t.component].append(override)
                 for src, buf in override.strength_pairs():
                     self._up[t.component].append(src)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from leandiffusion.lora import dora_forward, inject_lora
+from leandiffusion.lora.formats import LoraLayer
+from leandiffusion.lora.keymap import Target
 from leandiffusion.memory.load import build_engine
 from leandiffusion.memory.plan import GiB, module_bytes
 from leandiffusion.memory.policies import stream_working_minimum_gb
@@ -52,6 +54,54 @@ def test_every_dora_layout_runs_its_own_forward_and_matches_the_formula(tmp_path
     assert lf.max_diff(got, ref) <= TOL
     assert lf.max_diff(ref, lf.view_outputs(engine)) > 0.05  # the file changes the outputs
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
+
+
+@pytest.mark.parametrize("case", ["dora_in", "dora_out"])
+def test_on_a_geglu_proj_the_term_goes_into_the_fused_gating(tmp_path, case, strategy):
+    """Under ``geglu`` the low-rank part of a DoRA on ``ff.net.0.proj`` runs in the GEGLU's override (as a plain
+    LoRA's does), the per-channel part in the proj's forward; under ``hook`` the proj's forward does both."""
+    engine = _engine("sd1")
+    sd, path = _file(tmp_path, "sd1", case)
+    view = inject_lora(engine, path, 0.7, -0.6)
+    ref = lf.view_outputs(_reference("sd1", [(sd, 0.7, -0.6)]))
+    assert lf.max_diff(lf.view_outputs(view), ref) <= TOL
+    with view.session("unet"):
+        dora = {ov.module: ov for ov in view.adapters[0].binding._dora["unet"]}
+        projs = [m for n, m in engine.parts.unet.named_modules() if n.endswith("ff.net.0.proj")]
+        assert projs and all(m in dora for m in projs)
+        for m in projs:
+            ov = dora[m]
+            assert ov.term_in_geglu == (strategy == "geglu")
+            assert (ov.geglu_term in getattr(ov.geglu, "terms", ())) == (strategy == "geglu")
+        assert not any(ov.term_in_geglu for m, ov in dora.items() if m not in projs)
+    for m in projs:  # detached: neither override is left behind
+        assert "forward" not in m.__dict__
+
+
+@pytest.mark.parametrize("axis", ["in", "out"])
+def test_an_input_in_another_dtype_than_the_adapter(axis):
+    """A placement that runs the module in another dtype (here fp64 against an fp32 adapter) still gets the DoRA."""
+    gen = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(12, 10).double()
+    down, up = torch.randn(3, 12, generator=gen) * 0.3, torch.randn(10, 3, generator=gen) * 0.3
+    mag = torch.rand(1, 12, generator=gen) + 0.5 if axis == "in" else torch.rand(10, 1, generator=gen) + 0.5
+    layer = LoraLayer(component="unet", name="lin", naming="kohya", down=down, up=up, scale=1.0, source="t",
+                      magnitude=mag)
+    ov = dora_forward.DoraForward(Target("unet", "lin", lin, layer))
+    assert ov.refresh_gain()
+    s = 0.8
+    for src, buf in ov.strength_pairs():
+        buf.copy_(src * s)
+    for buf in ov.plus_one():
+        buf.add_(1.0)
+    assert ov.add(object())
+    x = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        got = lin(x)
+        want = torch.nn.functional.linear(
+            x, lf.dora_reference_weight(lin.weight, up.double() @ down.double(), mag, s), lin.bias)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert (got - torch.nn.functional.linear(x, lin.weight, lin.bias)).abs().max().item() > 0.05
 
 
 def test_a_strength_change_reuses_the_gain(tmp_path, monkeypatch):
