@@ -45,7 +45,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..memory.streaming import host_copy
 from .dora import dora_gain, on_input_axis
@@ -66,20 +65,21 @@ def weight_key(weight: torch.Tensor) -> tuple:
 class DoraForward:
     """The instance ``forward`` of one Linear / Conv2d carrying one unmerged DoRA term (module docstring).
 
-    ``inner`` is the adapter's own term at strength ``s`` for kinds other than plain LoRA (a forward hook:
-    ``inner(module, (z,), out)`` adds ``s * dW z`` to ``out`` in place or returns the sum). An input on another
-    device or dtype than the adapter (a placement ran the module elsewhere) gets the per-channel vectors moved to
-    it and the term computed on the adapter's device."""
+    ``inner`` is the adapter's term as a forward hook (``inner(module, (z,), out)`` adds it to ``out`` in place or
+    returns the sum; it moves an input on another device or dtype itself): for a plain LoRA / LoCon (``folded``) the
+    binding's plain LoRA term over this object's ``down`` / ``up_s`` buffers, which carry ``g``; for LoHa / LoKr their
+    ``fullrank`` term at strength ``s``, run on ``g * x`` or scaled by ``g`` here. An input on another device or
+    dtype than the adapter (a placement ran the module elsewhere) gets the per-channel vectors moved to it."""
 
-    __slots__ = ("module", "layer", "input_axis", "conv", "inner", "terms", "attrs", "key",
+    __slots__ = ("module", "layer", "input_axis", "conv", "folded", "inner", "terms", "attrs", "key",
                  "gain", "gm1", "cm1", "nbg", "nbc", "down", "down_src", "up", "up_src", "up_s",
-                 "geglu", "geglu_term", "term_in_geglu", "__weakref__")
+                 "geglu", "term_in_geglu", "__weakref__")
 
     def __init__(self, target: Target, inner=None):
         self.module, self.layer, self.inner = target.module, target.layer, inner
         self.attrs = target.module.__dict__
         self.terms: list = []
-        self.geglu = self.geglu_term = None  # ``fuse_into``
+        self.geglu = None  # ``fuse_into``
         self.term_in_geglu = False
         self.key: Optional[tuple] = None
         mod, mag = target.module, target.layer.magnitude
@@ -97,7 +97,8 @@ class DoraForward:
         if not self.input_axis and mod.bias is not None:
             self.nbg, self.nbc = torch.zeros_like(self.gm1), torch.zeros_like(self.gm1)
         self.down = self.down_src = self.up = self.up_src = self.up_s = None
-        if isinstance(self.layer, LoraLayer):  # fold g into a factor
+        self.folded = isinstance(self.layer, LoraLayer)
+        if self.folded:  # fold g into a factor
             down, up = self.layer.down, self.layer.up
             if not self.conv:
                 down, up = down.reshape(down.shape[0], -1), up.reshape(up.shape[0], -1)
@@ -109,11 +110,11 @@ class DoraForward:
             self.up_s = torch.zeros_like(up)
 
     # --------------------------------------------------------------------- install / remove (binding)
-    def fuse_into(self, geglu, geglu_term) -> None:
-        """For the ``proj`` of a GEGLU (the ``geglu`` strategy): hand the low-rank term (``geglu_term``, a plain
-        LoRA term over ``down`` / ``up_s``) to the GEGLU's override (``unmerged._GegluForward``), which fuses it
-        into the gating as it does a plain LoRA's; this forward then keeps only the per-channel part."""
-        self.geglu, self.geglu_term = geglu, geglu_term
+    def fuse_into(self, geglu) -> None:
+        """For the ``proj`` of a GEGLU (the ``geglu`` strategy): hand the low-rank term (``inner``, a plain LoRA
+        term over ``down`` / ``up_s``) to the GEGLU's override (``unmerged._GegluForward``), which fuses it into the
+        gating as it does a plain LoRA's; this forward then keeps only the per-channel part."""
+        self.geglu = geglu
 
     def add(self, term) -> bool:
         """Install this forward for ``term`` (the slot's fallback); False, nothing changed, when another ``forward``
@@ -122,14 +123,14 @@ class DoraForward:
             return False
         self.attrs["forward"] = self
         self.terms = [term]
-        self.term_in_geglu = self.geglu is not None and self.geglu.add(self.geglu_term)
+        self.term_in_geglu = self.geglu is not None and self.geglu.add(self.inner)
         return True
 
     def remove(self, term) -> None:
         if self.terms and self.terms[0] is term:
             self.terms = []
             if self.term_in_geglu:
-                self.geglu.remove(self.geglu_term)
+                self.geglu.remove(self.inner)
                 self.term_in_geglu = False
             if self.attrs.get("forward") is self:
                 del self.attrs["forward"]
@@ -175,36 +176,18 @@ class DoraForward:
                 bias = host_copy(self.module.bias)
                 bias = self.module.bias if bias is None else bias
                 self.nbg.copy_((-(g - 1) * bias.detach().to(device=device, dtype=torch.float32)).view(self.nbg.shape))
-            if self.down is not None and self.input_axis:  # down * g per input channel (and tap)
+            if self.folded and self.input_axis:  # down * g per input channel (and tap)
                 shape = (1, -1) + (1,) * (self.down_src.ndim - 2)
                 self.down.copy_(self.down_src.float() * g.view(shape))
-            elif self.down is not None:  # up * g per output channel
+            elif self.folded:  # up * g per output channel
                 shape = (-1,) + (1,) * (self.up.ndim - 1)
                 self.up.copy_(self.up_src.float() * g.view(shape))
         self.key = key
         return True
 
     # --------------------------------------------------------------------- the forward
-    def _term(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out + s * dW' x`` for the folded LoRA factors (``dW'`` carries ``g`` on its axis); an ``x`` on another
-        device or dtype than the factors is moved to them and the term back."""
-        down, up_s = self.down, self.up_s
-        foreign = x.device != down.device or x.dtype != down.dtype
-        xin = x.to(down.device, down.dtype) if foreign else x
-        if self.conv:
-            m = self.module
-            t = F.conv2d(F.conv2d(xin, down, None, m.stride, m.padding, m.dilation), up_s)
-            if not foreign and can_add_in_place(out, t.dtype):
-                return out.add_(t)
-            return out + t.to(out.device, out.dtype)
-        h = F.linear(xin, down)
-        if not foreign and can_add_in_place(out, h.dtype):
-            out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), up_s.t())
-            return out
-        return out + F.linear(h, up_s).to(out.device, out.dtype)
-
     def _inner(self, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        r = self.inner(self.module, (z,), out)  # the fullrank terms move a foreign input themselves
+        r = self.inner(self.module, (z,), out)
         return out if r is None else r
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -218,9 +201,8 @@ class DoraForward:
             out = base(m, torch.addcmul(x, x, cm1), *args, **kwargs)  # W (c x) + b
             if self.term_in_geglu:
                 return out
-            if self.down is not None:
-                return self._term(x, out)  # + s (up) (down * g) x
-            return self._inner(x * gain.view(cm1.shape), out)  # + s dW (g x)
+            # + s (up) (down * g) x, or + s dW (g x)
+            return self._inner(x if self.folded else x * gain.view(cm1.shape), out)
         out = base(m, x, *args, **kwargs)  # W x + b
         in_place = can_add_in_place(out, out.dtype)
         if nbc is None:  # c (W x)
@@ -229,6 +211,6 @@ class DoraForward:
             out = torch.addcmul(nbc, out, cm1, out=out) if in_place else torch.addcmul(nbc, out, cm1)
         if self.term_in_geglu:
             return out
-        if self.down is not None:
-            return self._term(x, out)  # + s (up * g) down x
-        return out.addcmul(self._inner(x, torch.zeros_like(out)), gain.view(cm1.shape))
+        if self.folded:
+            return self._inner(x, out)  # + s (up * g) down x
+        return out.addcmul(self._inner(x, torch.zeros_like(out)), gain.view(cm1.shape))  # + g (s dW x)

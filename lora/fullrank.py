@@ -16,7 +16,7 @@ Formulas: ``lycoris.py`` (LoHa, LoKr) and ``dora.py`` (DoRA). Each term is a for
   weight's size, no token dependence) and applies it as one dense GEMM/conv: about the layer's own cost again.
   Either way only the file's factors (and one strength buffer like ``w1_a``) stay resident.
 - DoRA (any kind with a ``dora_scale``) runs through ``dora_forward.DoraForward`` (the gain cached, no weight
-  built). ``_DenseTerm`` over ``_DoraDelta`` is its fallback (a second DoRA on one layer, a foreign input):
+  built). ``_DenseTerm`` over ``_DoraDelta`` is its fallback (a second DoRA on one layer):
   ``s * ((W + dW) * g - W)`` with ``g`` the magnitude over the norm of ``W + dW`` is built each forward in fp32 from
   the module's *current* weight (read at call time, so a placement that moves or streams weights is followed),
   then applied as one dense GEMM/conv: roughly doubles the layer's cost, plus fp32 temporaries of the weight's

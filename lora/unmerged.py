@@ -364,9 +364,13 @@ class UnmergedBinding(RefCountedBinding):
                     self._up[t.component].append(inner_src)
                     self._up_s[t.component].append(inner_buf)
                 override = DoraForward(t, inner)
-                parent = _geglu_parent(t, roots) if self.strategy == "geglu" and inner is None else None
-                if parent is not None:  # its low-rank term goes into the GEGLU's fused gating
-                    override.fuse_into(_geglu_forward_for(parent), _LinearTerm(override.down, override.up_s))
+                if override.folded:  # a plain LoRA term over the g-folded factors
+                    override.inner = (_LinearTerm(override.down, override.up_s)
+                                      if isinstance(t.module, torch.nn.Linear)
+                                      else _ConvLoraHook(override.down, override.up_s, t.module))
+                    parent = _geglu_parent(t, roots) if self.strategy == "geglu" else None
+                    if parent is not None:  # its low-rank term goes into the GEGLU's fused gating
+                        override.fuse_into(_geglu_forward_for(parent))
                 self._dora[t.component].append(override)
                 for src, buf in override.strength_pairs():
                     self._up[t.component].append(src)

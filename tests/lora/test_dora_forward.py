@@ -13,6 +13,7 @@ import torch
 from leandiffusion.lora import dora_forward, inject_lora
 from leandiffusion.lora.formats import LoraLayer
 from leandiffusion.lora.keymap import Target
+from leandiffusion.lora.unmerged import _LinearTerm
 from leandiffusion.memory.load import build_engine
 from leandiffusion.memory.plan import GiB, module_bytes
 from leandiffusion.memory.policies import stream_working_minimum_gb
@@ -72,7 +73,7 @@ def test_on_a_geglu_proj_the_term_goes_into_the_fused_gating(tmp_path, case, str
         for m in projs:
             ov = dora[m]
             assert ov.term_in_geglu == (strategy == "geglu")
-            assert (ov.geglu_term in getattr(ov.geglu, "terms", ())) == (strategy == "geglu")
+            assert (ov.inner in getattr(ov.geglu, "terms", ())) == (strategy == "geglu")
         assert not any(ov.term_in_geglu for m, ov in dora.items() if m not in projs)
     for m in projs:  # detached: neither override is left behind
         assert "forward" not in m.__dict__
@@ -88,6 +89,7 @@ def test_an_input_in_another_dtype_than_the_adapter(axis):
     layer = LoraLayer(component="unet", name="lin", naming="kohya", down=down, up=up, scale=1.0, source="t",
                       magnitude=mag)
     ov = dora_forward.DoraForward(Target("unet", "lin", lin, layer))
+    ov.inner = _LinearTerm(ov.down, ov.up_s)  # what the binding gives a folded DoRA
     assert ov.refresh_gain()
     s = 0.8
     for src, buf in ov.strength_pairs():
