@@ -5,11 +5,12 @@ Invariant: ``run_attention(spec, x)`` equals the original block's forward on ``x
     h = GroupNorm(x);  q, k, v = Wq h, Wk h, Wv h  (per pixel);  o = softmax(q k^T / sqrt(d)) v;
     out = (x + Wo o) / rescale
 Attention is global, so tiles cannot compute it; it runs untiled at the block's resolution (1/8 of the image for
-the SD VAE's mid block, where the map is small). Memory: on CUDA, PyTorch's memory-efficient/flash kernels keep it
-O(N); where none applies (the CPU, odd head sizes) the queries are processed in chunks so the score matrix held at
-once is ``chunk x N`` instead of ``N x N`` - exact, because softmax rows are independent. With ``tf32`` (the
+the SD VAE's mid block; the exact tiled executor runs it in bands instead, ``attention_bands``). Memory: on CUDA,
+PyTorch's memory-efficient/flash kernels keep it O(N); where none applies (the CPU, odd head sizes) the queries are
+processed in chunks so the score matrix held at once is ``chunk x N`` instead of ``N x N`` - exact, because softmax
+rows are independent. With ``tf32`` (the
 untiled decode, ``vae.untiled``, passes ``tf32_like_convolutions(x)``: an fp32 map on CUDA whose VAE convolutions
-already run in TF32; the tiled executor does not, its budget counts no score matrix) the CUDA path takes those
+already run in TF32; the tiled executor bands the block instead, ``vae.attention_bands``) the CUDA path takes those
 chunks too, with the two score matmuls on TF32 tensor cores: PyTorch's fp32 attention kernels have no TF32 path,
 and the SDXL decode's mid-block attention took 13.9 of its 86.7 ms in fp32 (H100).
 """

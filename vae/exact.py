@@ -13,7 +13,9 @@ also merges the statistics of its output for the next stage's first GroupNorm. A
 extra ``norm1 -> conv1`` recomputation instead of storing ``conv1``'s output: on a budget that is the cheaper side
 (a 3x3 convolution at the largest resolution costs a few ms; parking its output costs two PCIe copies). An
 upsampler whose output would not fit on the device is fused into the next block (recomputed from the half-size
-input) for the same reason. Global attention (the mid block) runs untiled on its small, 1/8-resolution map.
+input) for the same reason. Global attention (the mid block) cannot be cut into independent bands; it runs in
+query bands against keys of the whole map under the same budget (``attention_bands``), with the statistics of
+its GroupNorm gathered by the stage before.
 
 Why hand-written: diffusers' ``enable_tiling`` and ComfyUI's ``VAEDecodeTiled`` run the whole decoder per tile
 with per-tile GroupNorm statistics and hide the resulting seams and tone shifts by blending; no library offers a
@@ -32,10 +34,11 @@ from typing import Callable, Optional
 import torch
 
 from .. import bridge
-from .attention import run_attention
+from .attention import convolutions_use_tf32
+from .attention_bands import MapCost, plan_bands, run_banded
 from .program import Op, Program, Stage, fuse
 from .stats import GroupStats, apply_group_norm
-from .stores import DeviceStore, HostStore, Streams
+from .stores import BandThrottle, DeviceStore, HostStore, Streams
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +48,11 @@ logger = logging.getLogger(__name__)
 # exact decode held 1.18 / 1.17x its 1.0 / 1.5 GiB budget in fp32 and 1.09 / 1.06x in fp16, worst in the stages
 # that fuse an upsampler into the next resnet; at 0.8 still 1.05x (fp32, 1.5 GiB); at 0.7 every case whose budget
 # is above the mid-block attention's floor stayed within it (fp32 0.93 / 1.38 GiB, fp16 0.83 / 1.25 GiB at 2048 px,
-# encode too) at the same speed (1.02 vs 1.03 s for the fp32 2048 px decode at 1.5 GiB). The attention runs on the
-# whole map and is not banded: its floor is ~0.89 GiB (fp32) / ~0.83 GiB (fp16) at 2048 px and 3.0 / 2.0 GiB at
-# 4096 px whatever the budget (README Known limits).
+# encode too) at the same speed (1.02 vs 1.03 s for the fp32 2048 px decode at 1.5 GiB). Since session 17 the
+# mid-block attention runs in bands under the same share (``attention_bands``; it used to run on the whole map, a
+# floor of ~0.89 GiB fp32 at 2048 px and 3.0 / 2.0 GiB fp32 / fp16 at 4096 px): every case of
+# scripts/diag/vae_attention_bands.py, 0.5-3.0 GiB at 2048 / 4096 px, stays within its budget
+# (docs/bench/vae-attention-s17/).
 CUDA_WORK_SHARE = 0.7
 
 
@@ -86,17 +91,34 @@ def plan(program: Program, in_shape: tuple, cfg: ExactConfig) -> list[PlannedSta
     eb = _elem(cfg.dtype)
     floor = cfg.work_floor * cfg.budget_bytes
     stages, out, i, shape, in_dev = program.stages, [], 0, tuple(in_shape), 0
+
+    share = CUDA_WORK_SHARE if cfg.device.type == "cuda" else 1.0
+
+    def fits_device(o: tuple, j: int) -> bool:
+        """Whether stage ``j``'s output ``o`` stays on the device: beside the input store and the band work floor;
+        when ``j`` is an attention stage or feeds one, the attention's work (``share`` of what the stores leave,
+        ``run_exact``) must also hold its whole-map keys and values (``attention_bands``' resident scheme: a host
+        store costs two copies of the 1/8-resolution map, the streamed scheme a projection pass per band) if they
+        fit the budget at all."""
+        size = o[0] * o[1] * o[2] * eb
+        beside_attention = stages[j].kind == "attention" or (j + 1 < len(stages) and
+                                                             stages[j + 1].kind == "attention")
+        room = floor
+        if beside_attention and (2 * size + floor) / share <= cfg.budget_bytes:
+            room = (2 * size + floor) / share
+        return in_dev + size + room <= cfg.budget_bytes
+
     while i < len(stages):
         st = stages[i]
         last = i == len(stages) - 1
         o = st.shapes(*shape)[-1] if st.kind == "chain" else shape
-        fits = not last and in_dev + o[0] * o[1] * o[2] * eb + floor <= cfg.budget_bytes
+        fits = not last and fits_device(o, i)
         if not last and not fits and _is_resampler(st) and stages[i + 1].kind == "chain":
             st = fuse(st, stages[i + 1])
             i += 1
             last = i == len(stages) - 1
             o = st.shapes(*shape)[-1]
-            fits = not last and in_dev + o[0] * o[1] * o[2] * eb + floor <= cfg.budget_bytes
+            fits = not last and fits_device(o, i)
         out.append(PlannedStage(st, shape, o, fits, None))
         in_dev = o[0] * o[1] * o[2] * eb if fits else 0
         shape = o
@@ -158,8 +180,7 @@ class _Pass:
     def run(self, store, sink: Callable[[int, torch.Tensor], None]) -> None:
         ops, final = self.stage.ops[:self.length], self.length == len(self.stage.ops)
         plans = [_regions(ops, self.heights, a, b) for a, b in self.bands]
-        cuda = self.cfg.device.type == "cuda"
-        inflight = []
+        throttle = BandThrottle(self.cfg.device)
         pending = store.prefetch(*plans[0][0])
         for j, need in enumerate(plans):
             bridge.check_interrupted()
@@ -169,14 +190,7 @@ class _Pass:
             y = self._forward(x, need, ops, final)
             sink(need[-1][0], y)
             del x, y
-            if cuda:
-                # Keep at most two bands in flight: the host must not run ahead and allocate every band's
-                # upload/download buffer at once (they are held until the GPU has used them).
-                ev = torch.cuda.Event()
-                ev.record()
-                inflight.append(ev)
-                if len(inflight) > 1:
-                    inflight.pop(0).synchronize()
+            throttle.band_issued()
             if j + 1 < len(plans):
                 pending = store.prefetch(*plans[j + 1][0])
 
@@ -241,16 +255,32 @@ def _run_chain(ps: PlannedStage, store, out_store, in_stats: Optional[GroupStats
     return out_stats
 
 
-def _run_attention(ps: PlannedStage, store, out_store, cfg: ExactConfig) -> Optional[GroupStats]:
-    x = store.prefetch(0, ps.in_shape[1]).wait()
-    if x.dtype != cfg.dtype:
-        x = x.to(cfg.dtype)
-    y = run_attention(ps.stage.attention, x)  # O(N) kernels: the planner counts no score matrix
-    out_stats = None
-    if ps.out_groups:
-        out_stats = GroupStats(ps.out_groups)
-        out_stats.add(y)
-    out_store.put(0, y)
+def _run_attention(ps: PlannedStage, store, out_store, in_stats: Optional[GroupStats], cfg: ExactConfig,
+                   work_budget: int, out_hw: tuple) -> Optional[GroupStats]:
+    """The attention block in bands of rows under ``work_budget`` (``attention_bands``), its GroupNorm with the
+    statistics the stage before gathered."""
+    if in_stats is None:
+        raise RuntimeError(f"tiling bug: no input statistics for {ps.stage.name}")
+    c, h, w = ps.in_shape
+    max_rows = None
+    if cfg.tile_px > 0:  # a band holds at most tile_px**2 image pixels' worth of rows, as in the chain stages
+        max_rows = max(1, int(h * (cfg.tile_px ** 2) / float(out_hw[0] * out_hw[1])))
+    cost = MapCost(c, h, w, _elem(cfg.dtype), store.data.element_size(), store.on_device,
+                   int(ps.stage.attention.heads))
+    half = cfg.dtype in (torch.float16, torch.bfloat16)
+    tf32_fp32 = cfg.device.type == "cuda" and not half and convolutions_use_tf32()
+    band_plan = plan_bands(cost, work_budget, max_rows, online=tf32_fp32)
+    logger.debug("attention %s: %s bands of %d rows, estimate %.0f MB", ps.stage.name, band_plan.scheme,
+                 band_plan.rows, band_plan.estimate / 2**20)
+    out_stats = GroupStats(ps.out_groups) if ps.out_groups else None
+
+    def sink(a: int, y: torch.Tensor) -> None:
+        if out_stats is not None:
+            out_stats.add(y)
+        out_store.put(a, y)
+
+    tf32 = tf32_fp32 or (cfg.device.type == "cuda" and half)
+    run_banded(ps.stage.attention, store.prefetch, in_stats, ps.in_shape, band_plan, sink, cfg.dtype, tf32)
     return out_stats
 
 
@@ -290,7 +320,7 @@ def run_exact(program: Program, sample_hwc: torch.Tensor, cfg: ExactConfig, head
         logger.debug("stage %s in=%s out=%s on_device=%s work=%.0f MB", ps.stage.name, ps.in_shape, ps.out_shape,
                      ps.out_on_device, work / 2**20)
         if ps.stage.kind == "attention":
-            stats = _run_attention(ps, store, out_store, cfg)
+            stats = _run_attention(ps, store, out_store, stats, cfg, max(work, 0), out_hw)
         else:
             stats = _run_chain(ps, store, out_store, stats, cfg, max(work, 0), out_hw,
                                head if last else None)

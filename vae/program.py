@@ -93,9 +93,12 @@ class Stage:
 
     @property
     def first_groups(self) -> Optional[int]:
-        """GroupNorm groups of the op that reads this stage's input first, if that op is a GroupNorm."""
+        """GroupNorm groups of the op that reads this stage's input first, if that op is a GroupNorm (an attention
+        block's input GroupNorm included: the stage before gathers its statistics)."""
         if self.kind == "chain" and self.ops and self.ops[0].kind == "gn":
             return int(self.ops[0].module.num_groups)
+        if self.kind == "attention" and self.attention is not None:
+            return int(self.attention.norm.num_groups)
         return None
 
     def shapes(self, c: int, h: int, w: int) -> list[tuple[int, int, int]]:

@@ -49,6 +49,25 @@ class Streams:
             self.upload = self.download = torch.cuda.current_stream(device)
 
 
+class BandThrottle:
+    """Keeps the host at most two bands ahead of the GPU: a band's upload and download buffers are held until the
+    GPU has used them, so a host that ran ahead would allocate every band's at once. Call ``band_issued`` after
+    each band's work is queued; off CUDA it does nothing."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.inflight: list = []
+
+    def band_issued(self) -> None:
+        if not self.cuda:
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        self.inflight.append(ev)
+        if len(self.inflight) > 1:
+            self.inflight.pop(0).synchronize()
+
+
 class _Ready:
     def __init__(self, tensor: torch.Tensor, event=None, stream=None):
         self.tensor, self.event, self.stream = tensor, event, stream

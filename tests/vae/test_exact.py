@@ -81,6 +81,39 @@ def test_exact_encode_small_bands(engine, tile_px, budget):
     assert (out - ref).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("budget,scheme", [(10**9, "resident"), (10**5, "resident"), (25000, "streamed")])
+@pytest.mark.parametrize("kind", ["decode", "encode"])
+def test_exact_attention_bands_under_small_budgets(engine, monkeypatch, budget, scheme, kind):
+    """The mid-block attention runs in bands (``attention_bands``): one band at a large budget, several resident
+    bands at a small one, streamed key chunks below its keys and values; the result equals the untiled module."""
+    from leandiffusion.vae import exact
+
+    chosen = []
+    real_plan = exact.plan_bands
+
+    def spy(cost, work, max_rows=None, online=False):
+        assert not online  # the CPU has no TF32
+        chosen.append(real_plan(cost, work, max_rows, online))
+        return chosen[-1]
+
+    monkeypatch.setattr(exact, "plan_bands", spy)
+    vae = engine.parts.vae
+    cfg = ExactConfig(CPU, torch.float32, budget, 0)
+    with torch.no_grad():
+        if kind == "decode":
+            z = torch.randn(1, 4, 9, 6)
+            ref = _image_head(vae.decode(z).sample)[0].permute(1, 2, 0)
+            out = run_exact(decoder_program(vae), z[0].permute(1, 2, 0).contiguous(), cfg, _image_head, 3)
+        else:
+            x = torch.rand(1, 3, 72, 48)
+            ref = vae.encode(x * 2 - 1).latent_dist.mean[0].permute(1, 2, 0)
+            out = run_exact(_with_input_affine(encoder_program(vae)), x[0].permute(1, 2, 0).contiguous(), cfg,
+                            lambda y: y[:, :4].float(), 4)
+    assert [p.scheme for p in chosen] == [scheme]
+    assert (chosen[0].rows == 9) == (budget == 10**9)  # the mid block's map has 9 rows
+    assert (out - ref).abs().max().item() <= TOL
+
+
 @pytest.fixture(scope="module")
 def ldm_vae():
     return ldm_from_diffusers(tiny_components("sd1")["vae"])

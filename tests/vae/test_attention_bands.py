@@ -1,0 +1,201 @@
+"""The VAE attention in bands (``vae.attention_bands``): equal to the block's own forward in fp64 for both schemes and
+any band height, the planner's choice, and a device-memory peak that stays within the plan's estimate at full size.
+
+The bug it guards (README "Known limits", sessions 14-16): the exact tiler ran the mid-block attention on the whole
+map, so its normalised input, q, k, v and output (five map-sized tensors) set a floor under any activation budget:
+about 0.9 GiB at 2048 px and 3.0 GiB at 4096 px in fp32 on an H100, whatever the budget asked.
+"""
+import pytest
+import torch
+
+from leandiffusion.tests.vae.live_bytes import LiveBytes
+from leandiffusion.vae import attention_bands
+from leandiffusion.vae.attention import run_attention, spec_from_diffusers
+from leandiffusion.vae.attention_bands import (RESIDENT, STREAMED, BandPlan, MapCost, online_steps, plan_bands,
+                                               resident_bytes, run_banded, streamed_bytes)
+from leandiffusion.vae.stats import GroupStats
+from leandiffusion.vae.stores import DeviceStore, HostStore, Streams
+
+GiB = 2 ** 30
+CPU = torch.device("cpu")
+
+
+def _block(channels=64, heads=1, rescale=1.0, groups=8, seed=0):
+    from diffusers.models.attention_processor import Attention
+
+    torch.manual_seed(seed)
+    attn = Attention(channels, heads=heads, dim_head=channels // heads, rescale_output_factor=rescale,
+                     eps=1e-6, norm_num_groups=groups, spatial_norm_dim=None, residual_connection=True, bias=True,
+                     upcast_softmax=True, _from_deprecated_attn_block=True).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in attn.parameters():  # scores of a few units, as in a trained VAE (random init gives ~0)
+            p.normal_(0.0, 0.2 if p.ndim > 1 else 0.5)
+    return attn
+
+
+def _store(x_chw: torch.Tensor, on_device: bool):
+    c, h, w = x_chw.shape
+    hwc = x_chw.permute(1, 2, 0).contiguous()
+    streams = Streams(CPU)
+    if on_device:
+        store = DeviceStore(h, w, c, hwc.dtype, CPU, streams)
+        store.data.copy_(hwc)
+        return store
+    return HostStore(h, w, c, hwc.dtype, CPU, streams, data=hwc)
+
+
+def _banded(attn, x, band_plan, on_device=True):
+    """The block on ``x`` [1, C, H, W] through ``run_banded``, assembled into [1, C, H, W]."""
+    spec = spec_from_diffusers(attn)
+    stats = GroupStats(attn.group_norm.num_groups)
+    stats.add(x)
+    out = torch.full_like(x, float("nan"))
+    seen = []
+
+    def sink(a, y):
+        seen.append((a, y.shape[2]))
+        out[:, :, a:a + y.shape[2]] = y
+
+    run_banded(spec, _store(x[0], on_device).prefetch, stats, tuple(x.shape[1:]), band_plan, sink, x.dtype)
+    return out, seen
+
+
+@pytest.mark.parametrize("scheme,online", [(RESIDENT, False), (RESIDENT, True), (STREAMED, False)])
+@pytest.mark.parametrize("rows", [1, 3, 7])  # 7 rows = one band; 3 does not divide 7
+@pytest.mark.parametrize("heads,rescale,on_device", [(1, 1.0, True), (2, 2.0, False)])
+def test_banded_attention_equals_the_block_in_fp64(scheme, online, rows, heads, rescale, on_device):
+    attn = _block(heads=heads, rescale=rescale)
+    x = torch.randn(1, 64, 7, 5, dtype=torch.float64) * 3 + 1
+    with torch.no_grad():
+        ref = attn.double()(x)
+        attn.float()
+    got, seen = _banded(attn, x.float(), BandPlan(scheme, rows, 0, online), on_device)
+    assert seen == [(a, min(rows, 7 - a)) for a in range(0, 7, rows)]  # every row once, in order
+    scale = ref.abs().max().item()
+    err = (got.double() - ref).abs().max().item()
+    assert err <= 2e-6 * scale, (scheme, rows, err, scale)
+    # the whole-map block the executor ran before agrees as closely
+    whole = run_attention(spec_from_diffusers(attn), x.float())
+    assert (whole.double() - ref).abs().max().item() <= 2e-6 * scale
+
+
+@pytest.mark.parametrize("scheme,online", [(RESIDENT, True), (STREAMED, False)])
+def test_online_softmax_survives_scores_far_apart(scheme, online):
+    """The online merge rescales earlier chunks when a later chunk holds a larger score; with scores hundreds
+    apart (e^-300 underflows) a merge without the running maximum gives NaN or zeros."""
+    attn = _block(seed=1)
+    with torch.no_grad():
+        attn.to_q.weight.mul_(12.0)
+    x = torch.randn(1, 64, 6, 4, dtype=torch.float64)
+    x[..., 5, :] += 4.0  # the last rows' keys score far above the others
+    with torch.no_grad():
+        ref = attn.double()(x)
+        attn.float()
+    got, _ = _banded(attn, x.float(), BandPlan(scheme, 2, 0, online))
+    assert torch.isfinite(got).all()
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+SDXL_2048 = MapCost(512, 256, 256, 4, 4, True)  # the SD / SDXL VAE mid block at 2048 px, fp32
+
+
+def test_plan_takes_resident_bands_when_keys_and_values_fit():
+    whole = resident_bytes(SDXL_2048, 256)
+    assert plan_bands(SDXL_2048, whole) == BandPlan(RESIDENT, 256, whole)
+    p = plan_bands(SDXL_2048, int(0.4 * GiB))  # keys + values: 256 MiB
+    assert p.scheme == RESIDENT and p.estimate <= 0.4 * GiB < resident_bytes(SDXL_2048, p.rows + 1)
+    assert plan_bands(SDXL_2048, int(0.4 * GiB), max_rows=5).rows == 5
+
+
+def test_plan_streams_below_the_keys_and_values():
+    budget = int(0.2 * GiB)
+    assert resident_bytes(SDXL_2048, 1) > budget
+    p = plan_bands(SDXL_2048, budget)
+    assert p.scheme == STREAMED and p.estimate <= budget < streamed_bytes(SDXL_2048, p.rows + 1)
+    tiny = plan_bands(SDXL_2048, 1)  # nothing fits: the smallest bands, the out-of-memory error is the caller's
+    assert tiny.scheme == STREAMED and tiny.rows == 1
+
+
+def test_online_plan_weighs_band_count_against_recomputed_projections():
+    """With the online form both schemes run ``bands^2`` chunk steps; ``streamed`` also recomputes the key/value
+    projections per query band. Resident keys with tiny bands lose to streamed ones with large bands; with bands as
+    large as streamed's, resident wins (no recomputation)."""
+    cost = MapCost(512, 512, 512, 4, 4, True)  # fp32 at 4096 px: keys + values 1 GiB
+    kv = 2 * 512 * 512 * 512 * 4
+    roomy = plan_bands(cost, kv + int(0.5 * GiB), online=True)
+    assert roomy.scheme == RESIDENT and roomy.online
+    assert roomy.rows >= plan_bands(cost, int(0.5 * GiB), online=True).rows
+    squeezed = plan_bands(cost, kv + 40 * 2**20, online=True)  # resident bands of a few rows only
+    assert squeezed.scheme == STREAMED
+    resident_rows = plan_bands(cost, kv + 40 * 2**20).rows  # (without online: resident, SDPA)
+    assert online_steps(cost, resident_rows, False) > online_steps(cost, squeezed.rows, True)
+    assert not plan_bands(cost, 10 * GiB).online and plan_bands(cost, 10 * GiB).scheme == RESIDENT
+
+
+def _o_n_sdpa(q, k, v, tf32=False):
+    """What CUDA runs for the resident scheme (PyTorch's memory-efficient kernel, O(N) memory): the output only.
+    The CPU fallback's chunked score matrices are not what a CUDA budget has to hold."""
+    return torch.empty_like(q)
+
+
+@pytest.mark.parametrize("dtype,px,budget_gib,online,scheme", [
+    (torch.float32, 2048, 0.5, False, RESIDENT),  # the whole-map block held ~0.9 GiB on an H100
+    (torch.float32, 2048, 0.5, True, RESIDENT),
+    (torch.float32, 2048, 0.15, False, STREAMED),
+    (torch.float16, 4096, 0.6, False, RESIDENT),  # keys + values 0.5 GiB
+    (torch.float32, 4096, 0.4, True, STREAMED),  # the whole-map block held ~3.0 GiB on an H100
+    (torch.float32, 4096, 1.6, True, RESIDENT),
+])
+@pytest.mark.parametrize("on_device", [True, False])
+def test_full_size_peak_stays_within_the_estimate(monkeypatch, dtype, px, budget_gib, online, scheme, on_device):
+    """Every tensor the attention stage holds at once, counted on the ``meta`` device at full size (SD / SDXL mid
+    block: 512 channels at 1/8 of the image), fits the plan's estimate, which fits the budget, and is far below
+    what the whole-map block holds."""
+    monkeypatch.setattr(attention_bands, "_sdpa", _o_n_sdpa)
+    monkeypatch.setattr("leandiffusion.vae.attention._sdpa", _o_n_sdpa)
+    with torch.device("meta"):
+        attn = _block(channels=512, groups=32).to(dtype)
+    spec = spec_from_diffusers(attn)
+    n = px // 8
+    cost = MapCost(512, n, n, dtype.itemsize, dtype.itemsize, on_device)
+    band_plan = plan_bands(cost, int(budget_gib * GiB), online=online)
+    assert (band_plan.scheme, band_plan.online) == (scheme, online and scheme == RESIDENT)
+    meta = torch.device("meta")
+    streams = Streams(meta)
+    if on_device:
+        store = DeviceStore(n, n, 512, dtype, meta, streams)
+    else:
+        store = HostStore(n, n, 512, dtype, meta, streams, data=torch.empty((n, n, 512), dtype=dtype))
+    stats = GroupStats(32, 1.0, torch.zeros(32, dtype=torch.float64, device=meta),
+                       torch.ones(32, dtype=torch.float64, device=meta))
+    out_stats = GroupStats(32)
+    live = LiveBytes("meta", exclude=list(attn.parameters()) + [store.data])
+    with live:
+        run_banded(spec, store.prefetch, stats, (512, n, n), band_plan, lambda a, y: out_stats.add(y), dtype)
+    assert live.peak <= band_plan.estimate <= budget_gib * GiB, (band_plan, live.peak / GiB, live.peak_op)
+    whole = LiveBytes("meta", exclude=list(attn.parameters()))
+    x = torch.empty((1, 512, n, n), dtype=dtype, device=meta)
+    with whole:
+        run_attention(spec, x)
+    assert whole.peak > band_plan.estimate
+
+
+def test_interrupt_between_bands_stops_the_stage():
+    from leandiffusion import bridge
+
+    calls = []
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) == 3:
+            raise bridge.Interrupted("cancelled")
+
+    attn = _block()
+    x = torch.randn(1, 64, 7, 5)
+    bridge.set_interrupt_hook(interrupt)
+    try:
+        with pytest.raises(bridge.Interrupted):
+            _banded(attn, x, BandPlan(STREAMED, 2, 0))
+    finally:
+        bridge.set_interrupt_hook(None)
+    assert len(calls) == 3
