@@ -44,7 +44,7 @@ import torch
 
 from .. import bridge
 from .attention import AttentionSpec, _sdpa, tf32_matmuls
-from .stats import GroupStats, apply_group_norm
+from .stats import GroupStats, apply_group_norm, stats_transient_bytes
 from .stores import BandThrottle
 
 RESIDENT, STREAMED = "resident", "streamed"
@@ -81,40 +81,48 @@ class MapCost:
         cast = n * self.eb if self.in_eb != self.eb else 0
         return cast + (0 if self.in_on_device else 2 * n * self.in_eb)
 
+    def output_side(self, rows: int) -> int:
+        """Bytes of turning one band's attention output (fp32 ``acc`` of the online form) into the stage output:
+        the output in the compute dtype, its projection, the residual sum (the output band and the copy a host store
+        downloads once ``acc`` is gone) and what ``GroupStats.add`` allocates (``stats_transient_bytes``)."""
+        n = self.band(rows)
+        return self.upload(rows) + 4 * n + 3 * n * self.eb + stats_transient_bytes(n)
+
 
 def resident_bytes(cost: MapCost, rows: int, online: bool = False) -> int:
     """Peak device bytes of the ``resident`` scheme with bands of ``rows`` rows: the whole map's keys and values and
     one band read, then
     - attending through ``scaled_dot_product_attention``: at most four band tensors at once (normalised input,
       queries, attention output and the fp32 accumulator PyTorch's memory-efficient kernel keeps for
-      half-precision outputs; or attention output, projection, residual sum and the copy a host store downloads, or
-      the fp32 copy ``GroupStats.add`` reduces);
+      half-precision outputs; or attention output, projection, residual sum and the copy a host store downloads),
+      and what ``GroupStats.add`` allocates for the output's statistics;
     - ``online`` (chunks of the resident keys of ``rows`` rows): the normalised input and queries, fp32 scaled
       queries and ``acc``, an fp32 copy of a key or value chunk (half precision), ``e^(s - m') v`` and one fp32
-      score block per head; the output side afterwards is smaller."""
+      score block per head; or the output side (``MapCost.output_side``), whichever is larger."""
     n = cost.band(rows)
     keys_values = 2 * cost.channels * cost.height * cost.width * cost.eb
     if not online:
-        return keys_values + cost.upload(rows) + 4 * n * cost.eb + (4 * n if cost.eb < 4 else 0)
+        return keys_values + cost.upload(rows) + 4 * n * cost.eb + (4 * n if cost.eb < 4 else 0) + \
+            stats_transient_bytes(n)
     tokens = rows * cost.width
     query = cost.upload(rows) + 2 * n * cost.eb + 2 * n * 4
     chunk = (4 * n if cost.eb < 4 else 0) + 4 * n
     scores = cost.heads * tokens * tokens * 4
-    return keys_values + max(query + chunk + scores, cost.upload(rows) + 4 * n + 4 * n * cost.eb)
+    return keys_values + max(query + chunk + scores, cost.output_side(rows))
 
 
 def streamed_bytes(cost: MapCost, rows: int) -> int:
     """Peak device bytes of the ``streamed`` scheme with query bands and key chunks of ``rows`` rows: the query
     band read, normalised and projected, with its fp32 scaled queries and ``acc``; the key chunk read, normalised
     and projected to keys and values, one fp32 copy of those (half precision) and the fp32 ``e^(s - m') v``; one
-    fp32 score block per head (``exp`` runs in place). The output side afterwards (``acc``, the output in the
-    compute dtype, its projection, the residual sum and the downloaded copy) is smaller."""
+    fp32 score block per head (``exp`` runs in place); or the output side (``MapCost.output_side``), whichever is
+    larger."""
     n = cost.band(rows)
     tokens = rows * cost.width
     query = cost.upload(rows) + 2 * n * cost.eb + 2 * n * 4
     chunk = cost.upload(rows) + 3 * n * cost.eb + (4 * n if cost.eb < 4 else 0) + 4 * n
     scores = cost.heads * tokens * tokens * 4
-    return max(query + chunk + scores, cost.upload(rows) + 4 * n + 4 * n * cost.eb)
+    return max(query + chunk + scores, cost.output_side(rows))
 
 
 def online_steps(cost: MapCost, rows: int, recompute: bool) -> float:

@@ -26,6 +26,23 @@ import torch
 import torch.nn.functional as F
 
 
+# Elements per ``torch.var_mean`` call in ``GroupStats.add(x, chunked=True)``: on CUDA the call on a channels-last
+# band allocated ~20 bytes per element (its fp32 copy and the reduction's temporaries: 0.64 GiB for a 2048 px fp16
+# band of the SD VAE's 1/8 map, H100, scripts/diag/vae_budget_fp32.py --only sd_float16_decode_exact_2048_), more
+# than the band itself; chunked, larger bands are reduced in row chunks of at most this many elements and merged
+# (the invariant above). The attention stage and the stage feeding it ask for it (their bands span the whole 1/8
+# map); the other convolution stages, whose budget share (exact.CUDA_WORK_SHARE) was calibrated with one call per
+# band, do not: chunking every band of the decoder's large levels cost 150 ms per 2048 px fp16 decode (634 -> 786
+# ms, H100). Per element the call allocated the same viewed as a [pixels, C] matrix (scripts/diag/varmean_alloc.py:
+# 20.5 / 16.5 bytes fp16 / fp32 at 512 channels, 12.25 / 8.25 at 128).
+STATS_CHUNK_ELEMENTS = 2 ** 22
+
+
+def stats_transient_bytes(elements: int) -> int:
+    """Device bytes ``GroupStats.add(x, chunked=True)`` allocates at once for a band of ``elements`` elements."""
+    return 20 * min(elements, STATS_CHUNK_ELEMENTS)
+
+
 @dataclass
 class GroupStats:
     """Running per-group count, mean and M2 for one GroupNorm of one image (tensors live on the compute device)."""
@@ -35,8 +52,9 @@ class GroupStats:
     mean: Optional[torch.Tensor] = None  # [G] fp64
     m2: Optional[torch.Tensor] = None  # [G] fp64
 
-    def add(self, x: torch.Tensor) -> None:
-        """Merge the elements of ``x`` ([1, C, h, w], any memory format) into the statistics."""
+    def add(self, x: torch.Tensor, chunked: bool = False) -> None:
+        """Merge the elements of ``x`` ([1, C, h, w], any memory format) into the statistics; ``chunked``: in row
+        chunks of at most ``STATS_CHUNK_ELEMENTS`` (bounded temporaries, see there)."""
         if x.shape[0] != 1:
             raise ValueError(f"GroupStats.add expects one image ([1, C, h, w]), got shape {tuple(x.shape)}")
         channels = x.shape[1]
@@ -44,6 +62,11 @@ class GroupStats:
             raise ValueError(f"{channels} channels do not split into {self.groups} groups")
         n_c = x.shape[2] * x.shape[3]
         if n_c == 0:
+            return
+        rows = max(1, STATS_CHUNK_ELEMENTS // (channels * x.shape[3]))
+        if chunked and x.shape[2] > rows:
+            for a in range(0, x.shape[2], rows):
+                self.add(x[:, :, a:a + rows])
             return
         var_c, mean_c = torch.var_mean(x.float(), dim=(0, 2, 3), correction=0)
         mean_c = mean_c.double().view(self.groups, -1)

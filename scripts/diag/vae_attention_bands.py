@@ -36,6 +36,8 @@ parser.add_argument("--label", default="run")
 parser.add_argument("--parts", default="attn,decode")
 parser.add_argument("--pack", default=None, help="folder holding the leandiffusion package to measure")
 parser.add_argument("--reps", type=int, default=3)
+parser.add_argument("--decode-reps", type=int, default=1, help="timed decodes per case (median)")
+parser.add_argument("--only", default="", help="decode cases named <dtype>_<px>_<budget> containing this text")
 parser.add_argument("--sizes", default="1024,2048,4096")
 parser.add_argument("--cpu-check", action="store_true", help="tiny sizes on the CPU (checks the script only)")
 args = parser.parse_args()
@@ -190,7 +192,7 @@ def part_decode():
         target = from_module(vae, dev, dtype)
         weights = sum(p.numel() * p.element_size() for p in vae.parameters())
         for cdtype, px, budget_gib in cases:
-            if cdtype != dtype:
+            if cdtype != dtype or not any(o in f"{str(dtype)[6:]}_{px}_{budget_gib}" for o in args.only.split(",")):
                 continue
             if args.cpu_check:
                 px, budget_gib = px // 16, budget_gib / 2000
@@ -203,7 +205,7 @@ def part_decode():
                 reserved = torch.cuda.memory_reserved() if cuda else 0
                 ms, peak, img = timed(lambda: tiled.tiled_decode(target, z, 0, 64, "exact",
                                                                  budget_bytes=int(budget_gib * GiB), quiet=True),
-                                    1)  # after a warm-up call of the same size (cuDNN plans for its band shapes)
+                                    args.decode_reps)  # after a warm-up call of the same size (cuDNN plans)
                 rec.update(ms=ms, peak_alloc_gib=peak,
                            peak_reserved_gib=((torch.cuda.max_memory_reserved() - reserved) / GiB) if cuda else 0)
                 if px <= 2048:

@@ -37,6 +37,7 @@ parser.add_argument("--label", default="run")
 parser.add_argument("--pack", default=None, help="folder holding the leandiffusion package to measure")
 parser.add_argument("--seconds", type=float, default=110.0, help="stop starting new cases after this")
 parser.add_argument("--no-stages", action="store_true")
+parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
 parser.add_argument("--cpu-check", action="store_true", help="run the instrumentation on the CPU at 64-256 px "
                     "(checks the script against a checkout; measures nothing)")
 args = parser.parse_args()
@@ -213,6 +214,8 @@ vaes = {}
 snapped = set()
 for vkind, dtype, direction, mode, size, budget_gib in CASES:
     name = f"{vkind}_{str(dtype).replace('torch.', '')}_{direction}_{mode}_{size}_{budget_gib}"
+    if args.only not in name:
+        continue
     if args.cpu_check:
         size, budget_gib = size // 16, budget_gib / 2000
     if time.perf_counter() - t_start > args.seconds:
@@ -248,7 +251,7 @@ for vkind, dtype, direction, mode, size, budget_gib in CASES:
     results["cases"].append(rec)
     print(f"{name}: peak {rec['peak_alloc_gib']:.3f} GiB alloc, {rec['peak_reserved_gib']:.3f} reserved "
           f"(budget {budget_gib}), {rec['ms']:.0f} ms, sdpa {dict(sdpa_seen)}", flush=True)
-    if mode == "exact" and name.endswith("_2048_1.0") and not args.no_stages:
+    if mode == "exact" and (name.endswith("_2048_1.0") or args.only) and not args.no_stages:
         chain, att = exact._run_chain, exact._run_attention
         exact._run_chain, exact._run_attention = _stage_wrapper(chain), _stage_wrapper(att)
         stage_peaks.clear()

@@ -194,6 +194,38 @@ def test_group_stats_merge_matches_fp64_whole(trend):
         assert (apply_group_norm(x32, stats, gn.weight, gn.bias, gn.eps) - gn(x32)).abs().max().item() <= 2e-3
 
 
+def test_group_stats_reduces_a_large_band_in_row_chunks(monkeypatch):
+    """With ``chunked`` (the attention stage's output bands), a band over ``STATS_CHUNK_ELEMENTS`` is reduced in row
+    chunks (on CUDA one ``var_mean`` allocated ~20 bytes per element of it: 0.64 GiB for a 2048 px fp16 band of the
+    SD VAE's mid block) with the same statistics."""
+    from leandiffusion.vae import stats as stats_mod
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 64, 37, 23, dtype=torch.float64, generator=g) * 2 + 5 \
+        + 0.3 * torch.arange(37, dtype=torch.float64).view(1, 1, 37, 1)
+    seen = []
+    real = torch.var_mean
+
+    def spy(t, *a, **k):
+        seen.append(t.numel())
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(stats_mod, "STATS_CHUNK_ELEMENTS", 64 * 23 * 5)  # five rows
+    monkeypatch.setattr(torch, "var_mean", spy)
+    unchunked = GroupStats(32)
+    unchunked.add(x.float())
+    assert seen == [x.numel()]  # the convolution stages' bands: one call
+    seen.clear()
+    stats = GroupStats(32)
+    stats.add(x.float(), chunked=True)
+    assert seen and max(seen) <= 64 * 23 * 5 and sum(seen) == x.numel() and len(seen) == 8
+    monkeypatch.setattr(torch, "var_mean", real)
+    var, mean = torch.var_mean(x.view(1, 32, -1), dim=-1, correction=0)
+    assert (stats.mean - mean[0]).abs().max().item() <= 1e-5
+    assert ((stats.variance() - var[0]) / var[0]).abs().max().item() <= 1e-5
+    assert stats_mod.stats_transient_bytes(10 ** 9) == 20 * stats_mod.STATS_CHUNK_ELEMENTS
+
+
 def test_group_stats_rejects_empty_and_batches():
     with pytest.raises(RuntimeError, match="no data"):
         GroupStats(4).variance()
