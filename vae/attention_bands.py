@@ -97,7 +97,8 @@ def resident_bytes(cost: MapCost, rows: int, online: bool = False) -> int:
       half-precision outputs; or attention output, projection, residual sum and the copy a host store downloads),
       and what ``GroupStats.add`` allocates for the output's statistics;
     - ``online`` (chunks of the resident keys of ``rows`` rows): the normalised input and queries, fp32 scaled
-      queries and ``acc``, an fp32 copy of a key or value chunk (half precision), ``e^(s - m') v`` and one fp32
+      queries, ``acc`` and row vectors, an fp32 copy of a key or value chunk (the upcast of half precision, or a
+      contiguous copy the score matmul may take: seen in the CPU suite's meta count), ``e^(s - m') v`` and one fp32
       score block per head; or the output side (``MapCost.output_side``), whichever is larger."""
     n = cost.band(rows)
     keys_values = 2 * cost.channels * cost.height * cost.width * cost.eb
@@ -105,22 +106,27 @@ def resident_bytes(cost: MapCost, rows: int, online: bool = False) -> int:
         return keys_values + cost.upload(rows) + 4 * n * cost.eb + (4 * n if cost.eb < 4 else 0) + \
             stats_transient_bytes(n)
     tokens = rows * cost.width
-    query = cost.upload(rows) + 2 * n * cost.eb + 2 * n * 4
-    chunk = (4 * n if cost.eb < 4 else 0) + 4 * n
+    query = cost.upload(rows) + 2 * n * cost.eb + 2 * n * 4 + _row_vectors(cost, tokens)
+    chunk = 4 * n + 4 * n
     scores = cost.heads * tokens * tokens * 4
     return keys_values + max(query + chunk + scores, cost.output_side(rows))
 
 
+def _row_vectors(cost: MapCost, tokens: int) -> int:
+    """The online softmax's per-query fp32 vectors alive at once (``m``, ``l``, ``m'``, the rescale factor)."""
+    return 4 * cost.heads * tokens * 4
+
+
 def streamed_bytes(cost: MapCost, rows: int) -> int:
     """Peak device bytes of the ``streamed`` scheme with query bands and key chunks of ``rows`` rows: the query
-    band read, normalised and projected, with its fp32 scaled queries and ``acc``; the key chunk read, normalised
-    and projected to keys and values, one fp32 copy of those (half precision) and the fp32 ``e^(s - m') v``; one
-    fp32 score block per head (``exp`` runs in place); or the output side (``MapCost.output_side``), whichever is
-    larger."""
+    band read, normalised and projected, with its fp32 scaled queries, ``acc`` and row vectors; the key chunk read,
+    normalised and projected to keys and values, one fp32 copy of those (upcast, or a matmul's contiguous copy) and
+    the fp32 ``e^(s - m') v``; one fp32 score block per head (``exp`` runs in place); or the output side
+    (``MapCost.output_side``), whichever is larger."""
     n = cost.band(rows)
     tokens = rows * cost.width
-    query = cost.upload(rows) + 2 * n * cost.eb + 2 * n * 4
-    chunk = cost.upload(rows) + 3 * n * cost.eb + (4 * n if cost.eb < 4 else 0) + 4 * n
+    query = cost.upload(rows) + 2 * n * cost.eb + 2 * n * 4 + _row_vectors(cost, tokens)
+    chunk = cost.upload(rows) + 3 * n * cost.eb + 4 * n + 4 * n
     scores = cost.heads * tokens * tokens * 4
     return max(query + chunk + scores, cost.output_side(rows))
 

@@ -171,7 +171,8 @@ def test_full_size_peak_stays_within_the_estimate(monkeypatch, dtype, px, budget
     out_stats = GroupStats(32)
     live = LiveBytes("meta", exclude=list(attn.parameters()) + [store.data])
     with live:
-        run_banded(spec, store.prefetch, stats, (512, n, n), band_plan, lambda a, y: out_stats.add(y, chunked=True), dtype)
+        run_banded(spec, store.prefetch, stats, (512, n, n), band_plan, lambda a, y: out_stats.add(y, chunked=True),
+                   dtype)
     assert live.peak <= band_plan.estimate <= budget_gib * GiB, (band_plan, live.peak / GiB, live.peak_op)
     whole = LiveBytes("meta", exclude=list(attn.parameters()))
     x = torch.empty((1, 512, n, n), dtype=dtype, device=meta)
