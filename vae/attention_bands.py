@@ -215,7 +215,7 @@ def _online_attention(q: torch.Tensor, chunks, tf32: bool) -> torch.Tensor:
     with an online softmax in fp32 (module docstring); returns [1, h, n, d] fp32."""
     q = q.float() * (q.shape[-1] ** -0.5)
     m = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    l = torch.zeros_like(m)
+    norm = torch.zeros_like(m)  # l in the module docstring
     acc = torch.zeros_like(q)
     with tf32_matmuls() if tf32 and q.is_cuda else contextlib.nullcontext():
         for k, v in chunks:
@@ -223,18 +223,19 @@ def _online_attention(q: torch.Tensor, chunks, tf32: bool) -> torch.Tensor:
             m_new = torch.maximum(m, s.amax(dim=-1))
             s.sub_(m_new.unsqueeze(-1)).exp_()
             keep = torch.exp(m - m_new)
-            l.mul_(keep).add_(s.sum(dim=-1))
+            norm.mul_(keep).add_(s.sum(dim=-1))
             acc.mul_(keep.unsqueeze(-1)).add_(torch.matmul(s, v.float()))
             m = m_new
             del s
-    return acc.div_(l.unsqueeze(-1))
+    return acc.div_(norm.unsqueeze(-1))
 
 
 def run_banded(spec: AttentionSpec, prefetch: Callable, stats: GroupStats, shape: tuple, band_plan: BandPlan,
                sink: Callable[[int, torch.Tensor], None], dtype: torch.dtype, tf32: bool = False) -> None:
     """Run the attention block over the map read by ``prefetch(a, b)`` (a store's: ``.wait()`` gives rows
     ``[a, b)`` as [1, C, rows, W]) of ``shape`` (C, H, W), handing ``sink(a, y)`` each band's output in the compute
-    ``dtype``. ``tf32``: the online form's matmul precision (module docstring). Interruptible between bands."""
+    ``dtype``. ``tf32``: the online form's matmul precision (module docstring). Interruptible between bands and,
+    streamed, between key chunks."""
     _, h, w = shape
     spans = [(a, min(a + band_plan.rows, h)) for a in range(0, h, band_plan.rows)]
     reader = _Reader(prefetch, spec, stats, dtype)
@@ -261,8 +262,14 @@ def run_banded(spec: AttentionSpec, prefetch: Callable, stats: GroupStats, shape
                 return _sdpa(_heads(spec.q(hs), spec.heads), keys, values)
     else:
         def chunks():
-            for _, _, hs_k in reader.bands(spans):
+            # each chunk is a read of the store: interruptible, and throttled like any band (its upload buffer)
+            throttle = None
+            for _, x_k, hs_k in reader.bands(spans):
+                bridge.check_interrupted()
+                throttle = throttle or BandThrottle(x_k.device)
                 yield _heads(spec.k(hs_k), spec.heads), _heads(spec.v(hs_k), spec.heads)
+                del x_k, hs_k
+                throttle.band_issued()
 
         def attend(hs: torch.Tensor) -> torch.Tensor:
             return _online_attention(_heads(spec.q(hs), spec.heads), chunks(), tf32).to(dtype)

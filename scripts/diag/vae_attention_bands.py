@@ -224,7 +224,7 @@ def part_decode():
             if cuda:
                 torch.cuda.empty_cache()
         untiled.clear()
-        del vae, target
+        vae = target = None
 
 
 t_start = time.perf_counter()

@@ -181,22 +181,27 @@ def test_full_size_peak_stays_within_the_estimate(monkeypatch, dtype, px, budget
     assert whole.peak > band_plan.estimate
 
 
-def test_interrupt_between_bands_stops_the_stage():
+def test_interrupt_between_key_chunks_stops_the_stage(monkeypatch):
+    """Streamed, one band of queries runs a chunk per band of keys (hundreds at tiny budgets): Cancel is checked
+    between chunks, so it stops the stage inside the first band of queries, before any output."""
     from leandiffusion import bridge
 
-    calls = []
+    calls, outputs = [], []
 
     def interrupt():
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 3:  # the first query band's check, then its first two chunks'
             raise bridge.Interrupted("cancelled")
 
-    attn = _block()
+    spec = spec_from_diffusers(_block())
     x = torch.randn(1, 64, 7, 5)
+    stats = GroupStats(8)
+    stats.add(x)
     bridge.set_interrupt_hook(interrupt)
     try:
         with pytest.raises(bridge.Interrupted):
-            _banded(attn, x, BandPlan(STREAMED, 2, 0))
+            run_banded(spec, _store(x[0], True).prefetch, stats, (64, 7, 5), BandPlan(STREAMED, 2, 0),
+                       lambda a, y: outputs.append(a), x.dtype)
     finally:
         bridge.set_interrupt_hook(None)
-    assert len(calls) == 3
+    assert len(calls) == 3 and outputs == []
