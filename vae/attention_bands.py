@@ -9,11 +9,13 @@ Schemes (``plan_bands`` picks one by its byte estimates, and for the online form
 
 - ``resident``: the keys and values of every pixel are computed band by band into two whole-map device tensors
   (``2 N C`` elements); then each band of queries attends to them and its output, residual included, goes to
-  ``sink``. Attention through ``scaled_dot_product_attention`` (PyTorch's O(N)-memory kernels on CUDA), or, for an
-  fp32 map on CUDA whose convolutions run in TF32 (``online``), through the online softmax below over chunks of the
-  resident keys with TF32 matmuls: PyTorch's fp32 attention kernels have no TF32 path, and the SD VAE's mid block
-  at 4096 px took 4.2 s in them (H100; the untiled decode takes TF32 score matmuls for the same reason,
-  ``attention.tf32_like_convolutions``).
+  ``sink``. Attention through ``scaled_dot_product_attention`` (PyTorch's O(N)-memory kernels on CUDA), or
+  (``online``, where ``prefers_online`` says so) through the online softmax below over chunks of the resident keys
+  with TF32 matmuls: for an fp32 map on CUDA whose convolutions run in TF32, since PyTorch's fp32 attention kernels
+  have no TF32 path (the SD VAE's mid block at 4096 px took 4.2 s in them, 1.1 s online; H100; the untiled decode
+  takes TF32 score matmuls for the same reason, ``attention.tf32_like_convolutions``), and for a large
+  half-precision map, whose 512-channel head only PyTorch's memory-efficient kernel takes (2.2 s at 4096 px, 1.1 s
+  online).
 - ``streamed``: nothing of the map's size stays on the device. For each band of queries the keys and values are
   recomputed chunk by chunk from the input store. Device memory is one query band, one key chunk and one score
   block, whatever the image size; it pays the key/value projections once per query band.
@@ -142,6 +144,26 @@ def online_steps(cost: MapCost, rows: int, recompute: bool) -> float:
     return bands * bands + (bands if recompute else 1) * projection
 
 
+HALF_ONLINE_MIN_TOKENS = 1 << 16
+
+
+def prefers_online(cost: MapCost, cuda: bool, tf32_convolutions: bool) -> bool:
+    """Whether the executor should plan with the online form (``plan_bands(online=True)``).
+
+    - fp32 maps on CUDA whose convolutions run in TF32: always (PyTorch's fp32 attention kernels have no TF32 path).
+    - fp16 / bf16 maps on CUDA: above ``HALF_ONLINE_MIN_TOKENS`` pixels of the map. The SD VAE's 512-channel head
+      is past the flash / cuDNN kernels' head-size limit, so SDPA runs its memory-efficient kernel, which loses
+      to TF32 matmuls on large maps only (H100, fp16, the block alone, ``scripts/diag/vae_attention_bands.py``;
+      docs/bench/vae-attention-s18/): 1024 px (16k pixels) SDPA 5.1 ms vs online 15.3; 2048 px (64k) 82 vs 83;
+      4096 px (256k) 2220 vs 1131 (resident keys), 1480 (SDPA in bands) vs 1194 (streamed) under 0.75 GiB.
+    - elsewhere (the CPU, strict fp32): never."""
+    if not cuda:
+        return False
+    if cost.eb >= 4:
+        return tf32_convolutions
+    return cost.height * cost.width > HALF_ONLINE_MIN_TOKENS
+
+
 def _largest_rows(fits: Callable[[int], bool], limit: int) -> int:
     """The largest ``rows`` in ``1..limit`` with ``fits(rows)`` (estimates grow with rows), or 0 if none."""
     if fits(limit):
@@ -159,8 +181,7 @@ def _largest_rows(fits: Callable[[int], bool], limit: int) -> int:
 def plan_bands(cost: MapCost, budget: int, max_rows: Optional[int] = None, online: bool = False) -> BandPlan:
     """The bands for ``budget`` bytes. ``online=False`` (attention through PyTorch's kernels, whose time barely
     depends on the band height): ``resident`` with the largest bands that fit, else ``streamed``. ``online=True``
-    (the resident keys attended in chunks with TF32 matmuls: fp32 maps whose convolutions run in TF32, for which
-    PyTorch has no TF32 attention kernel): of ``resident`` and ``streamed``, each with its largest bands, the one
+    (the resident keys attended in chunks with TF32 matmuls, where ``prefers_online`` says so): of ``resident`` and ``streamed``, each with its largest bands, the one
     ``online_steps`` rates faster. Nothing fits: ``streamed`` with one-row bands (the smallest this scheme can do;
     an out-of-memory error is then the caller's, which halves the budget and retries). ``max_rows`` caps the band
     height (the user's tile size)."""

@@ -35,7 +35,7 @@ import torch
 
 from .. import bridge
 from .attention import convolutions_use_tf32
-from .attention_bands import MapCost, plan_bands, run_banded
+from .attention_bands import MapCost, plan_bands, prefers_online, run_banded
 from .program import Op, Program, Stage, fuse
 from .stats import GroupStats, apply_group_norm
 from .stores import BandThrottle, DeviceStore, HostStore, Streams
@@ -272,8 +272,8 @@ def _run_attention(ps: PlannedStage, store, out_store, in_stats: Optional[GroupS
     cost = MapCost(c, h, w, _elem(cfg.dtype), store.data.element_size(), store.on_device,
                    int(ps.stage.attention.heads))
     half = cfg.dtype in (torch.float16, torch.bfloat16)
-    tf32_fp32 = cfg.device.type == "cuda" and not half and convolutions_use_tf32()
-    band_plan = plan_bands(cost, work_budget, max_rows, online=tf32_fp32)
+    cuda = cfg.device.type == "cuda"
+    band_plan = plan_bands(cost, work_budget, max_rows, online=prefers_online(cost, cuda, convolutions_use_tf32()))
     logger.debug("attention %s: %s bands of %d rows, estimate %.0f MB", ps.stage.name, band_plan.scheme,
                  band_plan.rows, band_plan.estimate / 2**20)
     out_stats = GroupStats(ps.out_groups) if ps.out_groups else None
@@ -283,7 +283,7 @@ def _run_attention(ps: PlannedStage, store, out_store, in_stats: Optional[GroupS
             out_stats.add(y, chunked=True)  # bands here can span the whole map (stats_transient_bytes)
         out_store.put(a, y)
 
-    tf32 = tf32_fp32 or (cfg.device.type == "cuda" and half)
+    tf32 = cuda and (half or convolutions_use_tf32())  # the online form's matmuls (attention_bands docstring)
     run_banded(ps.stage.attention, store.prefetch, in_stats, ps.in_shape, band_plan, sink, cfg.dtype, tf32)
     return out_stats
 

@@ -11,8 +11,9 @@ import torch
 from leandiffusion.tests.vae.live_bytes import LiveBytes
 from leandiffusion.vae import attention_bands
 from leandiffusion.vae.attention import run_attention, spec_from_diffusers
-from leandiffusion.vae.attention_bands import (RESIDENT, STREAMED, BandPlan, MapCost, online_steps, plan_bands,
-                                               resident_bytes, run_banded, streamed_bytes)
+from leandiffusion.vae.attention_bands import (HALF_ONLINE_MIN_TOKENS, RESIDENT, STREAMED, BandPlan, MapCost,
+                                               online_steps, plan_bands, prefers_online, resident_bytes, run_banded,
+                                               streamed_bytes)
 from leandiffusion.vae.stats import GroupStats
 from leandiffusion.vae.stores import DeviceStore, HostStore, Streams
 
@@ -132,6 +133,20 @@ def test_online_plan_weighs_band_count_against_recomputed_projections():
     assert not plan_bands(cost, 10 * GiB).online and plan_bands(cost, 10 * GiB).scheme == RESIDENT
 
 
+def test_online_form_is_chosen_by_dtype_device_and_map_size():
+    """fp32 follows the convolutions' TF32 setting; half precision takes the online form above a 2048 px image's
+    map (256 x 256) only, where PyTorch's memory-efficient kernel for the 512-channel head stops winning; the CPU
+    never (no TF32 there)."""
+    fp16 = lambda side: MapCost(512, side, side, 2, 2, True)  # noqa: E731
+    assert prefers_online(MapCost(512, 128, 128, 4, 4, True), True, True)
+    assert not prefers_online(MapCost(512, 512, 512, 4, 4, True), True, False)  # strict fp32
+    assert not prefers_online(fp16(256), True, True)
+    assert prefers_online(fp16(257), True, True) and prefers_online(fp16(512), True, False)
+    assert not prefers_online(fp16(512), False, True) and not prefers_online(MapCost(512, 512, 512, 4, 4, True),
+                                                                             False, True)
+    assert HALF_ONLINE_MIN_TOKENS == 256 * 256
+
+
 def _o_n_sdpa(q, k, v, tf32=False):
     """What CUDA runs for the resident scheme (PyTorch's memory-efficient kernel, O(N) memory): the output only.
     The CPU fallback's chunked score matrices are not what a CUDA budget has to hold."""
@@ -143,6 +158,8 @@ def _o_n_sdpa(q, k, v, tf32=False):
     (torch.float32, 2048, 0.5, True, RESIDENT),
     (torch.float32, 2048, 0.15, False, STREAMED),
     (torch.float16, 4096, 0.6, False, RESIDENT),  # keys + values 0.5 GiB
+    (torch.float16, 4096, 1.0, True, RESIDENT),  # half maps this large take the online form (prefers_online)
+    (torch.float16, 4096, 0.3, True, STREAMED),
     (torch.float32, 4096, 0.4, True, STREAMED),  # the whole-map block held ~3.0 GiB on an H100
     (torch.float32, 4096, 1.6, True, RESIDENT),
 ])
