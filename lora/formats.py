@@ -235,14 +235,16 @@ def _tucker_down(down: torch.Tensor, mid: torch.Tensor, name: str, source: str) 
     ``[out, r, 1, 1]``; the layer runs ``up(mid(down(x)))``, LyCORIS' ``use_tucker``) as one ``[r, in, kh, kw]``
     down factor: ``down'[a, c] = sum_b mid[a, b] * down[b, c]`` (fp32, once), the product ComfyUI forms; the rank
     (``alpha / rank``) stays ``r``. The combined kernel costs ``r in kh kw`` per pixel instead of ``r in + r r kh kw``,
-    a few % of the base conv at SD's widths, and the layer then runs as any LoCon layer."""
+    a few % of the base conv at SD's widths, and the layer then runs as any LoCon layer. The product stays fp32 whatever
+    the file's dtype (as ComfyUI computes it)."""
     if not (down.is_floating_point() and mid.is_floating_point()) or mid.ndim != 4 or down.ndim not in (2, 4) or (
             down.ndim == 4 and tuple(down.shape[2:]) != (1, 1)) or not mid.shape[0] == mid.shape[1] == down.shape[0]:
         raise ValueError(f"lora {source}: layer {name} has lora_mid {tuple(mid.shape)} ({mid.dtype}) and lora_down "
                          f"{tuple(down.shape)} ({down.dtype}); expected float lora_mid [r, r, kh, kw] after a 1x1 "
                          f"lora_down [r, in(, 1, 1)]; the file is corrupt or not a LoCon")
-    combined = torch.einsum("abkl,bc->ackl", mid.float(), down.flatten(1).float())
-    return combined.to(down.dtype)
+    # kept fp32: rounding it to the file's dtype (bf16 in most files) added a rounding ComfyUI does not make (~3e-3 of
+    # the tiny UNet's output); ``placed`` rounds it once, to the model's dtype
+    return torch.einsum("abkl,bc->ackl", mid.float(), down.flatten(1).float())
 
 
 def _peft_split(key: str) -> tuple[str, str]:
