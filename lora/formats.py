@@ -25,7 +25,7 @@ layer kind (``LoraLayer``, ``lycoris.LohaLayer``, ``lycoris.LokrLayer``) offers 
 (the DoRA ``dora_scale``, else None; ``dora.py``).
 
 LoCon with Tucker factors (``lora_mid``) becomes a plain LoCon layer (``_tucker_down``). Anything else (LoHa Tucker
-"hada_t1", bias-LoRA, full-diff, OFT/GLoRA keys, PEFT DoRA ``lora_magnitude_vector``,
+"hada_t1", bias-LoRA, full-diff, LyCORIS norm layers, OFT/GLoRA keys, a NaN or infinite tensor, PEFT DoRA ``lora_magnitude_vector``,
 LoHa/LoKr/DoRA keys outside the kohya layout, a down without its up) is refused with a ``ValueError`` naming the
 keys, never skipped silently. Hand-written because diffusers' converters are private,
 string-replacement heuristics that (by design) also rewrite names for their own PEFT injection.
@@ -56,11 +56,14 @@ _PEFT_SUFFIXES = {
     ".lora.down.weight": "down", ".lora.up.weight": "up",
     ".lora_linear_layer.down.weight": "down", ".lora_linear_layer.up.weight": "up",
 }
-_UNSUPPORTED_MARKERS = {
+_UNSUPPORTED_MARKERS = {  # checked in this order (".diff_b" before ".diff", which it contains)
     "lora_magnitude_vector": "PEFT DoRA (lora_magnitude_vector)",
     "hada_t1": "LoHa with Tucker decomposition", "hada_t2": "LoHa with Tucker decomposition",
-    ".diff": "full weight difference", ".diff_b": "bias difference", "lora_B.bias": "LoRA with bias",
-    ".w_norm": "GLoRA/OFT", "oft_": "OFT", ".b_norm": "GLoRA/OFT",
+    ".diff_b": "bias difference (LyCORIS .diff_b)", ".diff": "full weight difference (LyCORIS .diff)",
+    "lora_B.bias": "LoRA with bias",
+    ".w_norm": "norm-layer (LyCORIS train_norm: .w_norm/.b_norm)",
+    ".b_norm": "norm-layer (LyCORIS train_norm: .w_norm/.b_norm)",
+    "oft_": "OFT", ".a1.weight": "GLoRA", ".b1.weight": "GLoRA",
 }
 # Supported in the kohya layout only (``lycoris.py``); elsewhere refused.
 _KOHYA_ONLY_MARKERS = {"hada_": "LoHa (LyCORIS Hadamard product)", "lokr_": "LoKr (LyCORIS Kronecker product)",
@@ -152,6 +155,7 @@ def parse_lora(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mappin
     keys = list(state_dict)
     kohya = [k.startswith(tuple(KOHYA_PREFIXES)) for k in keys]
     _refuse_unsupported(state_dict, source, kohya_layout=all(kohya))
+    _refuse_non_finite(state_dict, source)
     if all(kohya):
         return ParsedLora("kohya", _parse_kohya(state_dict, source), source)
     if any(k.endswith(tuple(_PEFT_SUFFIXES)) or _ATTN_PROCESSOR_KEY.fullmatch(k) for k in keys):
@@ -172,7 +176,8 @@ def _refuse_unsupported(state_dict: Mapping[str, torch.Tensor], source: str, koh
         hits = [k for k in state_dict if marker in k]
         if hits:
             raise ValueError(f"lora {source}: {kind} weights are not supported by the LoRA injector "
-                             f"(keys such as {', '.join(hits[:3])}); use a plain LoRA/LoCon, LoHa or LoKr file")
+                             f"(keys such as {', '.join(hits[:3])}); use a plain LoRA/LoCon, LoHa or LoKr file "
+                             f"without such layers")
     if kohya_layout:
         return
     for marker, kind in _KOHYA_ONLY_MARKERS.items():
@@ -181,6 +186,28 @@ def _refuse_unsupported(state_dict: Mapping[str, torch.Tensor], source: str, koh
             raise ValueError(f"lora {source}: {kind} weights are supported in the kohya/LyCORIS layout only "
                              f"(lora_unet_*/lora_te*_* keys), not in this file's layout (keys such as "
                              f"{', '.join(hits[:3])}); save the file with kohya-style key names")
+
+
+def _refuse_non_finite(state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+    """A NaN or infinite factor, alpha or ``dora_scale`` (a diverged training run, a bad fp16 conversion) would make
+    every image of the model NaN (black) or noise without a word: refuse the file, naming the tensors."""
+    bad = []
+    for key in sorted(state_dict):
+        t = state_dict[key]
+        # an fp32 sum is non-finite iff an entry is (or the sum overflows: then isfinite decides); it runs ~6x faster
+        # than isfinite().all() on the CPU (26 vs 170 ms per 100 M fp16 values, one thread)
+        if t.is_floating_point() and not bool(torch.isfinite(t.sum(dtype=torch.float32))) and \
+                not bool(torch.isfinite(t).all()):
+            if t.numel() == 1:
+                bad.append(f"{key} = {t.float().item()}")
+            else:
+                nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+                bad.append(f"{key} has {nan} NaN and {inf} infinite of {t.numel()} values")
+    if bad:
+        raise ValueError(f"lora {source}: {len(bad)} tensors hold NaN or infinite values ({'; '.join(bad[:10])}"
+                         f"{' ...' if len(bad) > 10 else ''}); they would turn every image black or into noise; the "
+                         f"file is corrupt (a diverged training run or a bad fp16 conversion): use another checkpoint "
+                         f"of the LoRA or re-export it")
 
 
 _KOHYA_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_mid.weight", ".alpha", ".dora_scale") + \
@@ -235,14 +262,16 @@ def _tucker_down(down: torch.Tensor, mid: torch.Tensor, name: str, source: str) 
     ``[out, r, 1, 1]``; the layer runs ``up(mid(down(x)))``, LyCORIS' ``use_tucker``) as one ``[r, in, kh, kw]``
     down factor: ``down'[a, c] = sum_b mid[a, b] * down[b, c]`` (fp32, once), the product ComfyUI forms; the rank
     (``alpha / rank``) stays ``r``. The combined kernel costs ``r in kh kw`` per pixel instead of ``r in + r r kh kw``,
-    a few % of the base conv at SD's widths, and the layer then runs as any LoCon layer."""
+    a few % of the base conv at SD's widths, and the layer then runs as any LoCon layer. The product stays fp32 whatever
+    the file's dtype (as ComfyUI computes it)."""
     if not (down.is_floating_point() and mid.is_floating_point()) or mid.ndim != 4 or down.ndim not in (2, 4) or (
             down.ndim == 4 and tuple(down.shape[2:]) != (1, 1)) or not mid.shape[0] == mid.shape[1] == down.shape[0]:
         raise ValueError(f"lora {source}: layer {name} has lora_mid {tuple(mid.shape)} ({mid.dtype}) and lora_down "
                          f"{tuple(down.shape)} ({down.dtype}); expected float lora_mid [r, r, kh, kw] after a 1x1 "
                          f"lora_down [r, in(, 1, 1)]; the file is corrupt or not a LoCon")
-    combined = torch.einsum("abkl,bc->ackl", mid.float(), down.flatten(1).float())
-    return combined.to(down.dtype)
+    # kept fp32: rounding it to the file's dtype (bf16 in most files) added a rounding ComfyUI does not make (~3e-3 of
+    # the tiny UNet's output); ``placed`` rounds it once, to the model's dtype
+    return torch.einsum("abkl,bc->ackl", mid.float(), down.flatten(1).float())
 
 
 def _peft_split(key: str) -> tuple[str, str]:
@@ -315,6 +344,9 @@ def _parse_peft(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, s
         else:
             pattern = _pattern_value(meta.get(f"{comp}.alpha_pattern") or {}, module)
             alpha = pattern if pattern is not None else float(meta.get(f"{comp}.lora_alpha", rank))
+        if not math.isfinite(alpha):  # the header's JSON may spell NaN / Infinity (tensors: _refuse_non_finite)
+            raise ValueError(f"lora {source}: layer {base} has alpha {alpha} (from the {METADATA_KEY} header); "
+                             f"expected a finite number; the file is corrupt: re-export it")
         denom = math.sqrt(rank) if meta.get(f"{comp}.use_rslora") else rank
         layers.append(LoraLayer(comp, module, "dotted", g["down"], g["up"], alpha / denom, base))
     return tuple(layers)

@@ -72,6 +72,21 @@ def test_alpha_that_is_not_one_number_is_named(layout):
         parse_lora({**sd, name + ".alpha": torch.ones(2)})
 
 
+def test_a_nan_alpha_in_the_peft_header_is_named(tmp_path):
+    """Session 18: a NaN ``lora_alpha`` in diffusers' metadata header (Python's JSON reads ``NaN``) loaded and made
+    every UNet output NaN; it must be refused naming the layer, the value and the header, the model untouched."""
+    engine = engine_from_parts(parts_from_components(tiny_components("sd1")))
+    roots = {"unet": engine.parts.unet}
+    sd = lf.peft_state_dict(roots, {"unet": lf.ATTN_FF}, rank=4, seed=2)
+    meta = lf.peft_metadata(roots, {"unet": lf.ATTN_FF}, rank=4, alpha=float("nan"), alpha_pattern={})
+    path = lf.write(sd, tmp_path / "nan_alpha.safetensors", meta)
+    before = lf.snapshot(engine.parts.unet)
+    with pytest.raises(ValueError, match=r"lora nan_alpha.safetensors: layer unet\.\S+ has alpha nan \(from the "
+                                         r"lora_adapter_metadata header\); expected a finite number"):
+        inject_lora(engine, path)
+    lf.assert_untouched(before, engine.parts.unet)
+
+
 # Session-14 coverage audit: torch-file LoRAs and PEFT files saved from a bare (unprefixed) model had never run.
 def _unet_out(view):
     inputs = lf.unet_inputs("sd1")

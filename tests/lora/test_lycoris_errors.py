@@ -102,6 +102,26 @@ CASES = [
     ({"unet.x.lora_A.weight": torch.zeros(2, 32), "unet.x.lora_B.weight": torch.zeros(32, 2),
       "unet.x.lora_magnitude_vector": torch.zeros(32)},
      r"PEFT DoRA \(lora_magnitude_vector\) weights are not supported"),
+    # session 18: a NaN / infinite tensor loaded and turned every image NaN (black) without a word
+    (_lokr(lokr_w1=torch.zeros(4, 4).index_fill_(1, torch.tensor([1]), float("nan"))),
+     rf"lora bad.safetensors: 1 tensors hold NaN or infinite values \({Q}.lokr_w1 has 4 NaN and 0 infinite of 16 "
+     r"values\); they would turn every image black or into noise; the file is corrupt .*: use another checkpoint of "
+     r"the LoRA or re-export it"),
+    ({**_loha(), f"{Q}.alpha": torch.tensor([float("inf")], dtype=torch.bfloat16)},
+     rf"1 tensors hold NaN or infinite values \({Q}.alpha = inf\)"),
+    ({f"{Q}.lora_down.weight": torch.zeros(2, 32), f"{Q}.lora_up.weight": torch.zeros(32, 2),
+      f"{Q}.dora_scale": torch.full((1, 32), float("-inf"), dtype=torch.float16)},
+     rf"\({Q}.dora_scale has 0 NaN and 32 infinite of 32 values\)"),
+    # session 18: LyCORIS' norm layers were called "GLoRA/OFT", a .diff_b file "full weight difference"
+    ({**_lokr(), "lora_unet_down_blocks_0_attentions_0_norm.w_norm": torch.ones(32),
+      "lora_unet_down_blocks_0_attentions_0_norm.b_norm": torch.zeros(32)},
+     r"norm-layer \(LyCORIS train_norm: .w_norm/.b_norm\) weights are not supported by the LoRA injector \(keys such "
+     r"as lora_unet_down_blocks_0_attentions_0_norm.w_norm\); use a plain LoRA/LoCon, LoHa or LoKr file without such "
+     r"layers"),
+    ({**_lokr(), f"{Q}.diff_b": torch.zeros(32)},
+     rf"bias difference \(LyCORIS .diff_b\) weights are not supported by the LoRA injector \(keys such as {Q}.diff_b\)"),
+    ({**_lokr(), f"{CONV}.diff": torch.zeros(32, 32, 3, 3)},
+     rf"full weight difference \(LyCORIS .diff\) weights are not supported .*keys such as {CONV}.diff\)"),
 ]
 
 
