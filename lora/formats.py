@@ -25,9 +25,9 @@ layer kind (``LoraLayer``, ``lycoris.LohaLayer``, ``lycoris.LokrLayer``) offers 
 (the DoRA ``dora_scale``, else None; ``dora.py``).
 
 LoCon with Tucker factors (``lora_mid``) becomes a plain LoCon layer (``_tucker_down``). Anything else (LoHa Tucker
-"hada_t1", bias-LoRA, full-diff, LyCORIS norm layers, OFT/GLoRA keys, a NaN or infinite tensor, PEFT DoRA ``lora_magnitude_vector``,
-LoHa/LoKr/DoRA keys outside the kohya layout, a down without its up) is refused with a ``ValueError`` naming the
-keys, never skipped silently. Hand-written because diffusers' converters are private,
+"hada_t1", bias-LoRA, full-diff, LyCORIS norm layers, OFT/GLoRA keys, a NaN or infinite tensor, PEFT DoRA
+``lora_magnitude_vector``, LoHa/LoKr/DoRA keys outside the kohya layout, a down without its up) is refused with a
+``ValueError`` naming the keys, never skipped silently. Hand-written because diffusers' converters are private,
 string-replacement heuristics that (by design) also rewrite names for their own PEFT injection.
 """
 from __future__ import annotations
