@@ -72,16 +72,19 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tf32: bool = False)
 def tf32_matmuls() -> Iterator[None]:
     """fp32 matmuls on TF32 tensor cores inside the block, PyTorch's previous setting restored after it.
 
-    Uses PyTorch's ``fp32_precision`` API only (set and restored; reading the legacy ``allow_tf32`` flag while the new
-    one is set raises in PyTorch >= 2.9, so nothing else may run inside the block -- the host is single-threaded).
+    Uses PyTorch's ``fp32_precision`` API where it exists (set and restored; reading the legacy ``allow_tf32`` flag
+    while the new one is set raises in PyTorch >= 2.9, so nothing else may run inside the block -- the host is
+    single-threaded); PyTorch < 2.9 has only the legacy flag, which is set and restored instead (the tiled
+    executor's online attention enters this block for every fp16 / bf16 map on CUDA, whatever the convolutions do).
     """
     matmul = torch.backends.cuda.matmul
-    old = matmul.fp32_precision
-    matmul.fp32_precision = "tf32"
+    name, value = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
+    old = getattr(matmul, name)
+    setattr(matmul, name, value)
     try:
         yield
     finally:
-        matmul.fp32_precision = old
+        setattr(matmul, name, old)
 
 
 def convolutions_use_tf32() -> bool:

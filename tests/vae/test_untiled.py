@@ -96,8 +96,7 @@ USER_MATMUL_SETTINGS = {
 
 
 @pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"),
-                    reason="PyTorch < 2.9 has no fp32_precision API; convolutions_use_tf32() is then False, so "
-                           "tf32_matmuls is never entered")
+                    reason="PyTorch < 2.9 has no fp32_precision API (the legacy flag's scope: the test below)")
 @pytest.mark.parametrize("error", [False, True], ids=["returns", "raises"])
 @pytest.mark.parametrize("user_setting", list(USER_MATMUL_SETTINGS))
 def test_tf32_matmuls_changes_nothing_outside_its_block(user_setting, error):
@@ -113,6 +112,42 @@ def test_tf32_matmuls_changes_nothing_outside_its_block(user_setting, error):
                 if error:
                     raise ValueError("inside the attention block")
         assert process_state.changes(before, process_state.snapshot()) == {}
+
+
+class _LegacyMatmul:
+    """``torch.backends.cuda.matmul`` as PyTorch 2.4-2.8 have it (torch 2.4.1's ``cuBLASModule``): the legacy flags
+    only; any other name, ``fp32_precision`` included, raises ``AttributeError("Unknown attribute ...")``."""
+
+    def __init__(self):
+        object.__setattr__(self, "flags", {"allow_tf32": False, "allow_fp16_reduced_precision_reduction": True,
+                                           "allow_bf16_reduced_precision_reduction": True})
+
+    def __getattr__(self, name):
+        if name in self.flags:
+            return self.flags[name]
+        raise AttributeError("Unknown attribute " + name)
+
+    def __setattr__(self, name, value):
+        if name not in self.flags:
+            raise AttributeError("Unknown attribute " + name)
+        self.flags[name] = value
+
+
+@pytest.mark.parametrize("error", [False, True], ids=["returns", "raises"])
+def test_tf32_matmuls_on_pytorch_without_fp32_precision(monkeypatch, error):
+    """PyTorch < 2.9 (the pack's floor is 2.4) has only the legacy ``allow_tf32`` flag. Since session 17 the tiled
+    executor's online attention enters ``tf32_matmuls`` for every fp16 / bf16 map on CUDA (the streamed scheme, and
+    since session 18 the resident one above a 2048 px image), whatever ``convolutions_use_tf32()`` says; reading
+    ``fp32_precision`` there raised ``AttributeError: Unknown attribute fp32_precision`` and ended the decode. TF32
+    through the legacy flag inside the block, the user's value back after it."""
+    legacy = _LegacyMatmul()
+    monkeypatch.setattr(torch.backends.cuda, "matmul", legacy)
+    with pytest.raises(ValueError) if error else contextlib.nullcontext():
+        with attention_mod.tf32_matmuls():
+            assert legacy.allow_tf32 is True
+            if error:
+                raise ValueError("inside the attention block")
+    assert legacy.flags == _LegacyMatmul().flags
 
 
 def test_chunked_attention_equals_sdpa():
