@@ -145,23 +145,27 @@ def online_steps(cost: MapCost, rows: int, recompute: bool) -> float:
 
 
 HALF_ONLINE_MIN_TOKENS = 1 << 16
+FLASH_MAX_HEAD_DIM = 256  # PyTorch's flash and cuDNN attention kernels take heads up to this size
 
 
 def prefers_online(cost: MapCost, cuda: bool, tf32_convolutions: bool) -> bool:
     """Whether the executor should plan with the online form (``plan_bands(online=True)``).
 
     - fp32 maps on CUDA whose convolutions run in TF32: always (PyTorch's fp32 attention kernels have no TF32 path).
-    - fp16 / bf16 maps on CUDA: above ``HALF_ONLINE_MIN_TOKENS`` pixels of the map. The SD VAE's 512-channel head
-      is past the flash / cuDNN kernels' head-size limit, so SDPA runs its memory-efficient kernel, which loses
-      to TF32 matmuls on large maps only (H100, fp16, the block alone, ``scripts/diag/vae_attention_bands.py``;
-      docs/bench/vae-attention-s18/): 1024 px (16k pixels) SDPA 5.1 ms vs online 15.3; 2048 px (64k) 82 vs 83;
-      4096 px (256k) 2220 vs 1131 (resident keys), 1480 (SDPA in bands) vs 1194 (streamed) under 0.75 GiB.
+    - fp16 / bf16 maps on CUDA with heads wider than ``FLASH_MAX_HEAD_DIM``: above ``HALF_ONLINE_MIN_TOKENS``
+      pixels of the map. The SD VAE's 512-channel head is past the flash / cuDNN kernels' head-size limit, so SDPA
+      runs its memory-efficient kernel, which loses to TF32 matmuls on large maps only (H100, fp16, the block
+      alone, ``scripts/diag/vae_attention_bands.py``; docs/bench/vae-attention-s18/): 1024 px (16k pixels) SDPA
+      5.1 ms vs online 15.3; 2048 px (64k) 82 vs 83; 4096 px (256k) 2220 vs 1131 (resident keys), 1480 (SDPA in
+      bands) vs 1194 (streamed) under 0.75 GiB. Narrower heads (a multi-head VAE) keep SDPA, whose flash kernels
+      take them (not measured against the online form).
     - elsewhere (the CPU, strict fp32): never."""
     if not cuda:
         return False
     if cost.eb >= 4:
         return tf32_convolutions
-    return cost.height * cost.width > HALF_ONLINE_MIN_TOKENS
+    wide_heads = cost.channels // max(1, cost.heads) > FLASH_MAX_HEAD_DIM
+    return wide_heads and cost.height * cost.width > HALF_ONLINE_MIN_TOKENS
 
 
 def _largest_rows(fits: Callable[[int], bool], limit: int) -> int:

@@ -135,8 +135,8 @@ def test_online_plan_weighs_band_count_against_recomputed_projections():
 
 def test_online_form_is_chosen_by_dtype_device_and_map_size():
     """fp32 follows the convolutions' TF32 setting; half precision takes the online form above a 2048 px image's
-    map (256 x 256) only, where PyTorch's memory-efficient kernel for the 512-channel head stops winning; the CPU
-    never (no TF32 there)."""
+    map (256 x 256) only, where PyTorch's memory-efficient kernel for the 512-channel head stops winning, and only
+    for heads too wide for the flash kernels; the CPU never (no TF32 there)."""
     fp16 = lambda side: MapCost(512, side, side, 2, 2, True)  # noqa: E731
     assert prefers_online(MapCost(512, 128, 128, 4, 4, True), True, True)
     assert not prefers_online(MapCost(512, 512, 512, 4, 4, True), True, False)  # strict fp32
@@ -145,6 +145,9 @@ def test_online_form_is_chosen_by_dtype_device_and_map_size():
     assert not prefers_online(fp16(512), False, True) and not prefers_online(MapCost(512, 512, 512, 4, 4, True),
                                                                              False, True)
     assert HALF_ONLINE_MIN_TOKENS == 256 * 256
+    # heads the flash kernels take (<= 256 channels each) keep SDPA at any size
+    assert not prefers_online(MapCost(512, 512, 512, 2, 2, True, heads=2), True, True)
+    assert prefers_online(MapCost(1024, 512, 512, 2, 2, True, heads=2), True, True)
 
 
 def _o_n_sdpa(q, k, v, tf32=False):
