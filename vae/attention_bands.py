@@ -91,6 +91,14 @@ class MapCost:
         return self.upload(rows) + 4 * n + 3 * n * self.eb + stats_transient_bytes(n)
 
 
+def small_tensors_bytes(cost: "MapCost") -> int:
+    """Per-group and per-channel vectors (the running statistics of the output, a GroupNorm's mean and variance, the
+    softmax scale): a few KB, alive at the peak in numbers that follow Python's garbage collection (the CPU suite's
+    meta count saw 768 B more in the full run than alone, at 512 channels). Counted in every estimate as 16 fp64
+    vectors of the channel count (64 KiB at 512 channels)."""
+    return 16 * 8 * cost.channels
+
+
 def resident_bytes(cost: MapCost, rows: int, online: bool = False) -> int:
     """Peak device bytes of the ``resident`` scheme with bands of ``rows`` rows: the whole map's keys and values and
     one band read, then
@@ -101,17 +109,18 @@ def resident_bytes(cost: MapCost, rows: int, online: bool = False) -> int:
     - ``online`` (chunks of the resident keys of ``rows`` rows): the normalised input and queries, fp32 scaled
       queries, ``acc`` and row vectors, an fp32 copy of a key or value chunk (the upcast of half precision, or a
       contiguous copy the score matmul may take: seen in the CPU suite's meta count), ``e^(s - m') v`` and one fp32
-      score block per head; or the output side (``MapCost.output_side``), whichever is larger."""
+      score block per head; or the output side (``MapCost.output_side``), whichever is larger;
+    plus ``small_tensors_bytes``."""
     n = cost.band(rows)
     keys_values = 2 * cost.channels * cost.height * cost.width * cost.eb
     if not online:
         return keys_values + cost.upload(rows) + 4 * n * cost.eb + (4 * n if cost.eb < 4 else 0) + \
-            stats_transient_bytes(n)
+            stats_transient_bytes(n) + small_tensors_bytes(cost)
     tokens = rows * cost.width
     query = cost.upload(rows) + 2 * n * cost.eb + 2 * n * 4 + _row_vectors(cost, tokens)
     chunk = 4 * n + 4 * n
     scores = cost.heads * tokens * tokens * 4
-    return keys_values + max(query + chunk + scores, cost.output_side(rows))
+    return keys_values + max(query + chunk + scores, cost.output_side(rows)) + small_tensors_bytes(cost)
 
 
 def _row_vectors(cost: MapCost, tokens: int) -> int:
@@ -124,13 +133,13 @@ def streamed_bytes(cost: MapCost, rows: int) -> int:
     band read, normalised and projected, with its fp32 scaled queries, ``acc`` and row vectors; the key chunk read,
     normalised and projected to keys and values, one fp32 copy of those (upcast, or a matmul's contiguous copy) and
     the fp32 ``e^(s - m') v``; one fp32 score block per head (``exp`` runs in place); or the output side
-    (``MapCost.output_side``), whichever is larger."""
+    (``MapCost.output_side``), whichever is larger; plus ``small_tensors_bytes``."""
     n = cost.band(rows)
     tokens = rows * cost.width
     query = cost.upload(rows) + 2 * n * cost.eb + 2 * n * 4 + _row_vectors(cost, tokens)
     chunk = cost.upload(rows) + 3 * n * cost.eb + 4 * n + 4 * n
     scores = cost.heads * tokens * tokens * 4
-    return max(query + chunk + scores, cost.output_side(rows))
+    return max(query + chunk + scores, cost.output_side(rows)) + small_tensors_bytes(cost)
 
 
 def online_steps(cost: MapCost, rows: int, recompute: bool) -> float:
