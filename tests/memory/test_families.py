@@ -126,13 +126,18 @@ AURAFLOW = {k: (8, 8) for k in ("double_layers.0.attn.w2q.weight", "double_layer
                                 "cond_seq_linear.weight", "t_embedder.mlp.0.weight")}
 
 
+# The SD x4 upscaler's marker key in the same table: in diffusers 0.30 (the floor) too, whose table has no AuraFlow
+# (its infer_diffusers_model_type calls AURAFLOW "v1", which says nothing and so is not repeated).
+X4_UPSCALER = {"model.diffusion_model.input_blocks.10.0.skip_connection.bias": (8,)}
+
+
 def test_family_known_only_to_diffusers_is_named():
     from diffusers.loaders.single_file_utils import infer_diffusers_model_type
 
-    assert infer_diffusers_model_type(AURAFLOW) == "auraflow"  # the premise, in the diffusers that runs the test
-    with pytest.raises(UnsupportedFamilyError, match=r"checkpoint: detected family 'auraflow' \(by diffusers' key "
+    assert infer_diffusers_model_type(X4_UPSCALER) == "upscale"  # the premise, in the diffusers that runs the test
+    with pytest.raises(UnsupportedFamilyError, match=r"checkpoint: detected family 'upscale' \(by diffusers' key "
                                                      r"table\), which LeanDiffusion does not run; supported families"):
-        detect_family(AURAFLOW)
+        detect_family(X4_UPSCALER)
 
 
 def test_text_encoder_only_file_says_what_it_lacks(shapes):

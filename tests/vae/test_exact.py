@@ -187,16 +187,21 @@ def test_exact_comfy_vae_decode_and_encode(ldm_vae):
 
 
 def test_respects_vae_dtype():
-    """The engine's vae_dtype is the compute dtype (bf16 here), so the result tracks a bf16 untiled decode."""
+    """The engine's vae_dtype is the compute dtype (bf16 here), so the result is as far from the fp32 decode as a
+    bf16 untiled decode is. Two bf16 decodes round in different orders (the tiled one attends in query bands), so
+    each is compared with the fp32 decode rather than with the other: each lies 0.03-0.05 from it, the two up to
+    0.055 apart (torch 2.4.1 and 2.13, 24 seeds), and the tiled one's distance was at most 1.38x the untiled one's."""
     eng = engine_from_parts(tiny_parts("sd1"), vae_dtype=torch.bfloat16)
     z = torch.randn(1, 4, 9, 7)
     with eng.session("vae"):
         ref = eng.vae_decode(z)
     (img,) = LeanTiledVAEDecode().decode({"samples": z}, 0, 64, "exact", lean_model=eng)
     ref32 = tiny_engine("sd1").vae_decode(z)
-    assert (img - ref).abs().max().item() <= 0.05  # bf16 vs bf16: float error only
     assert next(eng.parts.vae.parameters()).dtype == torch.bfloat16
-    assert (img - ref32).abs().max().item() > 0  # it really ran in bf16
+    bf16_error = (ref - ref32).abs().max().item()
+    error = (img - ref32).abs().max().item()
+    assert error <= 2 * bf16_error  # float error only, of bf16's size
+    assert error > 0.25 * bf16_error  # it really ran in bf16 (an fp32 run lies ~1e-6 from ref32)
 
 
 def test_module_unchanged(engine):
