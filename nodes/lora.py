@@ -28,7 +28,8 @@ class LeanLoraInjector:
                            "(lora_A/lora_B), LoRA or LoCon, SD1.x / SD2.x / SDXL; LyCORIS LoHa, LoKr, Tucker "
                            "LoCon and DoRA in the kohya layout."}),
             "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
-                                   "tooltip": "Multiplier of the LoRA on the UNet. 0 gives the base model exactly."}),
+                                   "tooltip": "Multiplier of the LoRA on the UNet. 0 gives the base model "
+                                              "(bit-exactly on the CPU; on the GPU up to rounding)."}),
             "strength_text_encoder": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
                                                 "tooltip": "Multiplier of the LoRA on the text encoder(s)."}),
             "target_blocks": ("STRING", {"default": "", "multiline": False,
