@@ -91,7 +91,7 @@ class MapCost:
         return self.upload(rows) + 4 * n + 3 * n * self.eb + stats_transient_bytes(n)
 
 
-def small_tensors_bytes(cost: "MapCost") -> int:
+def small_tensors_bytes(cost: MapCost) -> int:
     """Per-group and per-channel vectors (the running statistics of the output, a GroupNorm's mean and variance, the
     softmax scale): a few KB, alive at the peak in numbers that follow Python's garbage collection (the CPU suite's
     meta count saw 768 B more in the full run than alone, at 512 channels). Counted in every estimate as 16 fp64
@@ -194,10 +194,10 @@ def _largest_rows(fits: Callable[[int], bool], limit: int) -> int:
 def plan_bands(cost: MapCost, budget: int, max_rows: Optional[int] = None, online: bool = False) -> BandPlan:
     """The bands for ``budget`` bytes. ``online=False`` (attention through PyTorch's kernels, whose time barely
     depends on the band height): ``resident`` with the largest bands that fit, else ``streamed``. ``online=True``
-    (the resident keys attended in chunks with TF32 matmuls, where ``prefers_online`` says so): of ``resident`` and ``streamed``, each with its largest bands, the one
-    ``online_steps`` rates faster. Nothing fits: ``streamed`` with one-row bands (the smallest this scheme can do;
-    an out-of-memory error is then the caller's, which halves the budget and retries). ``max_rows`` caps the band
-    height (the user's tile size)."""
+    (the resident keys attended in chunks with TF32 matmuls, where ``prefers_online`` says so): of ``resident`` and
+    ``streamed``, each with its largest bands, the one ``online_steps`` rates faster. Nothing fits: ``streamed``
+    with one-row bands (the smallest this scheme can do; an out-of-memory error is then the caller's, which halves
+    the budget and retries). ``max_rows`` caps the band height (the user's tile size)."""
     limit = max(1, min(cost.height, max_rows or cost.height))
     resident = _largest_rows(lambda r: resident_bytes(cost, r, online) <= budget, limit)
     if resident and not online:

@@ -5,7 +5,8 @@ so this module is importable beside it).
 ``graph_of(fn, warm)``: ``fn`` warmed up ``warm`` times on a side stream, then captured into a CUDA graph;
 returns ``(graph, output)`` where ``output`` is the captured call's result (static: each replay rewrites it).
 ``Recorder(name)``: ``rec(key, value)`` prints a result and rewrites ``$OUT/name`` (JSON) with all results so far.
-``kernel_breakdown(fn, family, top)``: GPU milliseconds of one ``fn()`` call per kernel family and per kernel name.
+``kernel_breakdown(fn, family, top)``: GPU milliseconds of one ``fn()`` call per kernel family and per kernel name;
+``kernel_table(fn)``: calls and GPU microseconds per kernel name.
 """
 import json
 import os
@@ -49,9 +50,9 @@ class Recorder:
             json.dump(self.results, f, indent=1)
 
 
-def kernel_breakdown(fn, family, top=14):
-    """(ms per family, ms of the ``top`` kernels) for one ``fn()`` call after a warm-up call; ``family(name)``
-    maps a kernel name to its family."""
+def kernel_table(fn):
+    """``{kernel name: (calls, GPU microseconds)}`` of one ``fn()`` call after a warm-up call (torch profiler; CPU-side
+    ``aten::`` rows left out)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -59,12 +60,22 @@ def kernel_breakdown(fn, family, top=14):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    fams, kernels = {}, {}
+    table = {}
     for evt in prof.key_averages():
         t = getattr(evt, "device_time_total", 0) or 0
         if t <= 0 or evt.key.startswith("aten::"):
             continue
-        fams[family(evt.key)] = fams.get(family(evt.key), 0) + t / 1000
-        kernels[evt.key[:100]] = kernels.get(evt.key[:100], 0) + t / 1000
+        calls, us = table.get(evt.key, (0, 0.0))
+        table[evt.key] = (calls + evt.count, us + t)
+    return table
+
+
+def kernel_breakdown(fn, family, top=14):
+    """(ms per family, ms of the ``top`` kernels) for one ``fn()`` call after a warm-up call; ``family(name)``
+    maps a kernel name to its family."""
+    fams, kernels = {}, {}
+    for key, (_, us) in kernel_table(fn).items():
+        fams[family(key)] = fams.get(family(key), 0) + us / 1000
+        kernels[key[:100]] = kernels.get(key[:100], 0) + us / 1000
     by_time = lambda d: {k: round(v, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
     return by_time(fams), dict(list(by_time(kernels).items())[:top])

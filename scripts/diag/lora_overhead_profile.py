@@ -23,7 +23,7 @@ import torch
 from diffusers.models.activations import GEGLU
 from safetensors.torch import save_file
 
-from diag_timing import Recorder, graph_of, timed
+from diag_timing import Recorder, graph_of, kernel_table, timed
 from geglu_probe import fused as fused_forward
 from leandiffusion.bench.models import full_unet, unet_inputs
 from leandiffusion.bench.suite_lora import _call, _engine, _kohya_unet
@@ -33,27 +33,9 @@ dev = torch.device("cuda")
 rec = Recorder("lora_overhead_profile.json")
 
 
-def kernel_table(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    table = {}
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", 0) or 0
-        if t <= 0 or evt.key.startswith("aten::"):
-            continue
-        calls, us = table.get(evt.key[:120], (0, 0.0))
-        table[evt.key[:120]] = (calls + evt.count, us + t)
-    return table
-
-
 def top(table, n=25):
     rows = sorted(table.items(), key=lambda kv: -kv[1][1])[:n]
-    return [{"kernel": k, "calls": c, "us": round(us, 1)} for k, (c, us) in rows]
+    return [{"kernel": k[:120], "calls": c, "us": round(us, 1)} for k, (c, us) in rows]
 
 
 def micro():
