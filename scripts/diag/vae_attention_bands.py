@@ -12,7 +12,9 @@ and values); for fp32 also ``whole_tf32`` (the untiled decode's TF32 score chunk
 matmuls, as ``exact._run_attention`` passes on CUDA. Per variant: median ms over ``--reps`` after a warm-up, the
 allocated peak above the start (``max_memory_allocated``), the plan's estimate, and the max abs error against the
 same block in fp64 (computed once per map; an fp16 variant is compared in the same way, its error is fp16
-rounding; the TF32 variants' error is TF32 rounding, as the untiled decode's).
+rounding; the TF32 variants' error is TF32 rounding, as the untiled decode's). ``--heads H`` splits the same
+block into H heads (a multi-head VAE's shape: 512 / H channels per head, which the flash kernels take from 2 heads
+on) to measure ``attention_bands.prefers_online``'s rule for narrow heads; ``--dtypes fp16`` skips the fp32 maps.
 
 Part ``decode`` (any checkout, ``--pack DIR`` for another): ``tiled.tiled_decode`` of the SDXL VAE in ``exact``
 mode at budgets below and above the old floor (fp32 2048 px at 0.5-1.5 GiB, 4096 px at 1.0 / 1.5 / 3.0 GiB; fp16
@@ -23,6 +25,7 @@ untiled decode of the same latent (0..1 image).
 Writes ``$OUT/vae_attention_bands_<label>.json``. Commands (about 3 min on an H100 together):
     python3 scripts/diag/vae_attention_bands.py --label new --parts attn,decode
     python3 scripts/diag/vae_attention_bands.py --label main --parts decode --pack .carry/main
+    python3 scripts/diag/vae_attention_bands.py --label heads8 --parts attn --heads 8 --dtypes fp16
 """
 import argparse
 import json
@@ -39,6 +42,8 @@ parser.add_argument("--reps", type=int, default=3)
 parser.add_argument("--decode-reps", type=int, default=1, help="timed decodes per case (median)")
 parser.add_argument("--only", default="", help="decode cases named <dtype>_<px>_<budget> containing this text")
 parser.add_argument("--sizes", default="1024,2048,4096")
+parser.add_argument("--heads", type=int, default=1, help="attention heads of the block (part attn; the SD VAE has 1)")
+parser.add_argument("--dtypes", default="fp32,fp16", help="part attn's compute dtypes")
 parser.add_argument("--cpu-check", action="store_true", help="tiny sizes on the CPU (checks the script only)")
 args = parser.parse_args()
 if args.pack:
@@ -104,6 +109,7 @@ def part_attn():
     from leandiffusion.vae.stores import DeviceStore, HostStore, Streams
 
     base = vae_of(torch.float32).decoder.mid_block.attentions[0]
+    base.heads = args.heads  # a multi-head VAE's block: the same projections split into narrower heads
     with torch.no_grad():  # scores spread over several units, as in a trained VAE
         base.to_q.weight.mul_(4.0)
         base.to_k.weight.mul_(4.0)
@@ -118,12 +124,12 @@ def part_attn():
         ref_s = time.perf_counter() - t0
         base.float()
         scale = ref.abs().max().item()
-        for dtype in (torch.float32, torch.float16):
+        for dtype in [{"fp32": torch.float32, "fp16": torch.float16}[d] for d in args.dtypes.split(",")]:
             block = base.to(dtype)
             spec = spec_from_diffusers(block)
             x = x64.to(dtype).contiguous(memory_format=torch.channels_last)
             eb = x.element_size()
-            kv = resident_bytes(MapCost(512, n, n, eb, eb, True), 1) - 4 * 512 * n * eb
+            kv = resident_bytes(MapCost(512, n, n, eb, eb, True, args.heads), 1) - 4 * 512 * n * eb
             stats = GroupStats(32)
             stats.add(x)
             fp32 = dtype == torch.float32
@@ -138,7 +144,8 @@ def part_attn():
             if px >= 4096:
                 variants.append(("streamed_half_host_store", kv // 2, False, False))
             for name, budget, on_device, online in variants:
-                rec = {"px": px, "dtype": str(dtype), "variant": name, "budget_gib": (budget or 0) / GiB}
+                rec = {"px": px, "dtype": str(dtype), "variant": name, "budget_gib": (budget or 0) / GiB,
+                       "heads": args.heads}
                 try:
                     if budget is None:
                         def fn():
@@ -154,7 +161,7 @@ def part_attn():
                             store = HostStore(n, n, 512, dtype, dev, streams, data=hwc.cpu().pin_memory()
                                               if cuda else hwc.cpu())
                         del hwc
-                        cost = MapCost(512, n, n, eb, eb, on_device)
+                        cost = MapCost(512, n, n, eb, eb, on_device, args.heads)
                         bp = plan_bands(cost, budget, online=online)
                         rec.update(scheme=bp.scheme, rows=bp.rows, online=bp.online, estimate_gib=bp.estimate / GiB)
                         out = torch.empty_like(x)
