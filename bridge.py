@@ -58,6 +58,16 @@ class ProgressBar:
         if self._tqdm is not None:
             self._tqdm.update(n)
 
+    def set(self, value: int, total: int) -> None:
+        """Jump to ``value`` of a new ``total`` (a run that re-plans its work midway, e.g. smaller tiles after an
+        out-of-memory error, keeps the bar below its total and moving)."""
+        self.total = int(total)
+        if self._comfy is not None:
+            self._comfy.update_absolute(int(value), self.total)
+        if self._tqdm is not None:
+            self._tqdm.reset(total=self.total)
+            self._tqdm.update(int(value))
+
     def close(self) -> None:
         if self._tqdm is not None:
             self._tqdm.close()

@@ -14,6 +14,10 @@ a trainer saving a LoRA under the same name with ``open(..., "wb")``) changed th
 embedding the pack had cached, and one overwritten by a shorter file killed ComfyUI with SIGBUS when the cached
 tensor was next read. Each tensor is copied off the mapping before the file is closed; these files are small, so
 the copy costs little.
+
+A tensor holding NaN or infinite values (a diverged training run, a bad fp16 conversion) loads without complaint
+and then turns every output NaN (black) or into noise; ``refuse_non_finite`` is the one scan the LoRA and upscaler
+loaders run on what they read, so such a file is refused by name instead.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import pickle
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Mapping, Union
 
 import torch
 
@@ -70,6 +74,27 @@ def read_safetensors(path: Union[str, Path], what: str) -> tuple[dict, dict]:
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{what} {path.name!r} could not be read as a safetensors file (cut short or corrupt: "
                          f"{load_error_reason(exc)}); re-download it, or re-save it") from exc
+
+
+def refuse_non_finite(state_dict: Mapping[str, torch.Tensor], source: str, consequence: str, fix: str) -> None:
+    """``ValueError`` naming every tensor of ``state_dict`` that holds NaN or infinite values (up to ten), with
+    ``source`` (the file), what the values would do (``consequence``) and what to do (``fix``)."""
+    bad = []
+    for key in sorted(state_dict):
+        t = state_dict[key]
+        # an fp32 sum is non-finite iff an entry is (or the sum overflows: then isfinite decides); it runs ~6x faster
+        # than isfinite().all() on the CPU (26 vs 170 ms per 100 M fp16 values, one thread)
+        if t.is_floating_point() and not bool(torch.isfinite(t.sum(dtype=torch.float32))) and \
+                not bool(torch.isfinite(t).all()):
+            if t.numel() == 1:
+                bad.append(f"{key} = {t.float().item()}")
+            else:
+                nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+                bad.append(f"{key} has {nan} NaN and {inf} infinite of {t.numel()} values")
+    if bad:
+        raise ValueError(f"{source}: {len(bad)} tensors hold NaN or infinite values ({'; '.join(bad[:10])}"
+                         f"{' ...' if len(bad) > 10 else ''}); they would turn {consequence}; the file is corrupt (a "
+                         f"diverged training run or a bad fp16 conversion): {fix}")
 
 
 def _short(text: str) -> str:

@@ -14,16 +14,17 @@ class LeanESRGANUpscale:
     RETURN_TYPES = ("IMAGE",)
     RETURN_NAMES = ("IMAGE",)
     OUTPUT_TOOLTIPS = ("The upscaled images (IMAGE, 0..1): each side times the model's scale, or times output_scale "
-                       "when it is not 0.",)
+                       "when it is not 0; RGBA when the input image had an alpha channel.",)
     FUNCTION = "upscale"
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "image": ("IMAGE", {"tooltip": "Images to upscale; a batch is upscaled one image at a time."}),
+            "image": ("IMAGE", {"tooltip": "Images to upscale; a batch is upscaled one image at a time. An alpha "
+                                           "channel (RGBA) is kept: resized alongside with bicubic filtering."}),
             "model_name": (list_models("upscale_models", EXTENSIONS),
                            {"tooltip": "Upscale model file from ComfyUI's models/upscale_models folder "
-                                       "(.safetensors or .pth)."}),
+                                       "(.safetensors, .pth, .pt or .ckpt)."}),
             "output_scale": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 16.0, "step": 0.05,
                                        "tooltip": "0 = the model's native scale; otherwise 0.25-16, the model's "
                                                   "output resized with antialiased bicubic filtering."}),
@@ -35,7 +36,7 @@ class LeanESRGANUpscale:
                                              "the memory budget (the whole image when it fits), else 32-2048."}),
             "tile_overlap": ("INT", {"default": 32, "min": 0, "max": MAX_OVERLAP, "step": 4,
                                      "tooltip": "Context pixels each tile sees beyond its core; more context, "
-                                                "fewer visible seams."}),
+                                                "fewer visible seams (0 shows them)."}),
             "precision": (list(PRECISIONS), {"default": "auto",
                                              "tooltip": "auto: fp16 on the GPU (bf16/fp32 where a model needs "
                                                         "it), fp32 on the CPU."}),

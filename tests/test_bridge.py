@@ -119,6 +119,42 @@ def test_plain_fallbacks_outside_comfyui():
     assert bridge.comfy_tokenizer_dir() is None
 
 
+def test_progress_bar_set_moves_comfyuis_bar_to_a_new_total(monkeypatch):
+    """``set`` (an upscale that re-plans its tiles after an out-of-memory error) reaches ComfyUI's bar as one
+    ``update_absolute(value, total)``, so the editor shows the new total; the tqdm bar outside ComfyUI follows too."""
+    import sys
+    import types
+
+    calls = []
+
+    class ComfyBar:
+        def __init__(self, total):
+            calls.append(("init", total))
+
+        def update(self, n):
+            calls.append(("update", n))
+
+        def update_absolute(self, value, total=None):
+            calls.append(("absolute", value, total))
+
+    utils = types.ModuleType("comfy.utils")
+    utils.ProgressBar = ComfyBar
+    comfy = types.ModuleType("comfy")
+    comfy.utils = utils
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.utils", utils)
+    with bridge.ProgressBar(3, quiet=True) as bar:
+        bar.update(1)
+        bar.set(1, 12)
+        bar.update(1)
+    assert calls == [("init", 3), ("update", 1), ("absolute", 1, 12), ("update", 1)] and bar.total == 12
+    monkeypatch.delitem(sys.modules, "comfy")
+    with bridge.ProgressBar(3, quiet=False) as plain:  # tqdm (it counts nothing here: no terminal)
+        plain.update(2)
+        plain.set(1, 12)
+        assert plain._tqdm.total == 12 and plain.total == 12
+
+
 class _FakeModelManagement:
     def __init__(self, device):
         self.device = device

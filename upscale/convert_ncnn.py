@@ -225,6 +225,9 @@ def convert(param_path: Path, bin_path: Optional[Path] = None, dtype: str = "kee
     bin_path = Path(bin_path) if bin_path is not None else param_path.with_suffix(".bin")
     if dtype not in ("keep", "fp16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: expected 'keep' (as stored: fp16 weights, fp32 biases), 'fp16' or 'fp32'")
+    if param_path.suffix.lower() != ".param":
+        raise ValueError(f"{param_path}: not an ncnn .param file; the converter reads ncnn .param/.bin pairs (a .pth "
+                         f"or .safetensors upscaler needs no conversion: put it in models/upscale_models)")
     for p in (param_path, bin_path):
         if not p.is_file():
             raise ValueError(f"ncnn file {p} does not exist")
@@ -270,6 +273,10 @@ def main(argv: Optional[list] = None) -> int:
                         help="tensor dtype in the output (keep = as stored in the .bin)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.out.suffix.lower() != ".safetensors":  # the upscale node lists and reads files by their extension
+        print(f"error: output {args.out}: the converter writes safetensors; name the output file *.safetensors "
+              f"(saved as {args.out.suffix or 'a file without extension'} it would not load)", file=sys.stderr)
+        return 2
     try:
         sd, meta = convert(args.param, args.bin, args.dtype)
     except ValueError as exc:

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ..torchfile import load_tensors, read_safetensors
+from ..torchfile import load_tensors, read_safetensors, refuse_non_finite
 from .descriptor import Upscaler
 from .detect import detect
 
@@ -79,12 +79,17 @@ def _spandrel_call(desc):
     return lambda module, x, work_bytes: call_fn(module, x)
 
 
-def _spandrel_upscaler(sd: dict, path: Path) -> Optional[Upscaler]:
+def _import_spandrel():
+    """spandrel (ComfyUI's upscale-model library) when it imports here, else ``None``."""
     try:
         import spandrel
     except (ImportError, RuntimeError, OSError) as exc:  # spandrel drags in torchvision, which may fail to load
         logger.debug("spandrel unavailable: %s", exc)
         return None
+    return spandrel
+
+
+def _spandrel_upscaler(spandrel, sd: dict, path: Path) -> Optional[Upscaler]:
     try:
         with torch.random.fork_rng(devices=[]):  # spandrel builds with random init before loading: keep the seed
             desc = spandrel.ModelLoader().load_from_state_dict(sd)
@@ -103,9 +108,44 @@ def _spandrel_upscaler(sd: dict, path: Path) -> Optional[Upscaler]:
                     call=_spandrel_call(desc), tags=tuple(desc.tags))
 
 
+# Files that are not upscalers but land in models/upscale_models (a checkpoint saved to the wrong folder, a
+# download named like an upscaler): (key fragments, what the file is, ComfyUI's models folder for it). The first
+# entry with a key containing one of its fragments names the file in the error, so the user learns where it goes.
+OTHER_MODEL_KINDS = (
+    (("model.diffusion_model.", "first_stage_model.", "cond_stage_model.", "conditioner.embedders."),
+     "a Stable Diffusion checkpoint", "checkpoints"),
+    (("lora_unet_", "lora_te", ".lora_down.", ".lora_up.", ".lora_A.", ".lora_B.", ".lora.down."), "a LoRA", "loras"),
+    (("control_model.", "controlnet_cond_embedding.", "controlnet_down_blocks."), "a ControlNet", "controlnet"),
+    (("encoder.conv_in.", "decoder.conv_in.", "encoder.down_blocks.", "decoder.up_blocks."), "a VAE", "vae"),
+    (("text_model.", "text_projection", "encoder.block.0.layer.0."), "a text encoder", "text_encoders"),
+    (("emb_params", "clip_l", "clip_g"), "a textual-inversion embedding", "embeddings"),
+)
+
+
+def _not_an_upscaler(sd: Mapping[str, torch.Tensor], source: str, spandrel) -> ValueError:
+    """The error for a state dict no loader takes: the file, what it looks like, and what to do."""
+    sample = sorted(sd.keys())[:4]
+    for fragments, kind, folder in OTHER_MODEL_KINDS:
+        hit = next((k for k in sorted(sd) if any(f in k for f in fragments)), None)
+        if hit is not None:
+            return ValueError(f"{source}: not an upscaler: it looks like {kind} (key {hit!r}); move it to "
+                              f"models/{folder} and choose an upscale model (ESRGAN, Real-ESRGAN, ...) here")
+    if spandrel is None:
+        tried = ("spandrel, which loads the other architectures (SwinIR, HAT, DAT, ...), is not installed in "
+                 "this Python (it is inside ComfyUI)")
+    else:
+        tried = (f"spandrel {getattr(spandrel, '__version__', '')} (ComfyUI's upscale-model library) does not "
+                 f"know it either, so ComfyUI's Load Upscale Model refuses it too")
+    return ValueError(f"{source}: not a known upscaler (keys start {sample}); built in are ESRGAN/Real-ESRGAN "
+                      f"RRDBNet and SRVGGNetCompact, and {tried}; check that the file is an image upscale model "
+                      f"and was downloaded completely")
+
+
 def build_upscaler(sd: Mapping[str, torch.Tensor], metadata: Optional[dict] = None,
                    source: str = "<state dict>") -> Upscaler:
     """An ``Upscaler`` from a state dict (our registry first, then spandrel); ``ValueError`` if none fits."""
+    refuse_non_finite(sd, f"upscaler file {source}", "every upscaled image NaN (black) or noise",
+                      "download the model again or use another one")
     entry = detect(sd)
     if entry is not None:
         try:
@@ -113,12 +153,10 @@ def build_upscaler(sd: Mapping[str, torch.Tensor], metadata: Optional[dict] = No
         except ValueError as exc:
             raise ValueError(f"{source}: looks like {entry.name} but does not load: {exc}") from exc
     else:
-        up = _spandrel_upscaler(dict(sd), Path(source))
+        spandrel = _import_spandrel()
+        up = None if spandrel is None else _spandrel_upscaler(spandrel, dict(sd), Path(source))
         if up is None:
-            sample = sorted(sd.keys())[:4]
-            raise ValueError(f"{source}: not a known upscaler (keys start {sample}); supported here are "
-                             f"ESRGAN/Real-ESRGAN RRDBNet and SRVGGNetCompact, plus every architecture spandrel "
-                             f"knows when spandrel is installed (it is inside ComfyUI)")
+            raise _not_an_upscaler(sd, source, spandrel)
     value = (metadata or {}).get(OUTPUT_SCALE_KEY)
     if value is not None:
         from dataclasses import replace

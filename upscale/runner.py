@@ -10,7 +10,13 @@ Invariants:
 - ``device="cpu"`` never calls into CUDA. ``"auto"`` uses the GPU when torch sees one and (after asking ComfyUI
   to unload its own models) it has room for the weights and a minimal window; otherwise the CPU.
 - Out of memory: the tile is halved and the image restarted; below ``MIN_TILE`` a ``RuntimeError`` lists every
-  tile size that was tried. A batch is processed one image at a time, so its peak equals one image's peak.
+  tile size that was tried. Later images of the batch keep the smaller tile, and the progress bar is re-planned
+  (it never passes its total). A batch is processed one image at a time, so its peak equals one image's peak.
+- Sizes: an image is padded at the bottom/right to the model's smallest accepted side and alignment (spandrel's
+  rule, what ComfyUI's own upscale node does: reflection, then edge replication), and the output cropped back.
+- Alpha: an RGBA image into an RGB model keeps its alpha. The colour runs through the model; the alpha is resized
+  to the output size with the same antialiased bicubic filter as ``output_scale`` (realesrgan-ncnn-vulkan also
+  resizes alpha with bicubic; ComfyUI's own upscale node refuses 4 channels with a convolution shape error).
 - Layout: ``layout="auto"`` runs the built-in networks channels-last (model copy and windows in NHWC). Same
   arithmetic, other summation order inside the convolutions: equal to NCHW within float rounding (tested). On
   cuDNN fp16 NHWC avoids the transposes (and their workspace) that NCHW half-precision convolutions need for
@@ -263,15 +269,39 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
     return out
 
 
+class _BatchProgress:
+    """Per-tile progress over a whole batch. An image restarted with smaller tiles after an out-of-memory error
+    re-plans the bar: back to the tiles of the finished images, out of a total that counts the new tile count for
+    this and every later image (they keep the smaller tile), so the bar never passes its total."""
+
+    def __init__(self, bar, images: int):
+        self.bar, self.images = bar, images
+        self.image = self.finished = 0  # images done, and their tiles
+
+    def tile_done(self) -> None:
+        self.bar.update(1)
+
+    def replan(self, tiles_per_image: int) -> None:
+        self.bar.set(self.finished, self.finished + tiles_per_image * (self.images - self.image))
+
+    def image_done(self, tiles: int) -> None:
+        self.image += 1
+        self.finished += tiles
+
+
 def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                        tile: int, overlap: int, work_bytes: int, on_tile, layout: str,
-                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        tile: int, overlap: int, work_bytes: int, progress: _BatchProgress, layout: str,
+                        out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int, int]:
+    """``(image, tile, work_bytes)``: the upscaled image and the tile size and work budget it ran with (halved
+    after each out-of-memory error; the caller keeps them for the next image)."""
     tried = []
     tile = min(tile, max(chw.shape[1:]))
     while True:
         try:
-            return _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, on_tile, layout,
-                                out)
+            y = _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, progress.tile_done,
+                             layout, out)
+            progress.image_done(_tile_count(upscaler, chw, tile, overlap))
+            return y, tile, work_bytes
         except torch.OutOfMemoryError as exc:
             tried.append(tile)
             if tile // 2 < MIN_TILE:
@@ -285,6 +315,12 @@ def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: t
                        tile, device, tile // 2)
         tile //= 2
         work_bytes //= 2
+        progress.replan(_tile_count(upscaler, chw, tile, overlap))
+
+
+def _tile_count(upscaler: Upscaler, chw: torch.Tensor, tile: int, overlap: int) -> int:
+    return len(plan(chw.shape[1], chw.shape[2], min(tile, max(chw.shape[1:])), overlap, upscaler.multiple_of,
+                    upscaler.min_size))
 
 
 def _release_frames(exc: BaseException) -> None:
@@ -343,20 +379,23 @@ def _validate(upscaler, images, output_scale, device, tile_size, tile_overlap, p
     if not isinstance(upscaler, Upscaler):
         raise TypeError(f"upscaler: expected an Upscaler (from load_upscaler), got {type(upscaler).__name__}")
     check_options(images, output_scale, device, tile_size, tile_overlap, precision)
-    b, h, w, c = images.shape
-    if c != upscaler.in_channels:
-        raise ValueError(f"image has {c} channels, {upscaler.arch} takes {upscaler.in_channels}; convert it first "
-                         f"(e.g. drop the alpha channel)")
-    if min(h, w) < upscaler.min_size:
-        raise ValueError(f"image is {w}x{h} px, smaller than the {upscaler.min_size}x{upscaler.min_size} px "
-                         f"{upscaler.arch} accepts; enlarge it first")
+    c = images.shape[-1]
+    if c != upscaler.in_channels and not _keeps_alpha(upscaler, c):
+        takes = f"{upscaler.in_channels}" + (" (or 4: RGB plus alpha)" if upscaler.in_channels == 3 else "")
+        raise ValueError(f"image has {c} channels, {upscaler.arch} takes {takes}; convert the image first")
+
+
+def _keeps_alpha(upscaler: Upscaler, channels: int) -> bool:
+    """An RGBA image into an RGB model: the colour runs through the model, the alpha is resized alongside."""
+    return channels == 4 and upscaler.in_channels == 3
 
 
 def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float = 0.0, device: str = "auto",
                    tile_size: int = 0, tile_overlap: int = 32, precision: str = "auto", quiet: bool = False,
                    work_cap: Optional[int] = None, layout: str = "auto",
                    cudnn_benchmark: Optional[bool] = None) -> torch.Tensor:
-    """Upscale a [B, H, W, C] image batch; returns a new [B, H', W', C_out] float32 host tensor in 0..1.
+    """Upscale a [B, H, W, C] image batch; returns a new [B, H', W', C_out] float32 host tensor in 0..1 (plus the
+    resized alpha channel when an RGBA image goes into an RGB model).
 
     ``tile_size`` is the kept core of a tile (0: the largest that fits the working-memory budget, the whole image
     when it fits); ``tile_overlap`` is the context each tile sees beyond its core on every interior side.
@@ -372,9 +411,10 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
         cudnn_benchmark = CUDNN_BENCHMARK
     dev = choose_device(device, upscaler, tile_overlap)
     dtype = choose_dtype(precision, dev, upscaler)
-    b, h, w, _ = images.shape
-    m = upscaler.multiple_of
-    hp, wp = -(-h // m) * m, -(-w // m) * m
+    b, h, w, c = images.shape
+    alpha = _keeps_alpha(upscaler, c)
+    m, least = upscaler.multiple_of, upscaler.min_size
+    hp, wp = -(-max(h, least) // m) * m, -(-max(w, least) // m) * m  # padded to the model's minimum and alignment
     budget = work_budget(dev, upscaler, dtype)
     if work_cap is not None:
         budget = min(budget, int(work_cap))
@@ -391,22 +431,26 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
     logger.info("ESRGAN upscale: %s on %s %s %s, %dx%d x%d, tile %d + %d context (%d tiles/image)",
                 upscaler.arch, dev, dtype, layout, w, h, b, tile, tile_overlap, n_tiles)
     module = _placed_module(upscaler, dev, dtype, layout)
-    result = torch.empty((b, out_h, out_w, upscaler.out_channels), dtype=torch.float32)
+    result = torch.empty((b, out_h, out_w, upscaler.out_channels + alpha), dtype=torch.float32)
+    colour = result[..., :upscaler.out_channels]
     try:
         with torch.inference_mode(), _cudnn_benchmark(cudnn_benchmark, dev), \
                 ProgressBar(b * n_tiles, "ESRGAN upscale", quiet) as bar:
+            progress = _BatchProgress(bar, b)
             for i in range(b):
-                chw = images[i].permute(2, 0, 1).to(torch.float32)
+                chw = images[i, :, :, :upscaler.in_channels].permute(2, 0, 1).to(torch.float32)
                 if (hp, wp) != (h, w):
                     chw = _pad_to(chw, hp, wp)
                 direct = (hp, wp) == (h, w) and (out_h, out_w) == (h * upscaler.scale, w * upscaler.scale)
-                y = _upscale_with_retry(upscaler, module, chw, dev, dtype, tile, tile_overlap, work_bytes,
-                                        lambda: bar.update(1), layout, result[i] if direct else None)
+                y, tile, work_bytes = _upscale_with_retry(upscaler, module, chw, dev, dtype, tile, tile_overlap,
+                                                          work_bytes, progress, layout, colour[i] if direct else None)
                 if not direct:  # written in place otherwise
-                    result[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
+                    colour[i] = _resize(y[: h * upscaler.scale, : w * upscaler.scale], out_h, out_w)
                 del y
-    except BaseException as exc:  # re-raised: only releases GPU memory the traceback would otherwise pin
-        module = None
+                if alpha:
+                    result[i, :, :, -1:] = _resize(images[i, :, :, 3:].to(torch.float32), out_h, out_w)
+    except BaseException as exc:  # re-raised: only releases memory the traceback would otherwise pin
+        module = result = colour = None  # this frame is still running, so _release_frames cannot clear it
         _release_frames(exc)
         raise
     return result

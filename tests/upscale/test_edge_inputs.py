@@ -5,7 +5,9 @@ SAFMN: 8, FFTformer: 32, ...) used to crash inside torch ("Padding size should b
 input dimension") on an image whose side is shorter than the padding it needs, because the runner aligned the
 image with reflection padding only. spandrel itself (what ComfyUI's own upscale node runs) reflects up to
 ``side - 1`` rows and replicates the rest; the reference below is written from that rule in plain torch, and the
-network forward is the independent functional reference of ``helpers``.
+network forward is the independent functional reference of ``helpers``. Session 19 (user-journey audit): an image
+with a side under the model's smallest accepted side (1 px wide) is padded as spandrel pads it, not refused; an
+RGBA image keeps its alpha (resized alongside) instead of being refused.
 """
 import pytest
 import torch
@@ -102,3 +104,82 @@ def test_tile_windows_never_go_under_the_models_minimum_side(tile, overlap):
         ref = net(img.permute(0, 3, 1, 2)).clamp(0, 1).permute(0, 2, 3, 1)
     # a per-pixel net: every tiling is exact up to the feather blend's fp32 weights (sum to 1 within ~1e-7)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+
+
+def _spandrel_pad_min(x: torch.Tensor, minimum: int, m: int) -> torch.Tensor:
+    """spandrel's ``pad_tensor`` for ``SizeRequirements(minimum, multiple_of=m)`` (what ComfyUI's own upscale node
+    runs): each side grows to ``max(side, minimum)`` rounded up to a multiple of ``m``, by reflection up to
+    ``side - 1`` rows, then by replication."""
+    h, w = x.shape[-2:]
+    ph, pw = -(-max(h, minimum) // m) * m - h, -(-max(w, minimum) // m) * m - w
+    rh, rw = min(ph, h - 1), min(pw, w - 1)
+    x = F.pad(x, (0, rw, 0, rh), mode="reflect")
+    return F.pad(x, (0, pw - rw, 0, ph - rh), mode="replicate")
+
+
+_RRDB = H.random_rrdb(num_block=1, n_up=1)
+_RRDB_X1 = H.random_rrdb(num_block=1, n_up=2, unshuffle=4)
+_COMPACT = H.random_compact(num_conv=2, scale=2)
+
+
+@pytest.mark.parametrize("kind,h,w", [("rrdb", 1, 40), ("rrdb", 40, 1), ("rrdb", 1, 1), ("rrdb_x1", 3, 9),
+                                      ("rrdb_x1", 1, 6), ("minimum16", 5, 23), ("minimum16", 1, 1)])
+def test_image_under_the_models_smallest_side_is_padded_as_comfyui_does(kind, h, w):
+    """A 1 px wide image (or any side under the model's minimum: ESRGAN 2, Real-ESRGAN x1 4, SwinIR/HAT/DAT 16 in
+    spandrel) was refused ("smaller than the 2x2 px ESRGAN accepts; enlarge it first"), while ComfyUI's own
+    ImageUpscaleWithModel upscales it: spandrel pads to the minimum and crops the output. Now padded the same way."""
+    if kind == "minimum16":  # a spandrel-style architecture with SizeRequirements(minimum=16)
+        up = Upscaler(build_upscaler(_COMPACT).module, "spandrel:minimum", 2, min_size=16)
+        ref_net, scale, minimum, m = (lambda x: H.ref_compact(_COMPACT, x)), 2, 16, 1
+    elif kind == "rrdb":
+        up = build_upscaler(_RRDB)
+        ref_net, scale, minimum, m = (lambda x: H.ref_rrdb(_RRDB, x)), 2, 2, 1  # spandrel: ESRGAN minimum 2
+    else:
+        up = build_upscaler(_RRDB_X1)
+        ref_net, scale, minimum, m = (lambda x: H.ref_rrdb(_RRDB_X1, x, 4)), 1, 4, 4
+    assert (up.min_size, up.multiple_of) == (minimum, m)
+    img = torch.rand(2, h, w, 3, generator=torch.Generator().manual_seed(h * 31 + w))
+    out = upscale_images(up, img, device="cpu", quiet=True)
+    assert out.shape == (2, h * scale, w * scale, 3)
+    ref = ref_net(_spandrel_pad_min(img.permute(0, 3, 1, 2), minimum, m))[..., : h * scale, : w * scale]
+    # fp32 rounding of small nets is ~1e-7; another padding (zeros, or none) moves these pixels by O(0.1)
+    torch.testing.assert_close(out, ref.clamp(0, 1).permute(0, 2, 3, 1), atol=1e-5, rtol=0)
+
+
+def _alpha_ref(alpha: torch.Tensor, size) -> torch.Tensor:
+    """The alpha channel [B, H, W, 1] resized as realesrgan-ncnn-vulkan does (bicubic), antialiased like the
+    node's output_scale; plain torch, not the runner's helper."""
+    a = alpha.permute(0, 3, 1, 2)
+    if tuple(a.shape[-2:]) != tuple(size):
+        a = F.interpolate(a, size=size, mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
+    return a.permute(0, 2, 3, 1)
+
+
+@pytest.mark.parametrize("sd,output_scale,tile", [(_COMPACT, 0.0, 0), (_COMPACT, 0.0, 32), (_COMPACT, 1.5, 0),
+                                                   (_RRDB_X1, 0.0, 0)], ids=["x2", "x2-tiled", "x2-to-1.5", "x1"])
+def test_rgba_image_keeps_its_alpha(sd, output_scale, tile):
+    """An RGBA IMAGE (core JoinImageWithAlpha) was refused ("image has 4 channels, ... drop the alpha channel"),
+    and ComfyUI's own upscale node fails on it inside a convolution. Now the colour runs through the model exactly
+    as the RGB image does, and the alpha is resized alongside (bicubic, as realesrgan-ncnn-vulkan does)."""
+    up = build_upscaler(sd)
+    rgba = torch.rand(2, 37, 45, 4, generator=torch.Generator().manual_seed(5))
+    before = rgba.clone()
+    out = upscale_images(up, rgba, output_scale=output_scale, device="cpu", tile_size=tile, tile_overlap=8,
+                         quiet=True)
+    rgb = upscale_images(up, rgba[..., :3].contiguous(), output_scale=output_scale, device="cpu", tile_size=tile,
+                         tile_overlap=8, quiet=True)
+    assert out.shape == rgb.shape[:3] + (4,)
+    assert torch.equal(out[..., :3], rgb)
+    torch.testing.assert_close(out[..., 3:], _alpha_ref(rgba[..., 3:], rgb.shape[1:3]), atol=1e-6, rtol=0)
+    assert torch.equal(rgba, before)
+
+
+def test_four_channel_model_takes_rgba_as_is():
+    """A model trained on 4 channels (spandrel loads such ESRGAN files) gets all four; nothing is split off."""
+    sd = H.random_compact(num_conv=1, scale=2, in_ch=4)
+    up = build_upscaler(sd)
+    assert (up.in_channels, up.out_channels) == (4, 4)
+    img = torch.rand(1, 11, 13, 4, generator=torch.Generator().manual_seed(2))
+    out = upscale_images(up, img, device="cpu", quiet=True)
+    ref = H.ref_compact(sd, img.permute(0, 3, 1, 2)).clamp(0, 1).permute(0, 2, 3, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)

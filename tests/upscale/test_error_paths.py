@@ -2,7 +2,10 @@
 
 Guards: inputs that need no model (the image's type, the numbers, the device and precision choices) are refused
 before the model file is read (the node read and built the upscaler first, then refused a bad tile size); the ncnn
-converter CLI reports a failed write in one line and leaves no file behind.
+converter CLI reports a failed write in one line and leaves no file behind. Session 19 (user-journey audit):
+weights holding NaN/inf are refused by name; a file of another kind (checkpoint, LoRA, VAE, ...) is named with
+the folder it belongs in; an unknown file says whether spandrel was asked; the converter refuses an output name
+the node would not read and says that a .pth needs no conversion.
 """
 import pytest
 import torch
@@ -62,3 +65,113 @@ def test_a_precision_the_architecture_cannot_run_is_refused(flag, precision, mat
     with pytest.raises(ValueError, match=match):
         upscale_images(up, IMAGE, device="cpu", precision=precision, quiet=True)
     assert upscale_images(up, IMAGE, device="cpu", precision="fp32", quiet=True).shape == (1, 64, 64, 3)
+
+
+@pytest.mark.parametrize("value,dtype,found", [(float("nan"), torch.float32, "1 NaN and 0 infinite"),
+                                                (float("inf"), torch.float16, "0 NaN and 1 infinite")])
+def test_weights_with_nan_or_inf_are_refused_by_name(tmp_path, value, dtype, found):
+    """An upscaler file holding a NaN or infinite weight (a diverged training run, an fp16 conversion that
+    overflowed) loaded and turned every upscaled image NaN, which Save Image writes black; LoRA files with such
+    tensors are refused since session 18. Now the upscaler file is too, naming the file and the tensor."""
+    from safetensors.torch import save_file
+
+    from leandiffusion.tests.upscale import helpers as H
+    from leandiffusion.upscale.loader import load_upscaler
+
+    sd = {k: v.to(dtype) for k, v in H.random_rrdb().items()}
+    sd["body.1.rdb2.conv3.weight"][0, 0, 1, 1] = value
+    path = tmp_path / "broken_x4.safetensors"
+    save_file(sd, str(path))
+    with pytest.raises(ValueError, match=rf"upscaler file {path}: 1 tensors hold NaN or infinite values "
+                                         rf"\(body.1.rdb2.conv3.weight has {found} of 576 values\); they would turn "
+                                         r"every upscaled image NaN \(black\) or noise; the file is corrupt .*: "
+                                         r"download the model again or use another one"):
+        load_upscaler(path)
+
+
+_SD1 = {"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4, 4, 3, 3),
+        "first_stage_model.decoder.conv_in.weight": torch.zeros(4, 4, 3, 3)}
+
+
+@pytest.mark.parametrize("sd,kind,folder", [
+    (_SD1, "a Stable Diffusion checkpoint", "checkpoints"),
+    ({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 8)}, "a LoRA", "loras"),
+    ({"unet.down_blocks.0.attentions.0.proj_in.lora_A.weight": torch.zeros(4, 8)}, "a LoRA", "loras"),
+    ({"encoder.conv_in.weight": torch.zeros(4, 3, 3, 3), "decoder.conv_in.weight": torch.zeros(4, 4, 3, 3)},
+     "a VAE", "vae"),
+    ({"control_model.input_blocks.0.0.weight": torch.zeros(4, 4, 3, 3)}, "a ControlNet", "controlnet"),
+    ({"text_model.embeddings.token_embedding.weight": torch.zeros(10, 4)}, "a text encoder", "text_encoders"),
+    ({"clip_l": torch.zeros(2, 768), "clip_g": torch.zeros(2, 1280)}, "a textual-inversion embedding", "embeddings"),
+])
+def test_a_model_of_another_kind_is_named_with_its_folder(tmp_path, sd, kind, folder):
+    """A checkpoint, LoRA, VAE ... saved into upscale_models was 'not a known upscaler (keys start [...])': the keys
+    but not what the file is or what to do. Now the error says what it looks like and which models folder it
+    belongs in."""
+    from safetensors.torch import save_file
+
+    from leandiffusion.upscale.loader import load_upscaler
+
+    path = tmp_path / "4x_Something.safetensors"
+    save_file(sd, str(path))
+    with pytest.raises(ValueError, match=rf"{path}: not an upscaler: it looks like {kind} \(key '.*'\); move it to "
+                                         rf"models/{folder} and choose an upscale model \(ESRGAN, Real-ESRGAN, ...\) "
+                                         r"here"):
+        load_upscaler(path)
+
+
+def test_an_unknown_architecture_says_whether_spandrel_was_asked(monkeypatch):
+    """The error for an unknown file always said 'plus every architecture spandrel knows when spandrel is installed
+    (it is inside ComfyUI)', even inside ComfyUI where spandrel had just refused it. Now it says which happened."""
+    import sys
+    import types
+
+    from leandiffusion.tests.kit.faults import refuse_import
+    from leandiffusion.upscale.loader import build_upscaler
+
+    sd = {"layers.0.residual_group.weight": torch.zeros(3, 3, 3, 3)}
+    fake = types.ModuleType("spandrel")
+    fake.__version__ = "0.4.2"
+    fake.UnsupportedModelError = type("UnsupportedModelError", (Exception,), {})
+
+    class Loader:
+        def load_from_state_dict(self, sd):
+            raise fake.UnsupportedModelError()
+
+    fake.ModelLoader = Loader
+    monkeypatch.setitem(sys.modules, "spandrel", fake)
+    with pytest.raises(ValueError, match=r"x.pth: not a known upscaler \(keys start \['layers.0.residual_group.weight'"
+                                         r"\]\); built in are ESRGAN/Real-ESRGAN RRDBNet and SRVGGNetCompact, and "
+                                         r"spandrel 0.4.2 \(ComfyUI's upscale-model library\) does not know it "
+                                         r"either, so ComfyUI's Load Upscale Model refuses it too"):
+        build_upscaler(sd, source="x.pth")
+    monkeypatch.delitem(sys.modules, "spandrel")
+    refuse_import(monkeypatch, "spandrel")
+    with pytest.raises(ValueError, match=r"and spandrel, which loads the other architectures \(SwinIR, HAT, DAT, "
+                                         r"...\), is not installed in this Python \(it is inside ComfyUI\)"):
+        build_upscaler(sd, source="x.pth")
+
+
+@pytest.mark.parametrize("out_name", ["model.pth", "model"])
+def test_converter_refuses_an_output_name_the_node_would_not_read(ncnn_dir, tmp_path, capsys, out_name):
+    """The converter wrote safetensors bytes under any name: 'x.pth' was then listed by ESRGAN Upscale and refused
+    as "not a torch weights file ... Re-download it", a name without extension was not listed at all. Now the CLI
+    says to name the output *.safetensors, and writes nothing."""
+    from leandiffusion.upscale import convert_ncnn
+
+    rc = convert_ncnn.main([str(ncnn_dir / "REALESRGAN_ANIMAVIDEOV3_UP4X.param"), str(tmp_path / out_name)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: output {tmp_path / out_name}: the converter writes safetensors; name "
+                                      f"the output file *.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_converter_given_an_upscaler_file_says_it_needs_no_conversion(tmp_path):
+    """Given a .pth (a user converting a model that is already PyTorch), the converter said 'ncnn file x.bin does
+    not exist'. Now it says the file is not an ncnn .param and needs no conversion."""
+    from leandiffusion.upscale import convert_ncnn
+
+    path = tmp_path / "4x-UltraSharp.pth"
+    path.write_bytes(b"PK")
+    with pytest.raises(ValueError, match=rf"{path}: not an ncnn .param file; .* \(a .pth or .safetensors upscaler "
+                                         r"needs no conversion: put it in models/upscale_models\)"):
+        convert_ncnn.convert(path)

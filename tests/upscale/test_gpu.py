@@ -47,6 +47,20 @@ def test_rrdb_unshuffle_gpu_matches_cpu():
     assert (out - ref).abs().max().item() <= TOLERANCE["fp32"][0]
 
 
+@pytest.mark.parametrize("shape,tile", [((2, 37, 45, 4), 32), ((2, 37, 45, 4), 0), ((1, 1, 40, 3), 0)],
+                         ids=["rgba-tiled", "rgba-one-piece", "1px-row"])
+def test_rgba_and_tiny_images_on_the_gpu_match_cpu(shape, tile):
+    """Session 19: an RGBA image's colour goes through the pinned stager into a strided view of the RGBA output
+    (one piece: written in place), and an image under the model's smallest side (ESRGAN: 2 px) is padded first;
+    both as on the CPU."""
+    up = build_upscaler(H.random_rrdb(num_feat=16, num_block=1, grow=8))
+    img = torch.rand(*shape, generator=torch.Generator().manual_seed(11))
+    ref = upscale_images(up, img, device="cpu", tile_size=tile, tile_overlap=8, quiet=True)
+    out = upscale_images(up, img, device="gpu", precision="fp32", tile_size=tile, tile_overlap=8, quiet=True)
+    assert out.shape == ref.shape == (shape[0], 4 * shape[1], 4 * shape[2], shape[3])
+    assert (out - ref).abs().max().item() <= TOLERANCE["fp32"][0]
+
+
 class _OomAbove(torch.nn.Module):
     def __init__(self, inner, limit):
         super().__init__()
