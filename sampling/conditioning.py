@@ -13,7 +13,9 @@ How ComfyUI 0.3.64 uses a single pair for SD1/SD2/SDXL (``comfy/samplers.py enco
   top-left, target size); the pooled output feeds the added embedding;
 - a cond and an uncond of different lengths are batched by repeating each along the sequence axis to the least
   common multiple of the lengths: cross-attention over a sequence repeated r times is exactly the attention over
-  the original (every key's softmax weight is split evenly over its r copies), so this changes nothing.
+  the original (every key's softmax weight is split evenly over its r copies), so this changes nothing;
+- time ids are float32 at every weight dtype (``memory.engine.TIME_IDS_DTYPE``): ComfyUI embeds the sizes from
+  float32 values, and bf16 would turn 3000 into 3008 (fp16: 2049 into 2048), another sinusoid, another picture.
 
 Entries that need ComfyUI's own sampler machinery (several pairs = ConditioningCombine averaging, areas, masks,
 ControlNet, GLIGEN, hooks, timestep ranges, non-unit strength, unCLIP) raise ``ValueError`` naming the key.
@@ -27,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..memory.engine import LeanEngine, PromptEmbeds
+from ..memory.engine import TIME_IDS_DTYPE, LeanEngine, PromptEmbeds
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +83,15 @@ def _expected_dims(engine: LeanEngine) -> tuple[Optional[int], Optional[int]]:
 
 def time_ids_from_sizes(values: dict, width: Optional[int], height: Optional[int], batch: int,
                         engine: LeanEngine) -> Optional[torch.Tensor]:
-    """SDXL time ids [batch, 6] as ComfyUI builds them from ``values`` with image-size defaults."""
+    """SDXL time ids [batch, 6] as ComfyUI builds them from ``values`` with image-size defaults; float32 at every
+    weight dtype (``TIME_IDS_DTYPE``), so every size is the number ComfyUI's SDXL model embeds."""
     w = values.get("width", width)
     h = values.get("height", height)
     if w is None or h is None:
         return None
     row = [h, w, values.get("crop_h", 0), values.get("crop_w", 0), values.get("target_height", h),
            values.get("target_width", w)]
-    ids = torch.tensor([[float(v) for v in row]], dtype=engine.dtype, device=engine.device)
+    ids = torch.tensor([[float(v) for v in row]], dtype=TIME_IDS_DTYPE, device=engine.device)
     return ids.repeat(batch, 1)
 
 

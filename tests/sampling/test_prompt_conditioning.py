@@ -5,6 +5,7 @@ import torch
 from leandiffusion.sampling.conditioning import from_conditioning, match_lengths, repeat_to_batch, to_conditioning
 from leandiffusion.sampling.prompt_encoder import PromptCache, encode_texts
 from leandiffusion.sampling.prompts import encode_for_sampler
+from leandiffusion.tests.kit import tiny_engine
 
 
 def test_repeat_to_batch_tiles_and_cuts():
@@ -116,3 +117,21 @@ def test_match_lengths_is_lcm():
 
     a, b = match_lengths(PromptEmbeds(torch.randn(1, 154, 4)), PromptEmbeds(torch.randn(1, 231, 4)))
     assert a.shape[1] == b.shape[1] == 462
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdxl_time_ids_are_the_exact_sizes_at_half_precision(dtype):
+    """Session-19 audit: the time ids were built in the weight dtype, so under bf16 CLIPTextEncodeSDXL's width 3000
+    became 3008, height 1001 became 1000 and crop_w 301 became 300 (fp16: crop_h 2049 became 2048), and a text
+    prompt at 4104 x 2056 pixels was conditioned as 4096 x 2048 (bf16): other sinusoids than ComfyUI's SDXL model
+    embeds (it builds them from float32 values), so another picture. The UNet's time projection computes in float32
+    whatever the ids' dtype, so float32 ids cost nothing."""
+    engine = tiny_engine("sdxl", dtype=dtype)
+    sizes = {"width": 3000, "height": 1001, "crop_w": 301, "crop_h": 2049, "target_width": 4100,
+             "target_height": 1080}
+    info = {"pooled_output": torch.randn(1, 128), **sizes}
+    cond, uncond = encode_for_sampler(engine, None, "", 2, positive_cond=[[torch.randn(1, 77, 192), info]],
+                                      width=4104, height=2056, cache=PromptCache())
+    assert cond.time_ids.tolist() == [[1001, 3000, 2049, 301, 1080, 4100]] * 2
+    assert uncond.time_ids.tolist() == [[2056, 4104, 0, 0, 2056, 4104]] * 2  # the text side: the image size
+    assert engine.time_ids(2056, 4104, 1).tolist() == [[2056, 4104, 0, 0, 2056, 4104]]  # the stream's text rows
