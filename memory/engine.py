@@ -27,6 +27,10 @@ from ..vae import untiled
 logger = logging.getLogger(__name__)
 
 STAGES = ("text", "unet", "vae")
+# SDXL's added time ids (sizes in pixels) stay float32 whatever the weight dtype: the UNet's time projection embeds
+# them in float32 anyway, and bf16 would round 3000 to 3008 (fp16: 2049 to 2048), a different sinusoid than the
+# size ComfyUI's SDXL model (and diffusers in fp32) embeds
+TIME_IDS_DTYPE = torch.float32
 
 
 @dataclass(frozen=True, eq=False)
@@ -240,8 +244,9 @@ class LeanEngine:
             return untiled.encode(vae, x).float().cpu()
 
     def time_ids(self, height: int, width: int, batch: int) -> torch.Tensor:
-        """SDXL added time ids: original size, crop top-left (0, 0), target size, as diffusers' pipeline does."""
-        ids = torch.tensor([[height, width, 0, 0, height, width]], dtype=self.dtype, device=self.device)
+        """SDXL added time ids: original size, crop top-left (0, 0), target size, as diffusers' pipeline does
+        (float32 at every weight dtype, ``TIME_IDS_DTYPE``)."""
+        ids = torch.tensor([[height, width, 0, 0, height, width]], dtype=TIME_IDS_DTYPE, device=self.device)
         return ids.repeat(batch, 1)
 
 

@@ -13,10 +13,14 @@ How ComfyUI 0.3.64 uses a single pair for SD1/SD2/SDXL (``comfy/samplers.py enco
   top-left, target size); the pooled output feeds the added embedding;
 - a cond and an uncond of different lengths are batched by repeating each along the sequence axis to the least
   common multiple of the lengths: cross-attention over a sequence repeated r times is exactly the attention over
-  the original (every key's softmax weight is split evenly over its r copies), so this changes nothing.
+  the original (every key's softmax weight is split evenly over its r copies), so this changes nothing;
+- time ids are float32 at every weight dtype (``memory.engine.TIME_IDS_DTYPE``): ComfyUI embeds the sizes from
+  float32 values, and bf16 would turn 3000 into 3008 (fp16: 2049 into 2048), another sinusoid, another picture.
 
 Entries that need ComfyUI's own sampler machinery (several pairs = ConditioningCombine averaging, areas, masks,
-ControlNet, GLIGEN, hooks, timestep ranges, non-unit strength, unCLIP) raise ``ValueError`` naming the key.
+ControlNet, GLIGEN, hooks, timestep ranges, non-unit strength, unCLIP, style-model attention masks) and keys an SDXL
+base model has no input for (the refiner's ``aesthetic_score``) raise ``ValueError`` before any model runs, naming
+the input, the keys and the ComfyUI node that wrote them (``KEY_SOURCES``), and the fix.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..memory.engine import LeanEngine, PromptEmbeds
+from ..memory.engine import TIME_IDS_DTYPE, LeanEngine, PromptEmbeds
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,21 @@ SIZE_KEYS = ("width", "height", "crop_w", "crop_h", "target_width", "target_heig
 # keys whose given values are what a plain pair means anyway
 NEUTRAL_VALUES = {"strength": 1.0, "start_percent": 0.0, "end_percent": 1.0, "clip_start_percent": 0.0,
                   "clip_end_percent": 1.0}
+# the ComfyUI 0.3.64 nodes that write each refused key (nodes.py, comfy_extras/, comfy/hooks.py), named in the refusal
+_AREA, _MASK, _CONTROL = ("ConditioningSetArea / ConditioningSetAreaPercentage", "ConditioningSetMask",
+                          "ControlNetApply / ControlNetApplyAdvanced")
+_HOOKS, _STYLE = "SetClipHooks / ConditioningSetProperties (hooks)", "StyleModelApply (attn_bias strength)"
+KEY_SOURCES = {
+    "area": _AREA, "set_area_to_bounds": f"{_AREA} / {_MASK}", "strength": "ConditioningSetAreaStrength",
+    "mask": _MASK, "mask_strength": _MASK, "start_percent": "ConditioningSetTimestepRange",
+    "end_percent": "ConditioningSetTimestepRange", "control": _CONTROL, "control_apply_to_uncond": _CONTROL,
+    "gligen": "GLIGENTextBoxApply", "unclip_conditioning": "unCLIPConditioning", "attention_mask": _STYLE,
+    "attention_mask_img_shape": _STYLE, "hooks": _HOOKS, "clip_start_percent": _HOOKS, "clip_end_percent": _HOOKS,
+    "default": "ConditioningSetDefaultCombine", "concat_latent_image": "InpaintModelConditioning",
+    "concat_mask": "InpaintModelConditioning", "aesthetic_score": "CLIPTextEncodeSDXLRefiner",
+}
+# keys those nodes write only next to a main one (named alone only when the main key is absent)
+_COMPANIONS = {"set_area_to_bounds", "mask_strength", "control_apply_to_uncond", "attention_mask_img_shape"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,14 +100,15 @@ def _expected_dims(engine: LeanEngine) -> tuple[Optional[int], Optional[int]]:
 
 def time_ids_from_sizes(values: dict, width: Optional[int], height: Optional[int], batch: int,
                         engine: LeanEngine) -> Optional[torch.Tensor]:
-    """SDXL time ids [batch, 6] as ComfyUI builds them from ``values`` with image-size defaults."""
+    """SDXL time ids [batch, 6] as ComfyUI builds them from ``values`` with image-size defaults; float32 at every
+    weight dtype (``TIME_IDS_DTYPE``), so every size is the number ComfyUI's SDXL model embeds."""
     w = values.get("width", width)
     h = values.get("height", height)
     if w is None or h is None:
         return None
     row = [h, w, values.get("crop_h", 0), values.get("crop_w", 0), values.get("target_height", h),
            values.get("target_width", w)]
-    ids = torch.tensor([[float(v) for v in row]], dtype=engine.dtype, device=engine.device)
+    ids = torch.tensor([[float(v) for v in row]], dtype=TIME_IDS_DTYPE, device=engine.device)
     return ids.repeat(batch, 1)
 
 
@@ -100,9 +120,10 @@ def single_pair(conditioning: Any, input_name: str = "positive_cond") -> tuple[t
                         f"got {type(conditioning).__name__}")
     if len(conditioning) != 1:
         raise ValueError(
-            f"{input_name}: got a CONDITIONING with {len(conditioning)} entries (e.g. from ConditioningCombine or "
-            f"scheduled CLIP hooks); LeanDiffusion samplers take a single entry: use ConditioningConcat or one "
-            f"text encode, or ComfyUI's KSampler for combined conditioning")
+            f"{input_name}: got a CONDITIONING with {len(conditioning)} entries (from ConditioningCombine, or a text "
+            f"encode with scheduled CLIP hooks), whose predictions ComfyUI's KSampler averages; LeanDiffusion "
+            f"samplers take a single entry. Connect one text encode (ConditioningConcat / ConditioningAverage make "
+            f"one entry of two prompts, but not the same picture), or sample with ComfyUI's KSampler")
     entry = conditioning[0]
     if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not torch.is_tensor(entry[0]) \
             or not isinstance(entry[1], dict):
@@ -112,6 +133,37 @@ def single_pair(conditioning: Any, input_name: str = "positive_cond") -> tuple[t
         raise ValueError(f"{input_name}: the conditioning tensor must be [batch, tokens, channels], "
                          f"got shape {tuple(cond.shape)}")
     return cond, extras
+
+
+def _describe(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return f"{value!r:.40}"
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (int, float, str)) for v in value):
+        return f"{value!r:.60}"
+    return f"a {type(value).__name__}"
+
+
+def _check_keys(extras: dict, input_name: str) -> None:
+    """Refuse every key the samplers cannot honour (module docstring), naming the nodes that wrote them."""
+    refused = [k for k, v in extras.items() if k not in SIZE_KEYS and k != "pooled_output"
+               and not (k in NEUTRAL_VALUES and v == NEUTRAL_VALUES[k])]
+    if not refused:
+        return
+    if refused == ["aesthetic_score"]:
+        raise ValueError(
+            f"{input_name}: the CONDITIONING carries 'aesthetic_score'={_describe(extras['aesthetic_score'])} (from "
+            f"CLIPTextEncodeSDXLRefiner), an input of the SDXL refiner; LeanDiffusion runs SDXL base models, which "
+            f"have no aesthetic-score conditioning (ComfyUI's KSampler ignores it on them). Encode the prompt with "
+            f"CLIPTextEncodeSDXL (its sizes are used) or CLIPTextEncode instead")
+    named = [k for k in refused if k not in _COMPANIONS] or refused
+    keys = ", ".join(f"{k!r}={_describe(extras[k])}" for k in named)
+    nodes = "; ".join(dict.fromkeys(KEY_SOURCES.get(k, "a node unknown to LeanDiffusion") for k in named))
+    raise ValueError(
+        f"{input_name}: the CONDITIONING carries {keys} (written by {nodes}), which LeanDiffusion samplers do not "
+        f"support: they sample one plain text conditioning per side. Remove that node before {input_name}, or "
+        f"sample this CONDITIONING with ComfyUI's KSampler")
 
 
 def _warn_unapplied_text_lora(engine: LeanEngine, input_name: str) -> None:
@@ -133,16 +185,8 @@ def from_conditioning(conditioning: Any, engine: LeanEngine, batch: int, *, widt
     """One CONDITIONING -> :class:`SamplerConditioning` for ``engine`` with ``batch`` rows (the pair's rows tiled or
     cut to ``batch``, as ComfyUI's ``repeat_to_batch_size``)."""
     cond, extras = single_pair(conditioning, input_name)
+    _check_keys(extras, input_name)
     _warn_unapplied_text_lora(engine, input_name)
-    for key, value in extras.items():
-        if key in SIZE_KEYS or key == "pooled_output":
-            continue
-        if key in NEUTRAL_VALUES and value == NEUTRAL_VALUES[key]:
-            continue
-        raise ValueError(
-            f"{input_name}: the CONDITIONING carries {key!r}={value!r:.60}, which LeanDiffusion samplers do not "
-            f"support (areas, masks, ControlNet, GLIGEN, hooks, timestep ranges, strength); use ComfyUI's KSampler "
-            f"for it, or remove that node")
     cross, pooled_dim = _expected_dims(engine)
     if cross is not None and cond.shape[-1] != cross:
         raise ValueError(

@@ -50,6 +50,22 @@ def strict_fp32():
         yield
 
 
+@pytest.fixture
+def opened_sessions(monkeypatch):
+    """The stages of every ``LeanEngine.session`` opened during the test, in order (refusal tests expect none)."""
+    from leandiffusion.memory.engine import LeanEngine
+
+    opened = []
+    real = LeanEngine.session
+
+    def session(self, stage):
+        opened.append(stage)
+        return real(self, stage)
+
+    monkeypatch.setattr(LeanEngine, "session", session)
+    return opened
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -13,6 +13,10 @@ so the test runs cfg 2.5 (~2e-5 expected) to keep the bound meaningful with marg
 or final norm, a wrong pad token or a truncated long prompt moves the conditioning by O(0.1-1) and the latents by
 > 1e-2 (the guard test measures one such change).
 
+``embedding:NAME`` (session-19 audit): a random 2-vector textual inversion in the server's ``embeddings`` folder, read
+by ComfyUI's tokenizer on the CLIPTextEncode path and by the pack's encoder on the string path (the pack refuses an
+unknown name, ComfyUI drops it with a warning, so equal latents mean both used it).
+
 The prompts avoid ``[x]`` and ``BREAK``: the pack's strings read them as de-emphasis / chunk break (its extended
 syntax), ComfyUI core reads them as text (docs/prompts.md). A guard test checks the paths really differ when the
 prompt does change (a comparison that could not fail would prove nothing).
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from leandiffusion.runner.cli import main
 from leandiffusion.runner.errors import EXIT_OK
@@ -95,3 +99,22 @@ def test_prompt_comparison_can_fail(comfyui, clip_l_model_files, tmp_path, recor
     diff = (from_cond - from_text).abs().max().item()
     record_property("max_abs_latent_diff", diff)
     assert diff > 100 * TOL
+
+
+@pytest.fixture(scope="module")
+def embedding_file(comfyui):
+    """``embeddings/lean_style.safetensors``: 2 random vectors of CLIP-L's width (kohya ``emb_params`` layout)."""
+    folder = comfyui.models_dir / "embeddings"
+    folder.mkdir(exist_ok=True)
+    g = torch.Generator().manual_seed(11)
+    save_file({"emb_params": torch.randn(2, 768, generator=g) * 0.02}, str(folder / "lean_style.safetensors"))
+
+
+def test_clip_text_encode_embedding_matches_prompt_strings(comfyui, clip_l_model_files, embedding_file, tmp_path,
+                                                           record_property):
+    texts = ("a photo of embedding:lean_style on a (red cube:1.2)", "embedding:lean_style, blurry")
+    from_cond, from_text = _run_pair(comfyui, tmp_path, texts, texts)
+    diff = (from_cond - from_text).abs().max().item()
+    record_property("max_abs_latent_diff", diff)
+    assert "lean_style does not exist" not in comfyui.log_text()
+    assert diff <= TOL, f"embedding: CLIPTextEncode vs prompt strings, max abs latent diff {diff:.3g} > {TOL}"

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import leandiffusion.sampling.stream.decode as stream_decode
-from leandiffusion.memory.engine import LeanEngine
 from leandiffusion.nodes.sampler import LeanFusedDDIMSampler
 from leandiffusion.sampling.prompt_encoder import PROMPT_CACHE
 from leandiffusion.sampling.stream.scheduler import run_stream
@@ -33,21 +32,13 @@ WRONG_WIDTH = [[torch.zeros(1, 77, 192), {"pooled_output": torch.zeros(1, 128)}]
 
 
 @pytest.mark.parametrize("side", ["positive_cond", "negative_cond"])
-def test_wrong_conditioning_is_refused_before_any_text_session(engine, monkeypatch, side):
-    opened = []
-    real = LeanEngine.session
-
-    def session(self, stage):
-        opened.append(stage)
-        return real(self, stage)
-
-    monkeypatch.setattr(LeanEngine, "session", session)
+def test_wrong_conditioning_is_refused_before_any_text_session(engine, opened_sessions, side):
     PROMPT_CACHE.clear()  # a cached prompt would hide the encoding
     args = dict(lean_model=engine, positive="a boat", negative="fog", seed=1, steps=2, cfg=5.0, eta=0.0, width=64,
                 height=64, batch_size=1, timestep_spacing="leading", cfg_mode="batched", acceleration="none")
     with pytest.raises(ValueError, match=f"{side}: the conditioning has 192 channels but the sd1 model expects 64"):
         LeanFusedDDIMSampler().run(**args, **{side: WRONG_WIDTH})
-    assert opened == [], f"sessions opened before the error: {opened}"
+    assert opened_sessions == [], f"sessions opened before the error: {opened_sessions}"
 
 
 def test_stream_tiled_decode_releases_the_failed_attempt_before_retrying(engine, monkeypatch):

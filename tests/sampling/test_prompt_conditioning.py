@@ -5,6 +5,7 @@ import torch
 from leandiffusion.sampling.conditioning import from_conditioning, match_lengths, repeat_to_batch, to_conditioning
 from leandiffusion.sampling.prompt_encoder import PromptCache, encode_texts
 from leandiffusion.sampling.prompts import encode_for_sampler
+from leandiffusion.tests.kit import tiny_engine
 
 
 def test_repeat_to_batch_tiles_and_cuts():
@@ -116,3 +117,75 @@ def test_match_lengths_is_lcm():
 
     a, b = match_lengths(PromptEmbeds(torch.randn(1, 154, 4)), PromptEmbeds(torch.randn(1, 231, 4)))
     assert a.shape[1] == b.shape[1] == 462
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdxl_time_ids_are_the_exact_sizes_at_half_precision(dtype):
+    """Session-19 audit: the time ids were built in the weight dtype, so under bf16 CLIPTextEncodeSDXL's width 3000
+    became 3008, height 1001 became 1000 and crop_w 301 became 300 (fp16: crop_h 2049 became 2048), and a text
+    prompt at 4104 x 2056 pixels was conditioned as 4096 x 2048 (bf16): other sinusoids than ComfyUI's SDXL model
+    embeds (it builds them from float32 values), so another picture. The UNet's time projection computes in float32
+    whatever the ids' dtype, so float32 ids cost nothing."""
+    engine = tiny_engine("sdxl", dtype=dtype)
+    sizes = {"width": 3000, "height": 1001, "crop_w": 301, "crop_h": 2049, "target_width": 4100,
+             "target_height": 1080}
+    info = {"pooled_output": torch.randn(1, 128), **sizes}
+    cond, uncond = encode_for_sampler(engine, None, "", 2, positive_cond=[[torch.randn(1, 77, 192), info]],
+                                      width=4104, height=2056, cache=PromptCache())
+    assert cond.time_ids.tolist() == [[1001, 3000, 2049, 301, 1080, 4100]] * 2
+    assert uncond.time_ids.tolist() == [[2056, 4104, 0, 0, 2056, 4104]] * 2  # the text side: the image size
+    assert engine.time_ids(2056, 4104, 1).tolist() == [[2056, 4104, 0, 0, 2056, 4104]]  # the stream's text rows
+
+
+# what ComfyUI 0.3.64's nodes write into a CONDITIONING's dict (nodes.py, comfy_extras/nodes_clip_sdxl.py,
+# comfy/hooks.py); each must be refused naming the input, the node and the fix, never shown as a tensor dump
+class ControlNet:  # stands for comfy.controlnet.ControlNet (only its type name reaches the message)
+    pass
+
+
+REFUSED_NODE_OUTPUTS = {
+    "ConditioningSetArea": {"area": (8, 8, 0, 0), "strength": 1.0, "set_area_to_bounds": False},
+    "ConditioningSetAreaPercentage": {"area": ("percentage", 1.0, 1.0, 0, 0), "strength": 1.0,
+                                      "set_area_to_bounds": False},
+    "ConditioningSetAreaStrength": {"strength": 0.5},
+    "ConditioningSetMask": {"mask": torch.ones(1, 8, 8), "set_area_to_bounds": False, "mask_strength": 1.0},
+    "ConditioningSetTimestepRange": {"start_percent": 0.2, "end_percent": 1.0},
+    "ControlNetApplyAdvanced": {"control": ControlNet(), "control_apply_to_uncond": False},
+    "GLIGENTextBoxApply": {"gligen": ("position", object(), [(torch.zeros(1, 64), 8, 8, 0, 0)])},
+    "unCLIPConditioning": {"unclip_conditioning": [{"clip_vision_output": object(), "strength": 1.0,
+                                                    "noise_augmentation": 0.0}]},
+    "StyleModelApply": {"attention_mask": torch.zeros(1, 86, 86, dtype=torch.float16),
+                        "attention_mask_img_shape": (1, 1)},
+    "SetClipHooks": {"hooks": object()},
+}
+
+
+@pytest.mark.parametrize("node", list(REFUSED_NODE_OUTPUTS))
+def test_refusal_names_the_node_and_the_fix(sdxl, node):
+    """Session-19 audit: the message named only the first key with a truncated repr (a mask or a style model's
+    attention mask printed as ``tensor([[[1., 1., ...`` over several lines) and a generic list of features, not the
+    node to remove."""
+    info = {"pooled_output": torch.randn(1, 128), **REFUSED_NODE_OUTPUTS[node]}
+    with pytest.raises(ValueError) as err:
+        from_conditioning([[torch.randn(1, 77, 192), info]], sdxl, 1, width=64, height=64, input_name="negative_cond")
+    message = str(err.value)
+    assert message.startswith("negative_cond: the CONDITIONING carries ")
+    assert node in message and "Remove that node before negative_cond" in message and "KSampler" in message
+    assert "tensor(" not in message and "\n" not in message and " at 0x" not in message
+
+
+def test_refiner_aesthetic_score_is_refused_with_the_base_model_fix(sdxl):
+    """CLIPTextEncodeSDXLRefiner's dict: ComfyUI's SDXL base model ignores aesthetic_score; the message must say so
+    and name CLIPTextEncodeSDXL, not a list of unrelated features (session-19 audit)."""
+    info = {"pooled_output": torch.randn(1, 128), "aesthetic_score": 6.0, "width": 1024, "height": 1024}
+    with pytest.raises(ValueError, match=r"positive_cond: the CONDITIONING carries 'aesthetic_score'=6.0 \(from "
+                                         r"CLIPTextEncodeSDXLRefiner\), an input of the SDXL refiner.*"
+                                         r"Encode the prompt with CLIPTextEncodeSDXL"):
+        from_conditioning([[torch.randn(1, 77, 192), info]], sdxl, 1)
+
+
+def test_sd1_conditioning_on_sdxl_is_refused(sdxl):
+    """A CLIP-L-only CONDITIONING (SD1: no pooled projection the SDXL UNet can use) on an SDXL engine."""
+    with pytest.raises(ValueError, match=r"positive_cond: the conditioning has 64 channels but the sdxl model "
+                                         r"expects 192; encode the text with this model's CLIP"):
+        from_conditioning([[torch.randn(1, 77, 64), {"pooled_output": torch.randn(1, 64)}]], sdxl, 1)
