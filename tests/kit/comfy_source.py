@@ -6,7 +6,9 @@ precede the first import of ``comfy.model_management``).
 """
 import os
 import sys
+from contextlib import contextmanager
 
+import pytest
 import torch
 
 
@@ -20,3 +22,18 @@ def use_comfyui_source() -> str:
 
         comfy.cli_args.args.cpu = True
     return path
+
+
+@contextmanager
+def comfyui_imports():
+    """``use_comfyui_source()``, then the ``comfy.*`` imports of the ``with`` body. A requirement of ComfyUI that this
+    interpreter lacks (e.g. ``einops``: the pack's test extra does not install ComfyUI's requirements) skips the
+    test with its name and the fix, instead of an error; a missing ``comfy`` module is still an error."""
+    use_comfyui_source()
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if (exc.name or "comfy").split(".")[0] == "comfy":
+            raise
+        pytest.skip(f"COMFYUI_PATH is set, but ComfyUI's requirement {exc.name!r} is not installed in this "
+                    f"interpreter ({sys.executable}): install ComfyUI's requirements.txt into it to run this comparison")

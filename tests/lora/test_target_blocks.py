@@ -23,7 +23,7 @@ from leandiffusion.lora.keymap import Target, targetable_modules
 from leandiffusion.lora.targets import filter_targets
 from leandiffusion.tests.kit import tiny_engine
 from leandiffusion.tests.lora import lorafiles as lf
-from leandiffusion.tests.kit.comfy_source import use_comfyui_source
+from leandiffusion.tests.kit.comfy_source import comfyui_imports
 
 TOL = 1e-5
 UNET_ALL = re.compile(lf.ATTN_FF.pattern + "|" + lf.LOCON.pattern)
@@ -136,8 +136,8 @@ def _comfy_unet_config(cfg) -> dict:
 @pytest.mark.comfyui
 @pytest.mark.parametrize("kind", ["sd15", "sdxl", "tiny_sd1", "tiny_sdxl"])
 def test_ldm_selectors_follow_comfyui_key_map(kind):
-    use_comfyui_source()
-    import comfy.utils
+    with comfyui_imports():
+        import comfy.utils
     from diffusers import UNet2DConditionModel
 
     from leandiffusion.bench.models import SD15_UNET, SDXL_UNET

@@ -33,7 +33,7 @@ from leandiffusion.memory.ldm import load_ldm_checkpoint, read_header
 from leandiffusion.sampling import ddim
 from leandiffusion.tests.kit import ldm_state_dict, tiny_components, tiny_tokenizer_dir
 from leandiffusion.tests.kit.ldm import unet_to_ldm
-from leandiffusion.tests.kit.comfy_source import use_comfyui_source
+from leandiffusion.tests.kit.comfy_source import comfyui_imports
 
 TOL = 1e-5
 SD2_PROBE = "model.diffusion_model.output_blocks.11.1.transformer_blocks.0.norm1.bias"
@@ -93,14 +93,13 @@ def _without_torchvision():
 @pytest.fixture(scope="module")
 def comfy_models():
     """``comfy.supported_models`` and ``comfy.model_base`` from COMFYUI_PATH (ComfyUI's detection code)."""
-    use_comfyui_source()
     # import what the loader uses first, so nothing of it is imported while the torchvision stub is in place
     import diffusers.loaders.single_file_utils  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
     from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: F401
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer  # noqa: F401
 
-    with _without_torchvision():
+    with comfyui_imports(), _without_torchvision():
         import comfy.model_base
         import comfy.supported_models
     return comfy.supported_models, comfy.model_base

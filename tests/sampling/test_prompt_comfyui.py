@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from leandiffusion.sampling.prompt_encoder import encode_texts
 from leandiffusion.sampling.prompt_parser import parse_weights
 from leandiffusion.tests.kit import tiny_components, tiny_engine, tiny_tokenizer_dir
-from leandiffusion.tests.kit.comfy_source import use_comfyui_source
+from leandiffusion.tests.kit.comfy_source import comfyui_imports
 
 pytestmark = pytest.mark.comfyui
 TOL = 1e-5
@@ -33,9 +33,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def comfy():
-    use_comfyui_source()
-    import comfy.sd1_clip
-    import comfy.sdxl_clip
+    with comfyui_imports():
+        import comfy.sd1_clip
+        import comfy.sdxl_clip
 
     return comfy
 

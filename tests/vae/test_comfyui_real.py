@@ -11,15 +11,15 @@ from leandiffusion.tests.kit import tiny_components
 from leandiffusion.tests.vae.ldm_tree import FakeComfyVAE, ldm_from_diffusers
 from leandiffusion.vae.targets import from_comfy
 from leandiffusion.vae.tiled import tiled_decode, tiled_encode
-from leandiffusion.tests.kit.comfy_source import use_comfyui_source
+from leandiffusion.tests.kit.comfy_source import comfyui_imports
 
 pytestmark = pytest.mark.comfyui
 
 
 @pytest.fixture(scope="module")
 def comfy_ae():
-    use_comfyui_source()
-    from comfy.ldm.models.autoencoder import AutoencoderKL
+    with comfyui_imports():
+        from comfy.ldm.models.autoencoder import AutoencoderKL
 
     ddconfig = dict(double_z=True, z_channels=4, resolution=256, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 1, 2, 2],
                     num_res_blocks=1, attn_resolutions=[], dropout=0.0)
