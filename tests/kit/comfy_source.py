@@ -36,4 +36,5 @@ def comfyui_imports():
         if (exc.name or "comfy").split(".")[0] == "comfy":
             raise
         pytest.skip(f"COMFYUI_PATH is set, but ComfyUI's requirement {exc.name!r} is not installed in this "
-                    f"interpreter ({sys.executable}): install ComfyUI's requirements.txt into it to run this comparison")
+                    f"interpreter ({sys.executable}): install ComfyUI's requirements.txt into it to run this "
+                    f"comparison")
