@@ -262,10 +262,10 @@ def test_tiled_vae_matches_core_vae_decode_and_encode(comfyui, clip_l_model_file
     """Tiled VAE Decode / Encode (exact) against core VAE Decode / VAE Encode in one prompt, on the same VAE weights:
     the full-size SD VAE of the test checkpoint, as ComfyUI's Load Checkpoint gives it (``vae`` input) and as the
     Memory Pool Loader gives it (``lean_model``, fp32). Latents: a random 2 x 13 x 21 batch (odd sizes) from core
-    Load Latent, its second image through core Latent From Batch (batch_index 1) with a noise mask set, a strided
-    8 x 8 window of it from core Latent Crop, a 1-pixel-high 1 x 9 latent and core Empty Latent Image. Images: an
-    RGBA photograph of 77 x 131 px (neither side a multiple of 8: core crops to 72 x 128 about the centre) and its
-    inverse, batched.
+    Load Latent (128 px tiles), its second image through core Latent From Batch (batch_index 1) with a noise mask set
+    (automatic tile), a strided 8 x 8 window of the batch from core Latent Crop, a 1-pixel-high 1 x 9 latent and
+    core Empty Latent Image. Images: an RGBA photograph of 77 x 131 px (neither side a multiple of 8: core crops to
+    72 x 128 about the centre) and its inverse, batched.
 
     Decode tolerance: every pixel within 1/255 (core Image Blend 'difference' both ways, saved by Save Image, which
     floors 255 * |a - b|: all zero means |a - b| < 1/255; on this CPU the two differ by ~1e-5). Guard: the same
@@ -294,7 +294,7 @@ def test_tiled_vae_matches_core_vae_decode_and_encode(comfyui, clip_l_model_file
         "masked": {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["idx", 0], "mask": ["mask", 0]}},
         "crop": {"class_type": "LatentCrop", "inputs": {"samples": ["b2", 0], "width": 64, "height": 64, "x": 40,
                                                         "y": 16}},
-        "empty": {"class_type": "EmptyLatentImage", "inputs": {"width": 168, "height": 104, "batch_size": 1}},
+        "empty": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
         "photo": {"class_type": "LoadImage", "inputs": {"image": f"{prefix}.png"}},
         "inv": {"class_type": "ImageInvert", "inputs": {"image": ["photo", 0]}},
         "rgba1": {"class_type": "JoinImageWithAlpha", "inputs": {"image": ["photo", 0], "alpha": ["photo", 1]}},
@@ -309,11 +309,10 @@ def test_tiled_vae_matches_core_vae_decode_and_encode(comfyui, clip_l_model_file
                                                ("vae" if model is vae else "lean_model"): model}}
 
     decodes = {  # name: (latent, batch, {variant: our node})
-        "batch2": (["b2", 0], 2, {"vae128": ours("decode", ["b2", 0], vae, 128),
-                                  "vaeauto": ours("decode", ["b2", 0], vae, 0),
-                                  "engine": ours("decode", ["b2", 0], lean, 128),
-                                  "blend": ours("decode", ["b2", 0], vae, 128, "blend")}),
-        "index1masked": (["masked", 0], 1, {"vae": ours("decode", ["masked", 0], vae, 128)}),
+        "batch2": (["b2", 0], 2, {"vae": ours("decode", ["b2", 0], vae, 128),
+                                  "engine": ours("decode", ["b2", 0], lean, 128)}),
+        "index1masked": (["masked", 0], 1, {"vae": ours("decode", ["masked", 0], vae, 0),
+                                            "blend": ours("decode", ["masked", 0], vae, 128, "blend")}),
         "crop": (["crop", 0], 2, {"vae": ours("decode", ["crop", 0], vae, 128)}),
         "row1px": (["row", 0], 1, {"vae": ours("decode", ["row", 0], vae, 0),
                                    "engine": ours("decode", ["row", 0], lean, 0)}),
