@@ -8,11 +8,12 @@ _TILING = {
     "tile_size": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 32,
                           "tooltip": "Tile size in image pixels. 0 = auto: the largest tile that fits the free VRAM "
                                      "(and the loader's budget). Otherwise 128-4096. On out-of-memory the tile is "
-                                     "halved and retried down to 128 px."}),
+                                     "halved and retried down to 128 px; later images of the batch keep it."}),
     "overlap": ("INT", {"default": 64, "min": 0, "max": 512, "step": 8,
                         "tooltip": "Overlap between tiles in image pixels, used by 'blend' mode to cross-fade "
                                    "tiles. 'exact' mode computes its own halo and ignores it. The tile must be "
-                                   "larger than twice the overlap."}),
+                                   "larger than twice the overlap; an automatic tile smaller than that cross-fades "
+                                   "over just under half of it."}),
     "seam_mode": (list(SEAM_MODES), {"default": "exact",
                                      "tooltip": "exact: every GroupNorm uses whole-image statistics, so the result "
                                                 "equals an untiled decode (no seams, no tone shifts). blend: "

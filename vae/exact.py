@@ -75,6 +75,7 @@ class PlannedStage:
     out_shape: tuple
     out_on_device: bool
     out_groups: Optional[int]  # groups of the next stage's first GroupNorm (statistics to gather), or None
+    covers: int = 1  # stages of the program it runs (2: a resampler fused into the next block); progress units
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -109,17 +110,17 @@ def plan(program: Program, in_shape: tuple, cfg: ExactConfig) -> list[PlannedSta
         return in_dev + size + room <= cfg.budget_bytes
 
     while i < len(stages):
-        st = stages[i]
+        st, covers = stages[i], 1
         last = i == len(stages) - 1
         o = st.shapes(*shape)[-1] if st.kind == "chain" else shape
         fits = not last and fits_device(o, i)
         if not last and not fits and _is_resampler(st) and stages[i + 1].kind == "chain":
-            st = fuse(st, stages[i + 1])
+            st, covers = fuse(st, stages[i + 1]), 2
             i += 1
             last = i == len(stages) - 1
             o = st.shapes(*shape)[-1]
             fits = not last and fits_device(o, i)
-        out.append(PlannedStage(st, shape, o, fits, None))
+        out.append(PlannedStage(st, shape, o, fits, None, covers))
         in_dev = o[0] * o[1] * o[2] * eb if fits else 0
         shape = o
         i += 1
@@ -293,6 +294,8 @@ def run_exact(program: Program, sample_hwc: torch.Tensor, cfg: ExactConfig, head
     """Run ``program`` on one sample ``[H, W, C]`` (host tensor); returns the head's output ``[H', W', C']`` (host).
 
     ``head`` maps the last stage's output band (compute dtype) to the result (e.g. to a 0..1 image in fp32).
+    ``progress`` is called once per stage of ``program`` (twice after a fused resampler and block), so a caller
+    can count ``len(program.stages)`` units per sample whatever the plan.
     """
     streams = Streams(cfg.device, side=not cfg.strict_budget)
     h, w, c = sample_hwc.shape
@@ -337,5 +340,6 @@ def run_exact(program: Program, sample_hwc: torch.Tensor, cfg: ExactConfig, head
             # stage's new ones, and under a hard budget the memory held, not just the memory in use, must fit
             torch.cuda.empty_cache()
         if progress is not None:
-            progress()
+            for _ in range(ps.covers):
+                progress()
     return store.host_tensor()

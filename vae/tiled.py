@@ -11,7 +11,14 @@ Invariants
 - Memory: tiles are bounded by ``tile_size`` (image pixels; 0 = auto from the free VRAM and, under the loader's
   hard budget, from what the budget leaves: ``activation_budget``).
   On out-of-memory the tile (and the activation budget) is halved and the sample retried, down to 128 px; below
-  that a ``torch.OutOfMemoryError`` says what was tried. Nothing stays allocated after a failure.
+  that a ``torch.OutOfMemoryError`` says what was tried. The batch's later images start from the tile and budget
+  that worked. Nothing stays allocated after a failure, and an error (interruption included) returns nothing and
+  leaves neither the half-filled batch output nor the failed image's stores referenced by the exception.
+- ``blend`` cross-fades over ``overlap`` px, capped below half the tile (an automatic tile, or one halved after
+  out-of-memory, can be smaller than twice the overlap asked for; an explicit ``tile_size`` must exceed it).
+- Progress: one bar over the batch, one unit per stage of the VAE per image (exact) or per tile (blend). A retry
+  re-plans it (back to the finished images, out of the new tile's units for the rest), so it never passes its
+  total and ends at it.
 - The module is never changed; weights are placed by the caller's session (engine) or ComfyUI's loader.
 """
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import traceback
 from typing import Optional
 
 import torch
@@ -89,24 +97,38 @@ def _blend_tile(budget: int, dtype: torch.dtype, limit: int) -> int:
     return int(max(MIN_TILE, min(limit, (int(math.sqrt(px)) // 64) * 64)))
 
 
-def _units_per_image(program: Program, seam_mode: str, hw: tuple, tile: int, overlap: int, align: int) -> int:
-    """Progress units per image: one per stage (exact) or one per tile (blend; ``tile``/``overlap`` in input
-    units, as ``run_blend`` cuts them)."""
-    if seam_mode == "exact":
-        return len(program.stages)
+def _blend_overlap(tile: int, overlap: int) -> int:
+    """The cross-fade width a ``blend`` tile of ``tile`` px takes: ``overlap``, capped below half the tile. An
+    explicit ``tile_size`` is validated against the overlap; an automatic tile, or one halved after out-of-memory,
+    can be smaller than twice the overlap asked for (``axis_tiles`` needs a tile larger than its overlap)."""
+    return min(overlap, (tile - 1) // 2)
+
+
+def _blend_units(hw: tuple, tile: int, overlap: int, align: int) -> int:
+    """Tiles per image of ``run_blend`` (``hw``, ``tile``, ``overlap`` in its input units)."""
     return len(axis_tiles(hw[0], tile, overlap, align)) * len(axis_tiles(hw[1], tile, overlap, align))
 
 
-def _capped_ticks(bar, units: int):
-    """A progress callback for one image that advances ``bar`` at most ``units`` times (an out-of-memory retry
-    with smaller tiles runs more tiles/stages again; the bar must never pass its total)."""
-    done = [0]
+class _BatchProgress:
+    """One bar over a batch, ``units`` per image (exact: the program's stages; blend: the tiles). An image retried
+    after out-of-memory restarts with the units of its new tile, which every later image keeps: the bar is
+    re-planned back to the finished images' units, out of a total that counts the new units for this and every
+    later image, so it never passes its total and ends at it."""
 
-    def tick() -> None:
-        if done[0] < units:
-            done[0] += 1
-            bar.update(1)
-    return tick
+    def __init__(self, bar, images: int, units: int):
+        self.bar, self.images, self.units = bar, images, units
+        self.image = self.finished = 0  # images done, and their units
+
+    def tick(self) -> None:
+        self.bar.update(1)
+
+    def restart(self, units: int) -> None:
+        self.units = units
+        self.bar.set(self.finished, self.finished + units * (self.images - self.image))
+
+    def image_done(self) -> None:
+        self.image += 1
+        self.finished += self.units
 
 
 def _free_after_oom(device: torch.device) -> None:
@@ -115,11 +137,14 @@ def _free_after_oom(device: torch.device) -> None:
     bridge.soft_empty_cache()
 
 
-def _run_with_retry(run, tile: int, budget: int, device: torch.device, what: str):
+def _run_with_retry(run, tile: int, budget: int, device: torch.device, what: str, on_retry):
+    """``(run(tile, budget), tile, budget)``: on out-of-memory the tile and the budget are halved, ``on_retry(tile)``
+    is told and the run repeated, down to ``MIN_TILE``; returns the tile and budget that worked (the batch's later
+    images start from them)."""
     tried = []
     while True:
         try:
-            return run(tile, budget)
+            return run(tile, budget), tile, budget
         except _OOM as exc:
             tried.append(tile)
             error = str(exc)  # the text only: the exception's traceback would keep the failed attempt's tensors
@@ -130,6 +155,43 @@ def _run_with_retry(run, tile: int, budget: int, device: torch.device, what: str
                        f"Last error: {error}")
         tile, budget = max(MIN_TILE, tile // 2), max(budget // 2, MIN_ACTIVATION_BYTES)
         logger.warning("%s: out of memory; retrying with %d px tiles", what, tile)
+        on_retry(tile)
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames of ``exc``'s traceback (and of its cause / context): the interrupted
+    image's stores, device tensors among them, would stay alive for as long as the caller holds the exception."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def _run_batch(shape: tuple, run_one, units_for, tile: int, budget: int, device: torch.device, what: str,
+               quiet: bool) -> torch.Tensor:
+    """A new float32 host tensor of ``shape`` with ``out[i] = run_one(i, tile, budget, tick)`` for every image, under
+    one progress bar of ``units_for(tile)`` units per image (``_BatchProgress``), each image retried with smaller
+    tiles on out-of-memory (``_run_with_retry``). On any error, interruption included, nothing is returned and
+    neither the half-filled output nor the failed image's tensors stay referenced by the exception."""
+    out = torch.empty(shape, dtype=torch.float32)
+    b = shape[0]
+    try:
+        with bridge.ProgressBar(b * units_for(tile), what[:1].upper() + what[1:], quiet) as bar:
+            progress = _BatchProgress(bar, b, units_for(tile))
+            for i in range(b):
+                out[i], tile, budget = _run_with_retry(lambda t, bud, i=i: run_one(i, t, bud, progress.tick), tile,
+                                                       budget, device, what, lambda t: progress.restart(units_for(t)))
+                progress.image_done()
+    except BaseException as exc:  # re-raised: only releases what the traceback would otherwise keep alive
+        out = None  # this frame is still running, so _release_frames cannot clear it
+        _release_frames(exc)
+        raise
+    return out
+
+
+def _to_image(y: torch.Tensor) -> torch.Tensor:
+    return ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0)
 
 
 def _check_latents(latents, channels: int) -> torch.Tensor:
@@ -171,31 +233,21 @@ def tiled_decode(target: VaeTarget, latents: torch.Tensor, tile_size: int = 0, o
     f = program.factor
     with target.enter():
         budget = activation_budget(target, budget_bytes)
-        out = torch.empty((b, f * h, f * w, program.out_channels), dtype=torch.float32)
-        blend_tile = tile_size or _blend_tile(budget, target.dtype, max(f * h, f * w))
-        units = _units_per_image(program, seam_mode, (h, w), blend_tile // f, overlap // f, 1)
-        with bridge.ProgressBar(b * units, "Tiled VAE decode", quiet) as bar:
-            for i in range(b):
-                z = latents[i:i + 1].detach().float()
-                tick = _capped_ticks(bar, units)
-                if seam_mode == "exact":
-                    def run(tile, bud, z=z):
-                        cfg = ExactConfig(target.device, target.dtype, bud, tile)
-
-                        def head(y):
-                            return ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0)
-
-                        return run_exact(program, z[0].permute(1, 2, 0).contiguous(), cfg, head,
-                                         program.out_channels, tick)
-                    tile0 = tile_size or max(f * h, f * w)
-                else:
-                    def run(tile, bud, z=z, tick=tick):
-                        img = run_blend(target.decode_fn, z, tile // f, overlap // f, (f, 1), target.device,
-                                        target.dtype, progress=tick)
-                        return ((img[0] + 1.0) / 2.0).clamp_(0.0, 1.0).permute(1, 2, 0)
-                    tile0 = blend_tile
-                out[i] = _run_with_retry(run, tile0, budget, target.device, "tiled VAE decode")
-    return out
+        if seam_mode == "exact":
+            def run_one(i, tile, bud, tick):
+                cfg = ExactConfig(target.device, target.dtype, bud, tile)
+                z = latents[i].detach().float().permute(1, 2, 0).contiguous()
+                return run_exact(program, z, cfg, _to_image, program.out_channels, tick)
+            tile0, units_for = tile_size or max(f * h, f * w), lambda t: len(program.stages)
+        else:
+            def run_one(i, tile, bud, tick):
+                img = run_blend(target.decode_fn, latents[i:i + 1].detach().float(), tile // f,
+                                _blend_overlap(tile, overlap) // f, (f, 1), target.device, target.dtype, progress=tick)
+                return _to_image(img[0]).permute(1, 2, 0)
+            tile0 = tile_size or _blend_tile(budget, target.dtype, max(f * h, f * w))
+            units_for = lambda t: _blend_units((h, w), t // f, _blend_overlap(t, overlap) // f, 1)  # noqa: E731
+        return _run_batch((b, f * h, f * w, program.out_channels), run_one, units_for, tile0, budget, target.device,
+                          "tiled VAE decode", quiet)
 
 
 def _with_input_affine(program: Program) -> Program:
@@ -235,24 +287,18 @@ def tiled_encode(target: VaeTarget, pixels: torch.Tensor, tile_size: int = 0, ov
     enc_program = _with_input_affine(program)
     with target.enter():
         budget = activation_budget(target, budget_bytes)
-        out = torch.empty((b, lat, h // f, w // f), dtype=torch.float32)
-        blend_tile = tile_size or _blend_tile(budget, target.dtype, max(h, w))
-        units = _units_per_image(program, seam_mode, (h, w), blend_tile, overlap, f)
-        with bridge.ProgressBar(b * units, "Tiled VAE encode", quiet) as bar:
-            for i in range(b):
+        if seam_mode == "exact":
+            def run_one(i, tile, bud, tick):
+                cfg = ExactConfig(target.device, target.dtype, bud, tile)
                 x = pixels[i].detach().float().contiguous()
-                tick = _capped_ticks(bar, units)
-                if seam_mode == "exact":
-                    def run(tile, bud, x=x):
-                        cfg = ExactConfig(target.device, target.dtype, bud, tile)
-                        res = run_exact(enc_program, x, cfg, lambda y: y[:, :lat].float(), lat, tick)
-                        return res.permute(2, 0, 1)
-                    tile0 = tile_size or max(h, w)
-                else:
-                    def run(tile, bud, x=x, tick=tick):
-                        img = (x.permute(2, 0, 1)[None] * 2.0 - 1.0)
-                        return run_blend(target.encode_fn, img, tile, overlap, (1, f), target.device,
-                                         target.dtype, align=f, progress=tick)[0]
-                    tile0 = blend_tile
-                out[i] = _run_with_retry(run, tile0, budget, target.device, "tiled VAE encode")
-    return out
+                return run_exact(enc_program, x, cfg, lambda y: y[:, :lat].float(), lat, tick).permute(2, 0, 1)
+            tile0, units_for = tile_size or max(h, w), lambda t: len(program.stages)
+        else:
+            def run_one(i, tile, bud, tick):
+                img = pixels[i].detach().float().permute(2, 0, 1)[None] * 2.0 - 1.0
+                return run_blend(target.encode_fn, img, tile, _blend_overlap(tile, overlap), (1, f), target.device,
+                                 target.dtype, align=f, progress=tick)[0]
+            tile0 = tile_size or _blend_tile(budget, target.dtype, max(h, w))
+            units_for = lambda t: _blend_units((h, w), t, _blend_overlap(t, overlap), f)  # noqa: E731
+        return _run_batch((b, lat, h // f, w // f), run_one, units_for, tile0, budget, target.device,
+                          "tiled VAE encode", quiet)

@@ -12,8 +12,9 @@ Invariants
 - Tiled decoding (``decode_tile_size`` > 0, or automatically when an untiled decode does not fit or runs out of
   memory) uses the ``vae`` package's exact tiled executor on the LATENT rows (so it equals the Tiled VAE Decode
   node on this sampler's LATENT output, up to floating-point error); on out-of-memory it halves the tile down to
-  128 px, then raises what it tried. It is synchronous on the host (the tiled executor streams bands through host
-  memory), so it does not overlap the next batch's denoising; an untiled decode does.
+  128 px, then raises what it tried; the run's later images start from the tile (and budget) that worked. It is
+  synchronous on the host (the tiled executor streams bands through host memory), so it does not overlap the next
+  batch's denoising; an untiled decode does.
 - Deferred mode (``before_deferred`` given: a run under the loader's hard VRAM budget): ``submit`` only copies a
   batch's latents to page-locked host memory; ``drain`` calls ``before_deferred`` (the scheduler drops the run's
   CUDA graphs there, whose memory pools would otherwise stay reserved beside the decode) and then decodes every
@@ -79,6 +80,7 @@ class DecodeStage:
         self.scale = engine.parts.vae_scaling_factor
         self._queued = None  # (start, stop, device latents, event): waiting for its decode to be enqueued
         self._pending: list[_Pending] = []  # decodes enqueued, outputs not yet written
+        self._fit: Optional[tuple] = None  # (tile, budget) an out-of-memory retry found; later images start there
 
     # ----------------------------------------------------------------- the queue (bounded: one of each)
     def submit(self, start: int, stop: int, latents: torch.Tensor) -> None:
@@ -198,13 +200,18 @@ class DecodeStage:
         tried = []
         with target.enter():
             budget = activation_budget(target, self.decode_budget)
+            if self._fit is not None:
+                tile, budget = min(tile, self._fit[0]), min(budget, self._fit[1])
             while True:
                 error = None
                 try:
                     cfg = ExactConfig(target.device, target.dtype, budget, tile,
                                       strict_budget=self.decode_budget is not None)
-                    return run_exact(program, z, cfg, lambda y: ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0),
-                                     program.out_channels)
+                    image = run_exact(program, z, cfg, lambda y: ((y.float() + 1.0) / 2.0).clamp_(0.0, 1.0),
+                                      program.out_channels)
+                    if tried:
+                        self._fit = (tile, budget)
+                    return image
                 except _OOM as exc:
                     error = str(exc)  # the text only: the traceback would keep the failed attempt's tensors alive
                     tried.append(tile)

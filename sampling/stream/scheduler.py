@@ -35,11 +35,13 @@ Invariants
 - One progress bar of ``images x steps`` units; it never goes backwards (a retried batch re-advances nothing).
 - Interruption (``bridge.check_interrupted``) is checked before every step and between stages; any exception
   stops all three stages: the streams are synchronised (no copy lands in a buffer after the run ended), the
-  sessions are closed, nothing is returned, and the exception propagates unchanged with a note on the progress.
+  sessions are closed, nothing is returned, and the exception propagates unchanged with a note on the progress;
+  its frames no longer hold the run's outputs or the stages' buffers.
 """
 from __future__ import annotations
 
 import logging
+import traceback
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -238,6 +240,10 @@ def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, r
         logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
         if hasattr(exc, "add_note"):
             exc.add_note(note)
+        # this frame still runs, so clear_frames cannot drop its locals: the run's outputs (images x H x W x 3
+        # floats), the stages' buffers and device tensors would stay alive for as long as the caller holds exc
+        images = latents = decoder = text = current = upcoming = final = x_init = None
+        traceback.clear_frames(exc.__traceback__)
         raise
     return StreamResult(images, latents, tuple(used), retries)
 

@@ -9,6 +9,10 @@
 - ESRGAN Upscale against core ``UpscaleModelLoader`` + ``ImageUpscaleWithModel`` on real Real-ESRGAN weights:
   within one 8-bit step on odd sizes, tiles, batches and 1 px wide images (bug: 1 px wide images were refused);
   an RGBA image keeps its alpha (bug: refused; core fails on it).
+- Tiled VAE Decode / Encode (exact) against core ``VAEDecode`` / ``VAEEncode`` on the same VAE weights, through
+  ComfyUI's VAE and the Memory Pool Loader's: odd, cropped, batch-indexed, masked, empty and 1-pixel-high latents;
+  an RGBA batch whose sides are not multiples of 8 (core crops to a multiple of 8 about the centre). No defect
+  found (session-19 audit); the ``blend`` mode is in the prompt to show the comparison sees a seam.
 """
 import json
 import uuid
@@ -243,3 +247,110 @@ def test_esrgan_upscale_keeps_the_alpha_of_an_rgba_image(comfyui, real_upscalers
     ref = np.floor(255 * ref.clamp(0, 1)[0, 0].numpy())
     got = np.asarray(out)[..., 3].astype(np.float32)
     assert np.abs(got - ref).max() <= 1, np.abs(got - ref).max()
+
+
+# --------------------------------------------------------------------------------------------- Tiled VAE vs core
+def _latent_file(path: Path, samples) -> None:
+    """A .latent file core Load Latent reads as is (the key SaveLatent writes: no 0.18215 rescale)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"latent_tensor": samples.contiguous(), "latent_format_version_0": torch.tensor([])}, str(path))
+
+
+def test_tiled_vae_matches_core_vae_decode_and_encode(comfyui, clip_l_model_files, tmp_path):
+    """Tiled VAE Decode / Encode (exact) against core VAE Decode / VAE Encode in one prompt, on the same VAE weights:
+    the full-size SD VAE of the test checkpoint, as ComfyUI's Load Checkpoint gives it (``vae`` input) and as the
+    Memory Pool Loader gives it (``lean_model``, fp32). Latents: a random 2 x 13 x 21 batch (odd sizes) from core
+    Load Latent (128 px tiles), its second image through core Latent From Batch (batch_index 1) with a noise mask set
+    (automatic tile), a strided 8 x 8 window of the batch from core Latent Crop, a 1-pixel-high 1 x 9 latent and
+    core Empty Latent Image. Images: an RGBA photograph of 77 x 131 px (neither side a multiple of 8: core crops to
+    72 x 128 about the centre) and its inverse, batched.
+
+    Decode tolerance: every pixel within 1/255 (core Image Blend 'difference' both ways, saved by Save Image, which
+    floors 255 * |a - b|: all zero means |a - b| < 1/255; on this CPU the two differ by ~1e-5). Guard: the same
+    comparison finds the ``blend`` mode's per-tile statistics (0.4 on these random weights). Encode: the latents
+    (Save Latent, float32) within 1e-4 (measured ~4e-6 on latents of magnitude ~1)."""
+    import torch
+    from PIL import Image
+
+    from leandiffusion.tests.kit.clip_l import SD1_CLIP_L_CHECKPOINT
+
+    prefix = f"s19_vae_{uuid.uuid4().hex[:6]}"
+    gen = torch.Generator().manual_seed(19)
+    _latent_file(comfyui.input_dir / f"{prefix}_b2.latent", torch.randn(2, 4, 13, 21, generator=gen))
+    _latent_file(comfyui.input_dir / f"{prefix}_row.latent", torch.randn(1, 4, 1, 9, generator=gen))
+    _photo_rgba(comfyui.input_dir / f"{prefix}.png")
+    vae, lean = ["ckpt", 2], ["lean", 0]
+    prompt = {
+        "ckpt": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": SD1_CLIP_L_CHECKPOINT}},
+        "lean": {"class_type": "LeanModelLoader", "inputs": {"model": SD1_CLIP_L_CHECKPOINT, "vram_policy": "auto",
+                                                             "vram_budget_gb": 4.0, "weight_dtype": "fp32",
+                                                             "vae_dtype": "fp32"}},
+        "b2": {"class_type": "LoadLatent", "inputs": {"latent": f"{prefix}_b2.latent"}},
+        "row": {"class_type": "LoadLatent", "inputs": {"latent": f"{prefix}_row.latent"}},
+        "idx": {"class_type": "LatentFromBatch", "inputs": {"samples": ["b2", 0], "batch_index": 1, "length": 1}},
+        "mask": {"class_type": "SolidMask", "inputs": {"value": 0.5, "width": 168, "height": 104}},
+        "masked": {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["idx", 0], "mask": ["mask", 0]}},
+        "crop": {"class_type": "LatentCrop", "inputs": {"samples": ["b2", 0], "width": 64, "height": 64, "x": 40,
+                                                        "y": 16}},
+        "empty": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "photo": {"class_type": "LoadImage", "inputs": {"image": f"{prefix}.png"}},
+        "inv": {"class_type": "ImageInvert", "inputs": {"image": ["photo", 0]}},
+        "rgba1": {"class_type": "JoinImageWithAlpha", "inputs": {"image": ["photo", 0], "alpha": ["photo", 1]}},
+        "rgba2": {"class_type": "JoinImageWithAlpha", "inputs": {"image": ["inv", 0], "alpha": ["photo", 1]}},
+        "pixels": {"class_type": "ImageBatch", "inputs": {"image1": ["rgba1", 0], "image2": ["rgba2", 0]}},
+    }
+
+    def ours(kind, samples, model, tile, mode="exact"):
+        node = "LeanTiledVAEDecode" if kind == "decode" else "LeanTiledVAEEncode"
+        key = "samples" if kind == "decode" else "pixels"
+        return {"class_type": node, "inputs": {key: samples, "tile_size": tile, "overlap": 32, "seam_mode": mode,
+                                               ("vae" if model is vae else "lean_model"): model}}
+
+    decodes = {  # name: (latent, batch, {variant: our node})
+        "batch2": (["b2", 0], 2, {"vae": ours("decode", ["b2", 0], vae, 128),
+                                  "engine": ours("decode", ["b2", 0], lean, 128)}),
+        "index1masked": (["masked", 0], 1, {"vae": ours("decode", ["masked", 0], vae, 0),
+                                            "blend": ours("decode", ["masked", 0], vae, 128, "blend")}),
+        "crop": (["crop", 0], 2, {"vae": ours("decode", ["crop", 0], vae, 128)}),
+        "row1px": (["row", 0], 1, {"vae": ours("decode", ["row", 0], vae, 0),
+                                   "engine": ours("decode", ["row", 0], lean, 0)}),
+        "empty": (["empty", 0], 1, {"vae": ours("decode", ["empty", 0], vae, 128)}),
+    }
+    for name, (latent, _, variants) in decodes.items():
+        prompt[f"{name}_core"] = {"class_type": "VAEDecode", "inputs": {"samples": latent, "vae": vae}}
+        for variant, node in variants.items():
+            prompt[f"{name}_{variant}"] = node
+            for a, b in (("core", variant), (variant, "core")):
+                prompt[f"{name}_{a}-{b}"] = _difference([f"{name}_{a}", 0], [f"{name}_{b}", 0])
+                prompt[f"{name}_save_{a}-{b}"] = {"class_type": "SaveImage", "inputs": {
+                    "images": [f"{name}_{a}-{b}", 0], "filename_prefix": f"{prefix}/{name}_{a}-{b}"}}
+    encodes = {"core": {"class_type": "VAEEncode", "inputs": {"pixels": ["pixels", 0], "vae": vae}},
+               "vae128": ours("encode", ["pixels", 0], vae, 128),
+               "engine": ours("encode", ["pixels", 0], lean, 0)}
+    for variant, node in encodes.items():
+        prompt[f"enc_{variant}"] = node
+        prompt[f"enc_save_{variant}"] = {"class_type": "SaveLatent", "inputs": {
+            "samples": [f"enc_{variant}", 0], "filename_prefix": f"{prefix}/enc_{variant}"}}
+    _run(comfyui, tmp_path, prompt)
+
+    for name, (_, batch, variants) in decodes.items():
+        for variant in variants:
+            worst = max(int(np.asarray(Image.open(f)).max())
+                        for pair in (f"core-{variant}", f"{variant}-core")
+                        for f in _outputs(comfyui, prefix, f"{name}_{pair}", ".png", batch))
+            if variant == "blend":
+                assert worst >= 8, f"{name}: the comparison does not see blend's seams ({worst}/255)"
+            else:
+                assert worst == 0, f"{name} ({variant}): ours and core VAE Decode differ by {worst}/255 or more"
+
+    def latent(variant):
+        return load_file(str(_outputs(comfyui, prefix, f"enc_{variant}", ".latent")[0]))["latent_tensor"].float()
+
+    core = latent("core")
+    assert core.shape == (2, 4, 72 // 8, 128 // 8)
+    for variant in ("vae128", "engine"):
+        got = latent(variant)
+        assert got.shape == core.shape
+        assert (got - core).abs().max().item() <= 1e-4, f"{variant}: {(got - core).abs().max().item():.3g}"

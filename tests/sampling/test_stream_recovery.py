@@ -175,6 +175,31 @@ def test_decode_oom_falls_back_to_exact_tiles(engine, monkeypatch):
     assert (result.images - want).abs().max().item() <= 1e-4
 
 
+def test_tiled_decode_oom_later_images_keep_the_smaller_tile(engine, monkeypatch, caplog):
+    """Session-19 audit: after one image's tiled decode ran out of memory and worked at half the tile, every later
+    image of the run started again from the tile that had failed (one more out-of-memory error and warning per
+    image). Now they start from the tile that worked; the images still equal the untiled decode."""
+    import leandiffusion.sampling.stream.decode as stream_decode
+
+    real, tiles = stream_decode.run_exact, []
+
+    def flaky(program, z, cfg, *args, **kwargs):
+        tiles.append(cfg.tile_px)
+        if cfg.tile_px > 256:
+            raise OOM("injected: CUDA out of memory in the tiled decode")
+        return real(program, z, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(stream_decode, "run_exact", flaky)
+    with caplog.at_level("WARNING"):
+        result = run_stream(engine, _settings(decode_tile_size=512), quiet=True)
+    monkeypatch.undo()
+    assert tiles == [512, 256, 256, 256]
+    assert caplog.text.count("retrying with 256 px tiles") == 1
+    with engine.session("vae"):
+        want = engine.vae_decode(result.latents)
+    assert (result.images - want).abs().max().item() <= 1e-4
+
+
 # --------------------------------------------------------------------------------------------- interruption
 def test_interrupt_stops_cleanly_and_engine_stays_usable(engine):
     checks = {"n": 0}
@@ -195,6 +220,34 @@ def test_interrupt_stops_cleanly_and_engine_stays_usable(engine):
     assert "Stream Scheduler Sampler stopped" in notes and "nothing was returned" in notes
     result = run_stream(engine, s, quiet=True)  # the engine is usable and gives the same images
     _close(result.latents, _refs(engine, s))
+
+
+def test_interrupted_run_releases_its_outputs(engine):
+    """Session-19 audit: an interrupted run returned nothing, but the exception kept the run's whole IMAGE output
+    (images x H x W x 3 floats: 0.8 GB for 64 images of 1024 px) and the stages' buffers alive through the
+    scheduler's frame for as long as the caller held it. Now no tensor of an image's size is reachable from the
+    exception's frames (their locals, and the attributes of their locals: the decode stage's buffers)."""
+    checks = {"n": 0}
+
+    def hook():
+        checks["n"] += 1
+        if checks["n"] == 8:  # images 0-1 denoised, inside image 2
+            raise bridge.Interrupted("user pressed cancel")
+
+    bridge.set_interrupt_hook(hook)
+    try:
+        with pytest.raises(bridge.Interrupted) as info:
+            run_stream(engine, _settings(prompts="a\nb\nc\nd", max_batch=1), quiet=True)
+    finally:
+        bridge.set_interrupt_hook(None)
+    held, tb = [], info.value.__traceback__
+    while tb is not None:
+        for name, value in list(tb.tb_frame.f_locals.items()):
+            for t in [value] + list(getattr(value, "__dict__", {}).values()):
+                if isinstance(t, torch.Tensor) and t.numel() >= 64 * 64 * 3:
+                    held.append((tb.tb_frame.f_code.co_name, name, tuple(t.shape)))
+        tb = tb.tb_next
+    assert held == [], f"the interrupted run's frames still hold {held}"
 
 
 # --------------------------------------------------------------------------------------------- progress

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from leandiffusion import bridge
 from leandiffusion.tests.kit import process_state
+from leandiffusion.tests.kit.progress import ComfyLikeBar
 from leandiffusion.tests.upscale import helpers as H
 from leandiffusion.upscale import runner
 from leandiffusion.upscale.descriptor import Upscaler
@@ -124,28 +125,6 @@ def test_oom_halves_the_tile_and_recovers(caplog):
     torch.testing.assert_close(out, upscale_images(base, img, device="cpu", quiet=True), atol=1e-5, rtol=0)
 
 
-class _ComfyLikeBar:
-    """Records what a batch run shows: ComfyUI's ProgressBar clamps a value past its total to the total, so a run
-    that overshoots sits at 100% while work remains; ``set`` is the re-plan the runner may do."""
-
-    def __init__(self, total, desc="", quiet=False):
-        self.total, self.value, self.seen = total, 0, []
-
-    def update(self, n=1):
-        self.value += n
-        self.seen.append((self.value, self.total))
-
-    def set(self, value, total):
-        self.value, self.total = value, total
-        self.seen.append((value, total))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 class _OomOnCall(torch.nn.Module):
     """Runs ``inner``, except that forward call number ``n`` (1-based) raises out-of-memory."""
 
@@ -168,7 +147,7 @@ def test_oom_retry_keeps_the_progress_bar_within_its_total_and_the_smaller_tile(
     (back to the finished images' tiles, out of the new total) and ends exactly at its total, and later images
     start from the tile that worked."""
     bars = []
-    monkeypatch.setattr(runner, "ProgressBar", lambda *a, **k: bars.append(_ComfyLikeBar(*a, **k)) or bars[-1])
+    monkeypatch.setattr(runner, "ProgressBar", lambda *a, **k: bars.append(ComfyLikeBar(*a, **k)) or bars[-1])
     imgs = _img(3, 100, 100, seed=4)
     base = build_upscaler(H.random_compact(num_conv=3))
     from dataclasses import replace
