@@ -30,12 +30,12 @@ import contextlib
 import copy
 import logging
 import math
-import traceback
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from ..batch import BatchProgress, release_frames
 from ..bridge import ProgressBar, check_interrupted, default_device, free_comfy_memory, soft_empty_cache
 from .descriptor import Upscaler
 from .tiling import Span, axis_weights, largest_keep, largest_window, plan
@@ -269,28 +269,8 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
     return out
 
 
-class _BatchProgress:
-    """Per-tile progress over a whole batch. An image restarted with smaller tiles after an out-of-memory error
-    re-plans the bar: back to the tiles of the finished images, out of a total that counts the new tile count for
-    this and every later image (they keep the smaller tile), so the bar never passes its total."""
-
-    def __init__(self, bar, images: int):
-        self.bar, self.images = bar, images
-        self.image = self.finished = 0  # images done, and their tiles
-
-    def tile_done(self) -> None:
-        self.bar.update(1)
-
-    def replan(self, tiles_per_image: int) -> None:
-        self.bar.set(self.finished, self.finished + tiles_per_image * (self.images - self.image))
-
-    def image_done(self, tiles: int) -> None:
-        self.image += 1
-        self.finished += tiles
-
-
 def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.device, dtype: torch.dtype,
-                        tile: int, overlap: int, work_bytes: int, progress: _BatchProgress, layout: str,
+                        tile: int, overlap: int, work_bytes: int, progress: BatchProgress, layout: str,
                         out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int, int]:
     """``(image, tile, work_bytes)``: the upscaled image and the tile size and work budget it ran with (halved
     after each out-of-memory error; the caller keeps them for the next image)."""
@@ -298,9 +278,9 @@ def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: t
     tile = min(tile, max(chw.shape[1:]))
     while True:
         try:
-            y = _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, progress.tile_done,
-                             layout, out)
-            progress.image_done(_tile_count(upscaler, chw, tile, overlap))
+            y = _upscale_one(upscaler, module, chw, device, dtype, tile, overlap, work_bytes, progress.tick, layout,
+                             out)
+            progress.image_done()
             return y, tile, work_bytes
         except torch.OutOfMemoryError as exc:
             tried.append(tile)
@@ -315,22 +295,12 @@ def _upscale_with_retry(upscaler: Upscaler, module, chw: torch.Tensor, device: t
                        tile, device, tile // 2)
         tile //= 2
         work_bytes //= 2
-        progress.replan(_tile_count(upscaler, chw, tile, overlap))
+        progress.restart(_tile_count(upscaler, chw.shape[1], chw.shape[2], tile, overlap))
 
 
-def _tile_count(upscaler: Upscaler, chw: torch.Tensor, tile: int, overlap: int) -> int:
-    return len(plan(chw.shape[1], chw.shape[2], min(tile, max(chw.shape[1:])), overlap, upscaler.multiple_of,
-                    upscaler.min_size))
-
-
-def _release_frames(exc: BaseException) -> None:
-    """Drop the locals (GPU windows, the device copy of the model) that an exception's frames would keep alive
-    for as long as the caller holds the exception."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
+def _tile_count(upscaler: Upscaler, h: int, w: int, tile: int, overlap: int) -> int:
+    """Tiles of an (already padded) ``h`` x ``w`` image at ``tile`` px: the progress units per image."""
+    return len(plan(h, w, min(tile, max(h, w)), overlap, upscaler.multiple_of, upscaler.min_size))
 
 
 def _pad_to(chw: torch.Tensor, hp: int, wp: int) -> torch.Tensor:
@@ -427,7 +397,7 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
         work_bytes = budget
     scale = output_scale or upscaler.native_output_scale
     out_h, out_w = max(1, round(h * scale)), max(1, round(w * scale))
-    n_tiles = len(plan(hp, wp, min(tile, max(hp, wp)), tile_overlap, m, upscaler.min_size))
+    n_tiles = _tile_count(upscaler, hp, wp, tile, tile_overlap)
     logger.info("ESRGAN upscale: %s on %s %s %s, %dx%d x%d, tile %d + %d context (%d tiles/image)",
                 upscaler.arch, dev, dtype, layout, w, h, b, tile, tile_overlap, n_tiles)
     module = _placed_module(upscaler, dev, dtype, layout)
@@ -436,7 +406,7 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
     try:
         with torch.inference_mode(), _cudnn_benchmark(cudnn_benchmark, dev), \
                 ProgressBar(b * n_tiles, "ESRGAN upscale", quiet) as bar:
-            progress = _BatchProgress(bar, b)
+            progress = BatchProgress(bar, b, n_tiles)
             for i in range(b):
                 chw = images[i, :, :, :upscaler.in_channels].permute(2, 0, 1).to(torch.float32)
                 if (hp, wp) != (h, w):
@@ -450,7 +420,7 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
                 if alpha:
                     result[i, :, :, -1:] = _resize(images[i, :, :, 3:].to(torch.float32), out_h, out_w)
     except BaseException as exc:  # re-raised: only releases memory the traceback would otherwise pin
-        module = result = colour = None  # this frame is still running, so _release_frames cannot clear it
-        _release_frames(exc)
+        module = result = colour = None  # this frame is still running, so release_frames cannot clear it
+        release_frames(exc)
         raise
     return result

@@ -26,12 +26,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import traceback
 from typing import Optional
 
 import torch
 
 from .. import bridge
+from ..batch import BatchProgress, release_frames
 from .adapters import decoder_program, encoder_program
 from .blend import axis_tiles, run_blend
 from .exact import ExactConfig, run_exact
@@ -109,28 +109,6 @@ def _blend_units(hw: tuple, tile: int, overlap: int, align: int) -> int:
     return len(axis_tiles(hw[0], tile, overlap, align)) * len(axis_tiles(hw[1], tile, overlap, align))
 
 
-class _BatchProgress:
-    """One bar over a batch, ``units`` per image (exact: the program's stages; blend: the tiles). An image retried
-    after out-of-memory restarts with the units of its new tile, which every later image keeps: the bar is
-    re-planned back to the finished images' units, out of a total that counts the new units for this and every
-    later image, so it never passes its total and ends at it."""
-
-    def __init__(self, bar, images: int, units: int):
-        self.bar, self.images, self.units = bar, images, units
-        self.image = self.finished = 0  # images done, and their units
-
-    def tick(self) -> None:
-        self.bar.update(1)
-
-    def restart(self, units: int) -> None:
-        self.units = units
-        self.bar.set(self.finished, self.finished + units * (self.images - self.image))
-
-    def image_done(self) -> None:
-        self.image += 1
-        self.finished += self.units
-
-
 def _free_after_oom(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -158,34 +136,24 @@ def _run_with_retry(run, tile: int, budget: int, device: torch.device, what: str
         on_retry(tile)
 
 
-def _release_frames(exc: BaseException) -> None:
-    """Drop the locals of the finished frames of ``exc``'s traceback (and of its cause / context): the interrupted
-    image's stores, device tensors among them, would stay alive for as long as the caller holds the exception."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
-
-
 def _run_batch(shape: tuple, run_one, units_for, tile: int, budget: int, device: torch.device, what: str,
                quiet: bool) -> torch.Tensor:
     """A new float32 host tensor of ``shape`` with ``out[i] = run_one(i, tile, budget, tick)`` for every image, under
-    one progress bar of ``units_for(tile)`` units per image (``_BatchProgress``), each image retried with smaller
+    one progress bar of ``units_for(tile)`` units per image (``batch.BatchProgress``), each image retried with smaller
     tiles on out-of-memory (``_run_with_retry``). On any error, interruption included, nothing is returned and
     neither the half-filled output nor the failed image's tensors stay referenced by the exception."""
     out = torch.empty(shape, dtype=torch.float32)
     b = shape[0]
     try:
         with bridge.ProgressBar(b * units_for(tile), what[:1].upper() + what[1:], quiet) as bar:
-            progress = _BatchProgress(bar, b, units_for(tile))
+            progress = BatchProgress(bar, b, units_for(tile))
             for i in range(b):
                 out[i], tile, budget = _run_with_retry(lambda t, bud, i=i: run_one(i, t, bud, progress.tick), tile,
                                                        budget, device, what, lambda t: progress.restart(units_for(t)))
                 progress.image_done()
     except BaseException as exc:  # re-raised: only releases what the traceback would otherwise keep alive
-        out = None  # this frame is still running, so _release_frames cannot clear it
-        _release_frames(exc)
+        out = None  # this frame is still running, so release_frames cannot clear it
+        release_frames(exc)
         raise
     return out
 

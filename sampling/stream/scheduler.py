@@ -41,13 +41,13 @@ Invariants
 from __future__ import annotations
 
 import logging
-import traceback
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
 from ... import bridge
+from ...batch import release_frames
 from ...memory.budget import run_cap_bytes
 from ...memory.cap import allocator_cap, release_library_workspaces
 from ...memory.engine import LeanEngine
@@ -240,10 +240,10 @@ def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, r
         logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
         if hasattr(exc, "add_note"):
             exc.add_note(note)
-        # this frame still runs, so clear_frames cannot drop its locals: the run's outputs (images x H x W x 3
+        # this frame still runs, so release_frames cannot drop its locals: the run's outputs (images x H x W x 3
         # floats), the stages' buffers and device tensors would stay alive for as long as the caller holds exc
         images = latents = decoder = text = current = upcoming = final = x_init = None
-        traceback.clear_frames(exc.__traceback__)
+        release_frames(exc)
         raise
     return StreamResult(images, latents, tuple(used), retries)
 

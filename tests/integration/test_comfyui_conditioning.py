@@ -38,21 +38,13 @@ SUPPORTED = ["CLIPTextEncode", "CLIPTextEncodeSDXL", "ConditioningConcat", "Cond
              "ConditioningZeroOut", "ConditioningSetTimestepRange 0-1", "ConditioningSetAreaStrength 1",
              "ConditioningSetProperties plain", "ControlNetApplyAdvanced strength 0", "StyleModelApply multiply",
              "batched rows", "SD1 CLIPTextEncode"]
-REFUSED = {  # case -> (the node the message names, the fix it gives)
-    "ConditioningCombine": ("ConditioningCombine", "KSampler"),
-    "ConditioningSetArea": ("ConditioningSetArea", "KSampler"),
-    "ConditioningSetAreaPercentage": ("ConditioningSetAreaPercentage", "KSampler"),
-    "ConditioningSetAreaStrength": ("ConditioningSetAreaStrength", "KSampler"),
-    "ConditioningSetMask": ("ConditioningSetMask", "KSampler"),
-    "ConditioningSetTimestepRange": ("ConditioningSetTimestepRange", "KSampler"),
-    "ConditioningSetProperties": ("ConditioningSetProperties", "KSampler"),
-    "ControlNetApply": ("ControlNetApply", "KSampler"),
-    "ControlNetApplyAdvanced": ("ControlNetApplyAdvanced", "KSampler"),
-    "GLIGENTextBoxApply": ("GLIGENTextBoxApply", "KSampler"),
-    "unCLIPConditioning": ("unCLIPConditioning", "KSampler"),
-    "StyleModelApply": ("StyleModelApply", "KSampler"),
-    "CLIPTextEncodeSDXLRefiner": ("CLIPTextEncodeSDXLRefiner", "Encode the prompt with CLIPTextEncodeSDXL"),
-}
+# case -> (the node the message names, the fix it gives): each names its own node; all but the refiner's send the
+# user to ComfyUI's KSampler
+REFUSED = {case: (case, "KSampler") for case in [
+    "ConditioningCombine", "ConditioningSetArea", "ConditioningSetAreaPercentage", "ConditioningSetAreaStrength",
+    "ConditioningSetMask", "ConditioningSetTimestepRange", "ConditioningSetProperties", "ControlNetApply",
+    "ControlNetApplyAdvanced", "GLIGENTextBoxApply", "unCLIPConditioning", "StyleModelApply"]}
+REFUSED["CLIPTextEncodeSDXLRefiner"] = ("CLIPTextEncodeSDXLRefiner", "Encode the prompt with CLIPTextEncodeSDXL")
 
 
 @pytest.fixture(scope="module")
