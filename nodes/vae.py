@@ -11,9 +11,9 @@ _TILING = {
                                      "halved and retried down to 128 px; later images of the batch keep it."}),
     "overlap": ("INT", {"default": 64, "min": 0, "max": 512, "step": 8,
                         "tooltip": "Overlap between tiles in image pixels, used by 'blend' mode to cross-fade "
-                                   "tiles. 'exact' mode computes its own halo and ignores it. The tile must be "
-                                   "larger than twice the overlap; an automatic tile smaller than that cross-fades "
-                                   "over just under half of it."}),
+                                   "tiles. 'exact' mode computes its own halo and ignores it. In 'blend' mode the "
+                                   "tile must be larger than twice the overlap; an automatic tile smaller than that "
+                                   "cross-fades over just under half of it."}),
     "seam_mode": (list(SEAM_MODES), {"default": "exact",
                                      "tooltip": "exact: every GroupNorm uses whole-image statistics, so the result "
                                                 "equals an untiled decode (no seams, no tone shifts). blend: "

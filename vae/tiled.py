@@ -16,6 +16,7 @@ Invariants
   leaves neither the half-filled batch output nor the failed image's stores referenced by the exception.
 - ``blend`` cross-fades over ``overlap`` px, capped below half the tile (an automatic tile, or one halved after
   out-of-memory, can be smaller than twice the overlap asked for; an explicit ``tile_size`` must exceed it).
+  ``exact`` ignores ``overlap`` (it computes its own halo), so any valid overlap goes with any valid tile.
 - Progress: one bar over the batch, one unit per stage of the VAE per image (exact) or per tile (blend). A retry
   re-plans it (back to the finished images, out of the new tile's units for the rest), so it never passes its
   total and ends at it.
@@ -67,9 +68,10 @@ def validate_tiling(tile_size: int, overlap: int, seam_mode: str) -> None:
         raise ValueError(f"overlap={overlap!r}: expected an integer number of pixels in 0..512")
     if tile_size and tile_size < MIN_TILE:
         raise ValueError(f"tile_size={tile_size} is below the minimum {MIN_TILE} px; use 0 (auto) or >= {MIN_TILE}")
-    if tile_size and tile_size <= 2 * overlap:
-        raise ValueError(f"tile_size={tile_size} is too small for overlap={overlap}: a tile must be larger than twice "
-                         f"the overlap; raise tile_size above {2 * overlap} or lower overlap below {tile_size // 2}")
+    if seam_mode == "blend" and tile_size and tile_size <= 2 * overlap:  # ``exact`` ignores the overlap
+        raise ValueError(f"tile_size={tile_size} is too small for overlap={overlap}: a 'blend' tile must be larger "
+                         f"than twice the overlap; raise tile_size above {2 * overlap} or lower overlap below "
+                         f"{tile_size // 2}")
 
 
 def activation_budget(target: VaeTarget, budget_bytes: Optional[int] = None) -> int:

@@ -39,14 +39,39 @@ def test_channel_mismatch(engine):
         LeanTiledVAEDecode().decode({"samples": torch.randn(1, 16, 8, 8)}, 0, 64, "exact", lean_model=engine)
 
 
-@pytest.mark.parametrize("tile,overlap,match", [(128, 64, "larger than twice the overlap"),
-                                                (256, 200, "larger than twice the overlap"),
-                                                (64, 16, "below the minimum 128")])
-def test_tile_too_small(engine, tile, overlap, match):
-    with pytest.raises(ValueError, match=match):
-        LeanTiledVAEDecode().decode({"samples": torch.randn(1, 4, 8, 8)}, tile, overlap, "exact", lean_model=engine)
-    with pytest.raises(ValueError, match=match):
-        LeanTiledVAEEncode().encode(torch.rand(1, 64, 64, 3), tile, overlap, "blend", lean_model=engine)
+@pytest.mark.parametrize("tile,overlap", [(128, 64), (256, 200)])
+def test_blend_tile_too_small_for_the_overlap(engine, tile, overlap):
+    for mode_call in (lambda: LeanTiledVAEDecode().decode({"samples": torch.randn(1, 4, 8, 8)}, tile, overlap, "blend",
+                                                          lean_model=engine),
+                      lambda: LeanTiledVAEEncode().encode(torch.rand(1, 64, 64, 3), tile, overlap, "blend",
+                                                          lean_model=engine)):
+        with pytest.raises(ValueError, match=rf"tile_size={tile} is too small for overlap={overlap}: a 'blend' tile "
+                                             rf"must be larger than twice the overlap; raise tile_size above "
+                                             rf"{2 * overlap} or lower overlap below {tile // 2}"):
+            mode_call()
+
+
+def test_tile_below_the_minimum(engine):
+    with pytest.raises(ValueError, match="below the minimum 128"):
+        LeanTiledVAEDecode().decode({"samples": torch.randn(1, 4, 8, 8)}, 64, 16, "exact", lean_model=engine)
+    with pytest.raises(ValueError, match="below the minimum 128"):
+        LeanTiledVAEEncode().encode(torch.rand(1, 64, 64, 3), 64, 16, "blend", lean_model=engine)
+
+
+def test_exact_ignores_the_overlap_whatever_the_tile(engine):
+    """``exact`` computes its own halo: the minimum tile with the default overlap (128 / 64), or an overlap larger
+    than the tile, decodes and encodes like the untiled VAE (it was refused as 'too small for the overlap')."""
+    z = torch.randn(1, 4, 40, 24)  # 320 x 192 px: several 128 px tiles
+    image = torch.rand(1, 320, 192, 3)
+    vae = engine.parts.vae  # diffusers' AutoencoderKL, untiled: the reference
+    with torch.no_grad():
+        ref_image = ((vae.decode(z).sample + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1)
+        ref_latent = vae.encode(image.permute(0, 3, 1, 2) * 2 - 1).latent_dist.mean
+    for overlap in (64, 200):
+        (img,) = LeanTiledVAEDecode().decode({"samples": z}, 128, overlap, "exact", lean_model=engine)
+        (lat,) = LeanTiledVAEEncode().encode(image, 128, overlap, "exact", lean_model=engine)
+        assert (img - ref_image).abs().max().item() <= 1e-4, overlap
+        assert (lat["samples"] - ref_latent).abs().max().item() <= 1e-4, overlap
 
 
 def test_bad_seam_mode_and_vae(engine):
