@@ -4,7 +4,7 @@ import pickle
 import pytest
 import torch
 
-from leandiffusion.torchfile import load_tensors, read_safetensors
+from leandiffusion.torchfile import load_tensors, read_safetensors, refuse_non_finite
 
 
 class _RunsCode:
@@ -82,3 +82,18 @@ def test_safetensors_tensors_survive_the_file_being_overwritten_in_place(tmp_pat
         f.write(save({"a": torch.full((4, 8), -0.25)}))
     assert path.stat().st_ino == inode
     assert torch.equal(got, torch.full((4, 8), 0.25)), "the tensor read changed with the file: a view of the mapping"
+
+
+def test_large_finite_values_are_not_refused_as_non_finite():
+    """Session 20 mutation audit: ``refuse_non_finite`` screens each tensor by its fp32 sum, which overflows for large
+    finite values; dropping the exact ``isfinite`` check behind the screen passed every test, all of whose non-finite
+    tensors held NaN or inf. Finite values whose sum overflows fp32 (an fp32 tensor near its maximum, an fp64 one
+    beyond it) pass; a NaN or inf beside them is still named."""
+    big = {"f32": torch.full((4,), 3e38), "f64": torch.tensor([1e300, -1e300, 1e300], dtype=torch.float64),
+           "f16": torch.full((8,), 65504.0, dtype=torch.float16)}
+    assert not torch.isfinite(big["f32"].sum(dtype=torch.float32))  # the screen alone would refuse it
+    refuse_non_finite(big, "test file", "outputs bad", "re-export it")
+    with pytest.raises(ValueError, match=r"test file: 1 tensors hold NaN or infinite values \(bad has 1 NaN and 1 "
+                                         r"infinite of 3 values\)"):
+        refuse_non_finite(dict(big, bad=torch.tensor([1.0, float("nan"), float("inf")])), "test file", "outputs bad",
+                          "re-export it")

@@ -197,3 +197,26 @@ def test_a_second_dora_on_the_same_layer_falls_back_to_the_dense_hook(tmp_path):
         assert _where(view, 0) == {"override"} and _where(view, 1) == {"hook"}
     assert lf.max_diff(got, ref) <= TOL
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
+
+
+@pytest.mark.parametrize("axis", ["in", "out"])
+def test_a_channel_whose_adapted_weight_is_zero_keeps_a_finite_gain(axis):
+    """Session 20 mutation audit: dropping the ``eps`` of ``g = m / (||W + dW|| + eps)`` passed every test (no channel
+    of their weights is zero). A channel of ``W + dW`` that is all zeros (a pruned channel the adapter leaves alone)
+    has ``g = m / eps``, finite, so its rows of ``(W + dW) g`` are 0 and the layer's delta there is ``-s W = 0``;
+    without ``eps`` it is ``0 * inf``, NaN. The other channels: the formula in fp64."""
+    from leandiffusion.lora.dora import dora_delta
+
+    gen = torch.Generator().manual_seed(0)
+    w, d = torch.randn(6, 5, generator=gen), 0.1 * torch.randn(6, 5, generator=gen)
+    if axis == "in":
+        w[:, 2], d[:, 2], m, dims = 0.0, 0.0, 1.0 + torch.rand(1, 5, generator=gen), 0
+    else:
+        w[2], d[2], m, dims = 0.0, 0.0, 1.0 + torch.rand(6, 1, generator=gen), 1
+    got = dora_delta(w, d, m, 0.7)
+    assert torch.isfinite(got).all()
+    a = (w + d).double()
+    norm = a.square().sum(dim=dims, keepdim=True).sqrt() + torch.finfo(torch.float32).eps
+    ref = 0.7 * (a * m.double() / norm - w.double())
+    assert (got.double() - ref).abs().max() <= 1e-6
+    assert (got[:, 2] if axis == "in" else got[2]).abs().max() == 0

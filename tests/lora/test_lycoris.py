@@ -13,7 +13,13 @@ import re
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 from leandiffusion.lora import inject_lora
+from leandiffusion.lora.formats import LoraLayer
+from leandiffusion.lora.fullrank import make_term
+from leandiffusion.lora.keymap import Target
+from leandiffusion.lora.lycoris import parse_lycoris
 from leandiffusion.memory.engine import engine_from_parts, parts_from_components
 from leandiffusion.tests.kit import tiny_components
 from leandiffusion.tests.lora import lorafiles as lf
@@ -141,6 +147,108 @@ def test_lokr_with_two_full_factors_ignores_alpha(tmp_path):
     """LyCORIS and ComfyUI scale a LoKr layer by alpha / rank only when a factor is low-rank; with lokr_w1 and
     lokr_w2 both stored whole the scale is 1 (the same 2% change of alpha that fails the check above is a no-op)."""
     assert _perturbed_error(tmp_path, "lokr_full", "alpha") <= TOL
+
+
+def _conv_layer(kind: str, gen: torch.Generator):
+    """A layer for a Conv2d(8 -> 12, 3x3) and its delta at strength 1, in fp64 from the formulas (independent of
+    ``lora/``); the factors are fp32 values, so the fp64 reference sees what the layer holds."""
+    def r(*shape):
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+    if kind.startswith("loha"):
+        rank = 2 if kind == "loha_khatri_rao" else 4  # 2 * 2 * (72 + 12) <= 72 * 12 < 4 * 4 * (72 + 12)
+        g = {".hada_w1_a": r(12, rank), ".hada_w1_b": r(rank, 72), ".hada_w2_a": r(12, rank),
+             ".hada_w2_b": r(rank, 72), ".alpha": torch.tensor(1.5)}
+        d = (g[".hada_w1_a"].double() @ g[".hada_w1_b"].double()) * (g[".hada_w2_a"].double() @
+                                                                    g[".hada_w2_b"].double()) * 1.5 / rank
+        return parse_lycoris(g, "unet", "c", "lora_unet_c", "t", None), d.reshape(12, 8, 3, 3)
+    if kind == "lokr":
+        g = {".lokr_w1": r(3, 2), ".lokr_w2": r(4, 4, 3, 3)}  # full factors: scale 1
+        w1, w2 = g[".lokr_w1"].double(), g[".lokr_w2"].double().flatten(1)
+        d = (w1[:, None, :, None] * w2[None, :, None, :]).reshape(12, 2 * 36)  # kron
+        return parse_lycoris(g, "unet", "c", "lora_unet_c", "t", None), d.reshape(12, 8, 3, 3)
+    down, up = r(4, 8, 3, 3), r(12, 4, 1, 1)  # DoRA on a LoCon layer, input axis
+    magnitude = 0.5 + torch.rand(1, 8, 1, 1, generator=gen)
+    layer = LoraLayer("unet", "c", "kohya", down, up, 0.5, "lora_unet_c", magnitude)
+    return layer, 0.5 * (up.double().flatten(1) @ down.double().flatten(1)).reshape(12, 8, 3, 3)
+
+
+@pytest.mark.parametrize("kind", ["loha_khatri_rao", "loha_dense", "lokr", "dora"])
+def test_conv_terms_keep_the_layers_stride_padding_and_dilation(kind):
+    """Session 20 mutation audit: the tiny UNets' convs all have dilation 1, so a term that dropped the module's
+    dilation (LoKr's grouped conv, LoHa's Khatri-Rao and dense convs, the dense DoRA fallback) passed every model
+    test. On a Conv2d with stride 2, padding 2 and dilation 2 each unmerged term adds what the merged fp64 weight
+    does."""
+    gen = torch.Generator().manual_seed(3)
+    conv = torch.nn.Conv2d(8, 12, 3, stride=2, padding=2, dilation=2)
+    layer, delta = _conv_layer(kind, gen)
+    hook, source, buffer = make_term(Target("unet", "c", conv, layer.placed(torch.device("cpu"), torch.float32)))
+    assert type(hook).__name__ == {"loha_khatri_rao": "_LohaKhatriRao", "lokr": "_KronTerm"}.get(kind, "_DenseTerm")
+    strength = 0.8
+    buffer.copy_(strength * source)
+    x = torch.randn(2, 8, 11, 9, generator=gen)
+    w = conv.weight.detach().double()
+    if kind == "dora":
+        a, m = w + delta, layer.magnitude.double()
+        merged = w + strength * (a * m / (a.square().sum(dim=(0, 2, 3), keepdim=True).sqrt() +
+                                          torch.finfo(torch.float32).eps) - w)
+    else:
+        merged = w + strength * delta
+    ref = F.conv2d(x.double(), merged, conv.bias.detach().double(), stride=2, padding=2, dilation=2)
+    with torch.no_grad():
+        out = conv(x)
+        got = hook(conv, (x,), out)
+    got = out if got is None else got
+    assert (ref - conv(x).detach().double()).abs().max() > 0.05
+    assert (got.double() - ref).abs().max() <= TOL
+
+
+def test_loha_takes_the_khatri_rao_form_exactly_when_documented():
+    """Session 20 mutation audit: on the tiny models' layers every rank choice fell clear of the rule's boundary, so a
+    cost that left out the output side (or a strict ``<``) passed. The rank-``r1 r2`` form is taken when
+    ``r1 r2 (n + out) <= n * out``: for n = 72, out = 12 (864) ranks 2 x 5 (840) qualify, 3 x 4 (1008) do not; for
+    n = out = 12 (144) ranks 2 x 3 (144) sit on the boundary and qualify."""
+    def loha(out, n, r1, r2):
+        g = {".hada_w1_a": torch.ones(out, r1), ".hada_w1_b": torch.ones(r1, n), ".hada_w2_a": torch.ones(out, r2),
+             ".hada_w2_b": torch.ones(r2, n)}
+        return parse_lycoris(g, "unet", "c", "lora_unet_c", "t", None)
+    assert loha(12, 72, 2, 5).khatri_rao_cheaper() and not loha(12, 72, 3, 4).khatri_rao_cheaper()
+    assert loha(12, 12, 2, 3).khatri_rao_cheaper() and not loha(12, 12, 1, 7).khatri_rao_cheaper()
+
+
+def _unequal_ranks(sd: dict, case: str) -> dict:
+    """``loha_lowrank`` with the second Hadamard factor at rank 3 (the first keeps rank 2); ``lokr_full`` with
+    ``lokr_w1`` stored as a rank-2 ``lokr_w1_a @ lokr_w1_b`` and ``lokr_w2`` whole."""
+    gen = torch.Generator().manual_seed(5)
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".hada_w2_a"):
+            out[k] = torch.randn(v.shape[0], 3, generator=gen) / 3 ** 0.5
+        elif k.endswith(".hada_w2_b"):
+            out[k] = torch.randn(3, v.shape[1], generator=gen)
+        elif k.endswith(".lokr_w1"):
+            base = k[:-len(".lokr_w1")]
+            out[base + ".lokr_w1_a"] = torch.randn(v.shape[0], 2, generator=gen) / 2 ** 0.5
+            out[base + ".lokr_w1_b"] = torch.randn(2, v.shape[1], generator=gen)
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("case", ["loha_lowrank", "lokr_full"])
+def test_alpha_is_divided_by_the_documented_rank(tmp_path, case):
+    """Session 20 mutation audit: every file in the other tests gives LoHa's two Hadamard factors one rank and
+    decomposes LoKr's W2 whenever W1 is, so dividing alpha by the second LoHa rank (hada_w2_b's rows) or ignoring a
+    decomposed W1 (LoKr scale 1) passed them. LoHa scales by alpha / hada_w1_b's rows; LoKr with only lokr_w1
+    decomposed by alpha / its rank (ComfyUI ``loha.py`` / ``lokr.py``, LyCORIS); reference: the fp64 formula."""
+    engine = _engine("sd1")
+    sd, _ = _file(tmp_path, "sd1", case)
+    sd = _unequal_ranks(sd, case)
+    assert any(k.endswith((".hada_w2_b", ".lokr_w1_b")) for k in sd)
+    path = lf.write(sd, tmp_path / "unequal.safetensors")
+    ref = lf.view_outputs(_reference("sd1", [(sd, 0.9, 0.9)]))
+    assert lf.max_diff(ref, lf.view_outputs(engine)) > 0.05
+    for mode in ("unmerged", "merged"):
+        assert lf.max_diff(lf.view_outputs(inject_lora(engine, path, 0.9, 0.9, mode=mode)), ref) <= TOL
 
 
 def _perturbed_error(tmp_path, case, key):

@@ -100,6 +100,25 @@ def test_online_softmax_survives_scores_far_apart(scheme, online):
 SDXL_2048 = MapCost(512, 256, 256, 4, 4, True)  # the SD / SDXL VAE mid block at 2048 px, fp32
 
 
+def test_online_softmax_of_rows_whose_every_score_is_far_below_zero():
+    """Session 20 mutation audit: starting the running maximum at 0 instead of -inf passed every test (their scores
+    reach above zero), but a row whose scores all lie below about -104 then sums ``e^(s - 0)`` to 0 in fp32 and
+    divides 0 by 0. Scores near -1000 in three chunks against fp64 softmax attention."""
+    gen = torch.Generator().manual_seed(0)
+    d = 16
+    k = 1.0 + 0.01 * torch.randn(1, 1, 12, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 1, 12, d, generator=gen, dtype=torch.float64)
+    q = -250.0 * (1.0 + 0.1 * torch.randn(1, 1, 5, d, generator=gen, dtype=torch.float64))
+    q, k, v = (t.float().double() for t in (q, k, v))  # the fp32 inputs, exactly
+    scores = q @ k.transpose(-1, -2) / d ** 0.5
+    assert scores.max() < -500
+    ref = torch.softmax(scores, dim=-1) @ v
+    chunks = [(k[:, :, a:a + 4].float(), v[:, :, a:a + 4].float()) for a in range(0, 12, 4)]
+    got = attention_bands._online_attention(q.float(), chunks, False)
+    assert torch.isfinite(got).all()
+    assert (got.double() - ref).abs().max() <= 1e-3  # fp32 scores near -1000 round by ~6e-5 (measured 4.7e-5)
+
+
 def test_plan_takes_resident_bands_when_keys_and_values_fit():
     whole = resident_bytes(SDXL_2048, 256)
     assert plan_bands(SDXL_2048, whole) == BandPlan(RESIDENT, 256, whole)
@@ -131,6 +150,17 @@ def test_online_plan_weighs_band_count_against_recomputed_projections():
     resident_rows = plan_bands(cost, kv + 40 * 2**20).rows  # (without online: resident, SDPA)
     assert online_steps(cost, resident_rows, False) > online_steps(cost, squeezed.rows, True)
     assert not plan_bands(cost, 10 * GiB).online and plan_bands(cost, 10 * GiB).scheme == RESIDENT
+
+
+def test_online_steps_count_a_short_last_band():
+    """Session 20 mutation audit: the plan tests used band heights that divide the map, so counting ``H // rows``
+    bands (the short last band dropped) passed them. 10 rows in bands of 3 are 4 bands: 16 chunk steps, plus the
+    key/value projection pass (``H W C^2 bytes / 2^32`` steps) once resident and once per query band streamed."""
+    cost = MapCost(512, 10, 4, 4, 4, True)
+    projection = 10 * 4 * 512 ** 2 * 4 / 2 ** 32
+    assert online_steps(cost, 3, False) == pytest.approx(16 + projection, rel=1e-12)
+    assert online_steps(cost, 3, True) == pytest.approx(16 + 4 * projection, rel=1e-12)
+    assert online_steps(cost, 10, True) == pytest.approx(1 + projection, rel=1e-12)
 
 
 def test_online_form_is_chosen_by_dtype_device_and_map_size():
@@ -171,15 +201,28 @@ def test_full_size_peak_stays_within_the_estimate(monkeypatch, dtype, px, budget
     """Every tensor the attention stage holds at once, counted on the ``meta`` device at full size (SD / SDXL mid
     block: 512 channels at 1/8 of the image), fits the plan's estimate, which fits the budget, and is far below
     what the whole-map block holds."""
+    attn, band_plan, live = _meta_peak(monkeypatch, dtype, px, budget_gib, online, on_device)
+    assert (band_plan.scheme, band_plan.online) == (scheme, online and scheme == RESIDENT)
+    assert live.peak <= band_plan.estimate <= budget_gib * GiB, (band_plan, live.peak / GiB, live.peak_op)
+    n = px // 8
+    whole = LiveBytes("meta", exclude=list(attn.parameters()))
+    x = torch.empty((1, 512, n, n), dtype=dtype, device="meta")
+    with whole:
+        run_attention(spec_from_diffusers(attn), x)
+    assert whole.peak > band_plan.estimate
+
+
+def _meta_peak(monkeypatch, dtype, px, budget_gib, online, on_device, heads=1):
+    """The plan for the SD / SDXL mid block (512 channels, ``heads`` heads) at ``px`` image pixels, and the bytes the
+    attention stage held at once running it on the ``meta`` device at full size."""
     monkeypatch.setattr(attention_bands, "_sdpa", _o_n_sdpa)
     monkeypatch.setattr("leandiffusion.vae.attention._sdpa", _o_n_sdpa)
     with torch.device("meta"):
-        attn = _block(channels=512, groups=32).to(dtype)
+        attn = _block(channels=512, heads=heads, groups=32).to(dtype)
     spec = spec_from_diffusers(attn)
     n = px // 8
-    cost = MapCost(512, n, n, dtype.itemsize, dtype.itemsize, on_device)
+    cost = MapCost(512, n, n, dtype.itemsize, dtype.itemsize, on_device, heads)
     band_plan = plan_bands(cost, int(budget_gib * GiB), online=online)
-    assert (band_plan.scheme, band_plan.online) == (scheme, online and scheme == RESIDENT)
     meta = torch.device("meta")
     streams = Streams(meta)
     if on_device:
@@ -193,12 +236,18 @@ def test_full_size_peak_stays_within_the_estimate(monkeypatch, dtype, px, budget
     with live:
         run_banded(spec, store.prefetch, stats, (512, n, n), band_plan, lambda a, y: out_stats.add(y, chunked=True),
                    dtype)
-    assert live.peak <= band_plan.estimate <= budget_gib * GiB, (band_plan, live.peak / GiB, live.peak_op)
-    whole = LiveBytes("meta", exclude=list(attn.parameters()))
-    x = torch.empty((1, 512, n, n), dtype=dtype, device=meta)
-    with whole:
-        run_attention(spec, x)
-    assert whole.peak > band_plan.estimate
+    return attn, band_plan, live
+
+
+@pytest.mark.parametrize("online,scheme", [(True, RESIDENT), (True, STREAMED), (False, RESIDENT)])
+def test_multi_head_peak_stays_within_the_estimate(monkeypatch, online, scheme):
+    """Session 20 mutation audit: the SD VAE has one head, so an estimate that counted one score block instead of one
+    per head passed the test above. A multi-head map (8 heads of 64 channels, fp32, 2048 px) holds ``heads`` fp32
+    score blocks per chunk step; the meta count must stay within the estimate for each scheme."""
+    budget = {(True, RESIDENT): 0.6, (True, STREAMED): 0.1, (False, RESIDENT): 0.5}[(online, scheme)]
+    _, band_plan, live = _meta_peak(monkeypatch, torch.float32, 2048, budget, online, True, heads=8)
+    assert (band_plan.scheme, band_plan.online) == (scheme, online and scheme == RESIDENT)
+    assert live.peak <= band_plan.estimate <= budget * GiB, (band_plan, live.peak / GiB, live.peak_op)
 
 
 def test_interrupt_between_key_chunks_stops_the_stage(monkeypatch):

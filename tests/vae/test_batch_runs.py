@@ -210,3 +210,21 @@ def test_interruption_releases_the_half_done_batch(engine, mode, direction):
         bridge.set_interrupt_hook(None)
     held = [tuple(t.shape) for t in _held_tensors(info.value, x) if t.numel() >= per_image]
     assert held == [], f"the interrupted run's frames still hold {held}"
+
+
+def test_oom_retry_halves_the_activation_budget_with_the_tile(engine, monkeypatch):
+    """Session 20 mutation audit: keeping the activation budget on retry (halving the tile only) passed every test,
+    which looked at tiles and the bar. Out of memory at 512 px under a 1 GiB budget retries at 256 px and 0.5 GiB, and
+    the next image starts from both (module docstring: the tile and the activation budget are halved)."""
+    seen = []
+    real = tiled.run_exact
+
+    def fault(program, x, cfg, *a, **k):
+        seen.append((cfg.tile_px, cfg.budget_bytes))
+        if len(seen) == 1:
+            raise tiled._OOM("simulated")
+        return real(program, x, cfg, *a, **k)
+
+    monkeypatch.setattr(tiled, "run_exact", fault)
+    _run(engine, "decode", torch.randn(2, 4, 9, 6), 512, 32, "exact", budget_bytes=2**30)
+    assert seen == [(512, 2**30), (256, 2**29), (256, 2**29)]

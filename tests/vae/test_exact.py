@@ -81,6 +81,24 @@ def test_exact_encode_small_bands(engine, tile_px, budget):
     assert (out - ref).abs().max().item() <= TOL
 
 
+def test_plan_keeps_the_attention_input_on_the_device_only_beside_its_keys_and_values(engine):
+    """Session 20 mutation audit: no test placed a budget near the rule for the stages beside the mid-block attention,
+    so planning them like any stage, or with the CUDA work share on the CPU, passed. The tiny decoder's 1/8-scale
+    maps are S = 64 x 9 x 6 fp32 values. ``mid.resnets.0`` (it feeds the attention) keeps its output on the device
+    beside its input store (S) only if the budget also holds the attention's resident keys and values (2 S) and the
+    work floor (0.3 of the budget), on the CPU without a work share: S + S + 2 S + 0.3 B <= B, i.e. B >= 4 S / 0.7."""
+    prog = decoder_program(engine.parts.vae)
+    s = 64 * 9 * 6 * 4
+    edge = 4 * s / 0.7
+    for budget, on_device in ((int(edge * 1.01), True), (int(edge * 0.99), False)):
+        planned = plan(prog, (4, 9, 6), ExactConfig(CPU, torch.float32, budget, 0))
+        names = [p.stage.name for p in planned]
+        feeding = names.index("mid.attentions.0") - 1
+        assert names[feeding] == "mid.resnets.0" and planned[feeding].out_shape == (64, 9, 6)
+        assert planned[feeding - 1].out_on_device  # conv_in: S + 0.3 B <= B
+        assert planned[feeding].out_on_device == on_device, (budget, [p.out_on_device for p in planned])
+
+
 @pytest.mark.parametrize("budget,scheme", [(10**9, "resident"), (10**5, "resident"), (25000, "streamed")])
 @pytest.mark.parametrize("kind", ["decode", "encode"])
 def test_exact_attention_bands_under_small_budgets(engine, monkeypatch, budget, scheme, kind):
@@ -111,6 +129,31 @@ def test_exact_attention_bands_under_small_budgets(engine, monkeypatch, budget, 
                             lambda y: y[:, :4].float(), 4)
     assert [p.scheme for p in chosen] == [scheme]
     assert (chosen[0].rows == 9) == (budget == 10**9)  # the mid block's map has 9 rows
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_tile_size_caps_the_attention_bands(engine, monkeypatch):
+    """Session 20 mutation audit: the attention's band cap from ``tile_px`` could be dropped or computed per image row
+    with every test passing (the bands change memory, not values). A band holds at most ``tile_px ** 2`` image pixels:
+    40 px tiles on a 72 x 48 px decode are 1600 px, and one row of the 9 x 6 map is 8 x 48 = 384 image px, so at
+    most 4 rows; the result still equals the untiled decode."""
+    from leandiffusion.vae import exact
+
+    caps = []
+    real_plan = exact.plan_bands
+
+    def spy(cost, work, max_rows=None, online=False):
+        caps.append(max_rows)
+        return real_plan(cost, work, max_rows, online)
+
+    monkeypatch.setattr(exact, "plan_bands", spy)
+    vae = engine.parts.vae
+    z = torch.randn(1, 4, 9, 6)
+    with torch.no_grad():
+        ref = _image_head(vae.decode(z).sample)[0].permute(1, 2, 0)
+    cfg = ExactConfig(CPU, torch.float32, 10**9, 40)
+    out = run_exact(decoder_program(vae), z[0].permute(1, 2, 0).contiguous(), cfg, _image_head, 3)
+    assert caps == [4]
     assert (out - ref).abs().max().item() <= TOL
 
 
