@@ -1,21 +1,25 @@
 """LoRA file formats: read a file and parse it into per-module low-rank factors (no model needed).
 
-Supported layouts
-- kohya-ss / A1111: ``lora_unet_<module>``, ``lora_te_<module>`` (= ``lora_te1_``), ``lora_te2_<module>`` with
-  ``.lora_down.weight``, ``.lora_up.weight`` and an optional scalar ``.alpha``. ``<module>`` is the module's
-  dotted name with ``.`` spelled ``_``, in diffusers naming (``down_blocks_0_attentions_0_...``, SD1.x trainers) or
-  LDM naming (``input_blocks_4_1_...``, SDXL trainers); resolving it is ``keymap``'s job. Linear layers and
-  conv "LoCon" layers (``lora_down`` a kxk conv with the base conv's kernel, ``lora_up`` a 1x1 conv).
+Supported layouts: the spellings ComfyUI 0.3.64's LoRA loader reads for SD1.x / SD2.x / SDXL (checked against its
+key maps on the full-size layouts in ``tests/lora/test_key_spellings.py``; the few exceptions are in docs/lora.md)
+- prefixed ("kohya") layout, ``PREFIXES``: kohya-ss / A1111 ``lora_unet_<module>``, ``lora_te_<module>`` (=
+  ``lora_te1_``), ``lora_te2_<module>``, SimpleTuner's ``lycoris_<module>``, where ``<module>`` is the module's dotted
+  name with ``.`` spelled ``_``, in diffusers naming (``down_blocks_0_attentions_0_...``, SD1.x trainers) or LDM
+  naming (``input_blocks_4_1_...``, SDXL trainers); and ComfyUI's own files (its LoRA trainer, "Extract and Save
+  Lora"): ``diffusion_model.<LDM name>``, ``text_encoders.clip_l|clip_h|clip_g.transformer.<CLIP name>``. Factors
+  ``.lora_down.weight`` / ``.lora_up.weight`` (or any spelling of ``_FACTOR_SUFFIXES``), an optional scalar
+  ``.alpha``. Resolving ``<module>`` is ``keymap``'s job. Linear layers and conv "LoCon" layers (``lora_down`` a kxk
+  conv with the base conv's kernel, ``lora_up`` a 1x1 conv).
 - diffusers / PEFT: ``<component>.<module>.lora_A.weight`` / ``.lora_B.weight`` (also the older
   ``.lora.down/.lora.up`` and ``.lora_linear_layer.down/.up`` spellings, and diffusers' attention-processor
   spelling ``<attn>.processor.to_q_lora.down.weight`` / ``<self_attn>.to_q_lora.down.weight``, where ``to_out_lora``
-  is the UNet's ``to_out.0`` and the text encoders' ``to_q/k/v/out`` are ``q/k/v/out_proj``), ``<component>`` one
+  is the UNet's ``to_out.0`` and the text encoders' ``to_q/k/v/out`` are ``q/k/v/out_proj``; ComfyUI's key-map
+  spelling ``<attn>.processor.to_q`` with any factor suffix is the same module), ``<component>`` one
   of ``unet``, ``text_encoder``, ``text_encoder_2``. Alphas come from ``<module>.alpha`` keys or from the
   ``lora_adapter_metadata`` JSON diffusers writes into the safetensors header (``<component>.lora_alpha``,
   ``.alpha_pattern``, ``.use_rslora``); with neither, alpha = rank (PEFT's and diffusers' convention).
-
-- LyCORIS LoHa / LoKr in the kohya layout (``hada_w1_a``..., ``lokr_w1``...), and DoRA (``dora_scale``) on any of
-  the three: parsed by ``lycoris.py`` (formulas there).
+- LyCORIS LoHa / LoKr in the prefixed layout (``hada_w1_a``..., ``lokr_w1``...), and DoRA (``dora_scale``) on any
+  of the three: parsed by ``lycoris.py`` (formulas there).
 
 Math (the invariant every consumer relies on): a plain LoRA layer contributes
 ``delta_W = scale * up @ down`` with ``scale = alpha / rank`` (``alpha / sqrt(rank)`` under rsLoRA) and
@@ -26,7 +30,7 @@ layer kind (``LoraLayer``, ``lycoris.LohaLayer``, ``lycoris.LokrLayer``) offers 
 
 LoCon with Tucker factors (``lora_mid``) becomes a plain LoCon layer (``_tucker_down``). Anything else (LoHa Tucker
 "hada_t1", bias-LoRA, full-diff, LyCORIS norm layers, OFT/GLoRA keys, a NaN or infinite tensor, PEFT DoRA
-``lora_magnitude_vector``, LoHa/LoKr/DoRA keys outside the kohya layout, a down without its up) is refused with a
+``lora_magnitude_vector``, LoHa/LoKr/DoRA keys outside the prefixed layout, a down without its up) is refused with a
 ``ValueError`` naming the keys, never skipped silently. Hand-written because diffusers' converters are private,
 string-replacement heuristics that (by design) also rewrite names for their own PEFT injection.
 """
@@ -49,17 +53,33 @@ from .lycoris import LYCORIS_SUFFIXES, alpha_value, lycoris_kind, parse_lycoris
 logger = logging.getLogger(__name__)
 
 COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
-KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_te_": "text_encoder", "lora_te1_": "text_encoder",
-                  "lora_te2_": "text_encoder_2"}
-_PEFT_SUFFIXES = {
+# The prefixed ("kohya") layout: file key prefix -> (component, how the rest spells the module). Checked longest
+# first. The dotted ones are what ComfyUI's own LoRA trainer and "Extract and Save Lora" node write (its model's
+# state-dict names: LDM UNet names, ``text_encoders.clip_l.transformer.text_model...``); ``lycoris_`` is
+# SimpleTuner's LyCORIS prefix (diffusers UNet names). CLIP-L is the text encoder of SD1.x and the first of SDXL,
+# OpenCLIP-H that of SD2.x, OpenCLIP-G the second of SDXL (ComfyUI's ``model_lora_keys_clip``).
+PREFIXES = {"lora_unet_": ("unet", "kohya"), "lycoris_": ("unet", "kohya"), "lora_te_": ("text_encoder", "kohya"),
+            "lora_te1_": ("text_encoder", "kohya"), "lora_te2_": ("text_encoder_2", "kohya"),
+            "diffusion_model.": ("unet", "dotted"),
+            "text_encoders.clip_l.transformer.": ("text_encoder", "dotted"),
+            "text_encoders.clip_h.transformer.": ("text_encoder", "dotted"),
+            "text_encoders.clip_g.transformer.": ("text_encoder_2", "dotted")}
+_PREFIX_ORDER = tuple(sorted(PREFIXES, key=len, reverse=True))
+# Every spelling of a layer's two factors that ComfyUI reads (``comfy/weight_adapter/lora.py``), in either layout.
+_FACTOR_SUFFIXES = {
+    ".lora_down.weight": "down", ".lora_up.weight": "up",
     ".lora_A.weight": "down", ".lora_B.weight": "up",
     ".lora.down.weight": "down", ".lora.up.weight": "up",
     ".lora_linear_layer.down.weight": "down", ".lora_linear_layer.up.weight": "up",
+    ".lora_A.default.weight": "down", ".lora_B.default.weight": "up",
+    ".lora_A": "down", ".lora_B": "up",
 }
+_KOHYA_ROLE = {"down": ".lora_down.weight", "up": ".lora_up.weight"}
 _UNSUPPORTED_MARKERS = {  # checked in this order (".diff_b" before ".diff", which it contains)
     "lora_magnitude_vector": "PEFT DoRA (lora_magnitude_vector)",
     "hada_t1": "LoHa with Tucker decomposition", "hada_t2": "LoHa with Tucker decomposition",
-    ".diff_b": "bias difference (LyCORIS .diff_b)", ".diff": "full weight difference (LyCORIS .diff)",
+    ".diff_b": "bias difference (LyCORIS .diff_b; ComfyUI's Extract and Save Lora writes it with bias_diff on)",
+    ".diff": "full weight difference (LyCORIS .diff; ComfyUI's Extract and Save Lora: full_diff, or bias_diff on)",
     "lora_B.bias": "LoRA with bias",
     ".w_norm": "norm-layer (LyCORIS train_norm: .w_norm/.b_norm)",
     ".b_norm": "norm-layer (LyCORIS train_norm: .w_norm/.b_norm)",
@@ -74,6 +94,9 @@ _ATTN_PROCESSOR_KEY = re.compile(r"(?P<parent>.+?)(?:\.processor)?\.(?P<proj>to_
                                  r"(?P<role>down|up)\.weight")
 _ATTN_PROCESSOR_UNET = {"to_q": "to_q", "to_k": "to_k", "to_v": "to_v", "to_out": "to_out.0"}
 _ATTN_PROCESSOR_TEXT = {"to_q": "q_proj", "to_k": "k_proj", "to_v": "v_proj", "to_out": "out_proj"}
+# the same processor spelling with any factor suffix (``<attn>.processor.to_q.lora_A.weight``): ComfyUI's
+# ``model_lora_keys_unet`` names diffusers UNet attention layers this way (``.processor.to_out`` = ``to_out.0``)
+_PROCESSOR_NAME = re.compile(r"(?P<parent>.+)\.processor\.(?P<proj>to_q|to_k|to_v|to_out)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,20 +176,21 @@ def parse_lora(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mappin
     if not state_dict:
         raise ValueError(f"lora {source}: the file holds no tensors")
     keys = list(state_dict)
-    kohya = [k.startswith(tuple(KOHYA_PREFIXES)) for k in keys]
+    kohya = [k.startswith(_PREFIX_ORDER) for k in keys]
     _refuse_unsupported(state_dict, source, kohya_layout=all(kohya))
     # a NaN or infinite factor, alpha or dora_scale would make every image of the model NaN (black) or noise
     refuse_non_finite(state_dict, f"lora {source}", "every image black or into noise",
                       "use another checkpoint of the LoRA or re-export it")
     if all(kohya):
         return ParsedLora("kohya", _parse_kohya(state_dict, source), source)
-    if any(k.endswith(tuple(_PEFT_SUFFIXES)) or _ATTN_PROCESSOR_KEY.fullmatch(k) for k in keys):
+    if not any(kohya) and any(k.endswith(tuple(_FACTOR_SUFFIXES)) or _ATTN_PROCESSOR_KEY.fullmatch(k) for k in keys):
         return ParsedLora("peft", _parse_peft(state_dict, metadata or {}, source), source)
     if any(kohya):
         foreign = sorted(k for k, is_kohya in zip(keys, kohya) if not is_kohya)
         raise ValueError(f"lora {source}: a kohya LoRA file with {len(foreign)} keys that are not kohya LoRA keys "
                          f"(lora_unet_*/lora_te*_*): {', '.join(foreign[:20])}; the injector loads LoRA weights "
-                         f"only (embedded textual inversions and other extras are not supported): remove these "
+                         f"only (embedded textual inversions and other extras are not supported), and one file "
+                         f"uses one layout (all keys prefixed with {', '.join(PREFIXES)}, or none): remove these "
                          f"keys from the file")
     sample = ", ".join(keys[:5])
     raise ValueError(f"lora {source}: unrecognised key layout (first keys: {sample}); expected kohya keys "
@@ -195,9 +219,13 @@ _KOHYA_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_mid.weight", "
 
 
 def _kohya_split(key: str) -> tuple[str, str]:
+    """(layer base, suffix), with every factor spelling of ``_FACTOR_SUFFIXES`` as kohya's ``.lora_down/up.weight``."""
     for suffix in _KOHYA_SUFFIXES:
         if key.endswith(suffix):
             return key[: -len(suffix)], suffix
+    for suffix, role in _FACTOR_SUFFIXES.items():
+        if key.endswith(suffix):
+            return key[: -len(suffix)], _KOHYA_ROLE[role]
     return key, ""
 
 
@@ -209,11 +237,15 @@ def _parse_kohya(state_dict: Mapping[str, torch.Tensor], source: str) -> tuple[L
         if not suffix:
             unknown.append(key)
             continue
-        groups.setdefault(base, {})[suffix] = tensor
+        group = groups.setdefault(base, {})
+        if suffix in group:
+            raise ValueError(f"lora {source}: layer {base} holds its {suffix.split('.')[1]} factor twice, in two "
+                             f"spellings (e.g. lora_down and lora_A); the file is inconsistent: re-export it")
+        group[suffix] = tensor
     if unknown:
         raise ValueError(f"lora {source}: keys with an unknown suffix (expected .lora_down.weight, "
-                         f".lora_up.weight, .alpha, .dora_scale or LyCORIS .hada_*/.lokr_* factors): "
-                         f"{', '.join(sorted(unknown)[:20])}")
+                         f".lora_up.weight (or .lora_A/.lora_B.weight), .alpha, .dora_scale or LyCORIS "
+                         f".hada_*/.lokr_* factors): {', '.join(sorted(unknown)[:20])}")
     layers = []
     plain = {b: g for b, g in groups.items() if not lycoris_kind(g)}
     incomplete = sorted(b for b, g in plain.items() if ".lora_down.weight" not in g or ".lora_up.weight" not in g)
@@ -222,18 +254,18 @@ def _parse_kohya(state_dict: Mapping[str, torch.Tensor], source: str) -> tuple[L
                          f"{', '.join(incomplete[:20])}")
     for base in sorted(groups):
         g = groups[base]
-        prefix = next(p for p in sorted(KOHYA_PREFIXES, key=len, reverse=True) if base.startswith(p))
-        component, name = KOHYA_PREFIXES[prefix], base[len(prefix):]
+        prefix = next(p for p in _PREFIX_ORDER if base.startswith(p))
+        (component, naming), name = PREFIXES[prefix], base[len(prefix):]
         magnitude = check_magnitude(g.get(".dora_scale"), base, source)
         if base not in plain:
-            layers.append(parse_lycoris(g, component, name, base, source, magnitude))
+            layers.append(parse_lycoris(g, component, name, naming, base, source, magnitude))
             continue
         down, up = g[".lora_down.weight"], g[".lora_up.weight"]
         if ".lora_mid.weight" in g:
             down = _tucker_down(down, g[".lora_mid.weight"], base, source)
         rank = _check_pair(down, up, base, source)
         alpha = alpha_value(g[".alpha"], base, source) if ".alpha" in g else float(rank)
-        layers.append(LoraLayer(component, name, "kohya", down, up, alpha / rank, base, magnitude))
+        layers.append(LoraLayer(component, name, naming, down, up, alpha / rank, base, magnitude))
     return tuple(layers)
 
 
@@ -255,15 +287,16 @@ def _tucker_down(down: torch.Tensor, mid: torch.Tensor, name: str, source: str) 
 
 
 def _peft_split(key: str) -> tuple[str, str]:
-    for suffix, role in _PEFT_SUFFIXES.items():
-        if key.endswith(suffix):
-            return key[: -len(suffix)], role
-    if key.endswith(".alpha"):
-        return key[: -len(".alpha")], "alpha"
+    """(layer base, role); a UNet attention layer's base in its module spelling (``.processor.to_q`` = ``.to_q``)."""
     m = _ATTN_PROCESSOR_KEY.fullmatch(key)
     if m:
         names = _ATTN_PROCESSOR_TEXT if key.startswith("text_encoder") else _ATTN_PROCESSOR_UNET
         return f"{m['parent']}.{names[m['proj']]}", m["role"]
+    for suffix, role in [*_FACTOR_SUFFIXES.items(), (".alpha", "alpha")]:
+        if key.endswith(suffix):
+            base = key[: -len(suffix)]
+            p = _PROCESSOR_NAME.fullmatch(base)
+            return (f"{p['parent']}.{_ATTN_PROCESSOR_UNET[p['proj']]}" if p else base), role
     return key, ""
 
 
@@ -356,7 +389,7 @@ def family_hint(parsed: ParsedLora) -> str:
     for layer in parsed.layers:
         if layer.component == "unet" and re.search(r"attn2[._]to_k$", layer.name):
             return widths.get(layer.in_dim, "")
-    if any(re.match(r"(input_blocks_[78]_1|output_blocks_[0-2]_1)_transformer_blocks_9", layer.name)
+    if any(re.match(r"(input_blocks[._][78][._]1|output_blocks[._][0-2][._]1)[._]transformer_blocks[._]9", layer.name)
            for layer in parsed.layers):
         return "SDXL"
     return ""

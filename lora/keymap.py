@@ -15,9 +15,15 @@ Names
   attention, resnet; ``output_blocks`` one entry per up-block resnet (``.0`` resnet, ``.1`` attention, then the
   upsampler at ``.1`` or ``.2``). Inside a resnet: in_layers.2 = conv1, out_layers.3 = conv2, emb_layers.1 =
   time_emb_proj, skip_connection = conv_shortcut.
+- ComfyUI's files (``diffusion_model.<LDM name>``) use the dotted LDM names: looked up in the dotted table, next
+  to the diffusers names.
+- Text-encoder layers for modules the engine leaves out because no image depends on them (CLIP-L's
+  ``text_projection``, SD2.x's last OpenCLIP layer; ComfyUI patches them to no effect) are refused with a message
+  that says so (``_left_out``), not with the wrong-family one.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -161,6 +167,14 @@ def resolve(parsed: ParsedLora, roots: dict[str, Optional[torch.nn.Module]], mod
                              f"both target {layer.component}.{name}; the file is inconsistent")
         seen[(layer.component, name)] = layer.source
         targets.append(Target(layer.component, name, indexes[layer.component].modules[name], layer))
+    left_out = [layer.source for layer in parsed.layers
+                if layer.source in unmatched and _left_out(layer, roots[layer.component], model_family)]
+    if left_out:
+        raise ValueError(f"lora {parsed.source}: {len(left_out)} layers target text-encoder modules that no image "
+                         f"depends on, which the {model_family} model therefore leaves out (CLIP-L's text_projection "
+                         f"in SD1.x and SDXL; SD2.x's last OpenCLIP layer, as SD2 conditions on the penultimate "
+                         f"one); ComfyUI loads them without effect; remove these keys from the file: "
+                         f"{', '.join(left_out[:30])}")
     if unmatched:
         shown = ", ".join(unmatched[:30]) + (f" (+{len(unmatched) - 30} more)" if len(unmatched) > 30 else "")
         raise ValueError(f"lora {parsed.source}: {len(unmatched)} of {len(parsed.layers)} layers match no module "
@@ -170,6 +184,21 @@ def resolve(parsed: ParsedLora, roots: dict[str, Optional[torch.nn.Module]], mod
         raise ValueError(f"lora {parsed.source}: {len(bad)} layers do not fit their modules{about}; use a LoRA made "
                          f"for this model family: " + "; ".join(bad[:10]))
     return targets
+
+
+_TEXT_LAYER = re.compile(r"(?:text_model[._])?encoder[._]layers[._](\d+)[._]")
+
+
+def _left_out(layer, root: torch.nn.Module, model_family: str) -> bool:
+    """Whether an unmatched text-encoder layer names a module that the full CLIP model has (and ComfyUI patches) but
+    the engine omits, as no image depends on it: the projection of a ``CLIPTextModel`` (only its pooled output,
+    which SD1.x and SDXL's CLIP-L do not use, reads it) or SD2.x's last OpenCLIP layer (``memory/ldm.py``)."""
+    if layer.component == "unet":
+        return False
+    if layer.name == "text_projection":
+        return not hasattr(root, "text_projection")
+    m = _TEXT_LAYER.match(layer.name)
+    return model_family.startswith("sd2") and bool(m) and int(m[1]) == root.config.num_hidden_layers
 
 
 def shape_problem(target: Target) -> str:

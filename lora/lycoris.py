@@ -212,7 +212,7 @@ def _mismatch(base: str, source: str, what: str) -> ValueError:
     return ValueError(f"lora {source}: layer {base} has inconsistent factors: {what}; the file is corrupt")
 
 
-def _parse_loha(g, component, name, base, source, magnitude) -> LohaLayer:
+def _parse_loha(g, component, name, naming, base, source, magnitude) -> LohaLayer:
     _need(g, LOHA_SUFFIXES, base, source, "LoHa", "a LoHa layer needs all four hada_ factors")
     w1a, w1b, w2a, w2b = (_matrix(g[k], k, base, source) for k in LOHA_SUFFIXES)
     if w1a.shape[1] != w1b.shape[0] or w2a.shape[1] != w2b.shape[0]:
@@ -223,7 +223,7 @@ def _parse_loha(g, component, name, base, source, magnitude) -> LohaLayer:
                                       f"{w1b.shape[1]}] and hada_w2_a @ hada_w2_b [{w2a.shape[0]}, {w2b.shape[1]}] "
                                       f"must have one shape")
     scale = alpha_value(g[".alpha"], base, source) / w1b.shape[0] if ".alpha" in g else 1.0
-    return LohaLayer(component, name, "kohya", w1a, w1b, w2a, w2b, scale, source=base, magnitude=magnitude)
+    return LohaLayer(component, name, naming, w1a, w1b, w2a, w2b, scale, source=base, magnitude=magnitude)
 
 
 def _lokr_factor(g, which: str, base: str, source: str) -> tuple[torch.Tensor, Optional[int]]:
@@ -251,7 +251,7 @@ def _lokr_factor(g, which: str, base: str, source: str) -> tuple[torch.Tensor, O
     return a.float() @ b.float(), int(b.shape[0])
 
 
-def _parse_lokr(g, component, name, base, source, magnitude) -> LokrLayer:
+def _parse_lokr(g, component, name, naming, base, source, magnitude) -> LokrLayer:
     if ".lokr_t2" in g and ".lokr_w2_a" not in g:
         raise ValueError(f"lora {source}: LoKr layer {base} has lokr_t2 without lokr_w2_a/lokr_w2_b; the file is "
                          f"incomplete: re-export it")
@@ -262,12 +262,13 @@ def _parse_lokr(g, component, name, base, source, magnitude) -> LokrLayer:
                                       f"rank for both")
     rank = r2 if r2 is not None else r1
     scale = alpha_value(g[".alpha"], base, source) / rank if (rank is not None and ".alpha" in g) else 1.0
-    return LokrLayer(component, name, "kohya", w1, w2, scale, source=base, magnitude=magnitude)
+    return LokrLayer(component, name, naming, w1, w2, scale, source=base, magnitude=magnitude)
 
 
-def parse_lycoris(group: Mapping[str, torch.Tensor], component: str, name: str, base: str, source: str,
+def parse_lycoris(group: Mapping[str, torch.Tensor], component: str, name: str, naming: str, base: str, source: str,
                   magnitude: Optional[torch.Tensor]):
-    """One kohya-layout layer group (suffix -> tensor) holding LoHa or LoKr keys -> its layer."""
+    """One kohya-layout layer group (suffix -> tensor) holding LoHa or LoKr keys -> its layer (``naming``: how
+    ``name`` spells the module, ``"kohya"`` or ``"dotted"``; ``formats.PREFIXES``)."""
     kind = lycoris_kind(group)
     foreign = sorted(k.lstrip(".") for k in group if k in _PLAIN_SUFFIXES or
                      (k in LYCORIS_SUFFIXES and k not in (LOHA_SUFFIXES if kind == "LoHa" else LOKR_SUFFIXES)))
@@ -275,4 +276,4 @@ def parse_lycoris(group: Mapping[str, torch.Tensor], component: str, name: str, 
         raise ValueError(f"lora {source}: layer {base} mixes {kind} factors with {', '.join(foreign)}; one layer "
                          f"holds one adapter kind; the file is inconsistent")
     parse = _parse_loha if kind == "LoHa" else _parse_lokr
-    return parse(group, component, name, base, source, magnitude)
+    return parse(group, component, name, naming, base, source, magnitude)

@@ -4,8 +4,10 @@ ComfyUI's code is a reference here, never part of the pack: tests marked ``comfy
 and then import ``comfy.*``. On a machine without CUDA it sets ``--cpu`` first, as ``main.py --cpu`` does (it must
 precede the first import of ``comfy.model_management``).
 """
+import importlib.machinery
 import os
 import sys
+import types
 from contextlib import contextmanager
 
 import pytest
@@ -38,3 +40,41 @@ def comfyui_imports():
         pytest.skip(f"COMFYUI_PATH is set, but ComfyUI's requirement {exc.name!r} is not installed in this "
                     f"interpreter ({sys.executable}): install ComfyUI's requirements.txt into it to run this "
                     f"comparison")
+
+
+@contextmanager
+def without_torchvision():
+    """ComfyUI's model modules import torchvision at import time (only its video/vision models use it); its compiled
+    ops do not load with this torch, so a stub stands in while comfy imports and is removed afterwards."""
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional", "torchvision.ops",
+             "torchvision.io", "torchvision.utils")
+    saved = {n: sys.modules.get(n) for n in names}
+    try:
+        import torchvision  # noqa: F401
+        yield
+        return
+    except Exception:  # ImportError or the broken compiled ops (OSError/RuntimeError): stub it
+        pass
+
+    class _Stub(types.ModuleType):
+        def __getattr__(self, attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _Stub(f"{self.__name__}.{attr}")
+
+        def __call__(self, *args, **kwargs):
+            return None
+
+    for n in names:
+        stub = _Stub(n)
+        stub.__spec__ = importlib.machinery.ModuleSpec(n, None)
+        stub.__path__ = []
+        sys.modules[n] = stub
+    try:
+        yield
+    finally:
+        for n, old in saved.items():
+            if old is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = old

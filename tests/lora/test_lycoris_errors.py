@@ -119,9 +119,11 @@ CASES = [
      r"as lora_unet_down_blocks_0_attentions_0_norm.w_norm\); use a plain LoRA/LoCon, LoHa or LoKr file without such "
      r"layers"),
     ({**_lokr(), f"{Q}.diff_b": torch.zeros(32)},
-     rf"bias difference \(LyCORIS .diff_b\) weights are not supported by the LoRA injector \(keys such as {Q}.diff_b\)"),
+     rf"bias difference \(LyCORIS .diff_b; ComfyUI's Extract and Save Lora writes it with bias_diff on\) weights are "
+     rf"not supported by the LoRA injector \(keys such as {Q}.diff_b\)"),
     ({**_lokr(), f"{CONV}.diff": torch.zeros(32, 32, 3, 3)},
-     rf"full weight difference \(LyCORIS .diff\) weights are not supported .*keys such as {CONV}.diff\)"),
+     rf"full weight difference \(LyCORIS .diff; ComfyUI's Extract and Save Lora: full_diff, or bias_diff on\) "
+     rf"weights are not supported .*keys such as {CONV}.diff\)"),
 ]
 
 

@@ -18,11 +18,6 @@ Bugs guarded (each test fails on the loader before the fix):
 The last tests pin layouts that already loaded correctly (EMA copies, schedule buffers, float position ids,
 OpenCLIP ``logit_scale``, linear VAE attention, ComfyUI-saved SDXL, missing VAE, fp8 / mixed dtypes).
 """
-import contextlib
-import importlib.machinery
-import sys
-import types
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -33,7 +28,7 @@ from leandiffusion.memory.ldm import load_ldm_checkpoint, read_header
 from leandiffusion.sampling import ddim
 from leandiffusion.tests.kit import ldm_state_dict, tiny_components, tiny_tokenizer_dir
 from leandiffusion.tests.kit.ldm import unet_to_ldm
-from leandiffusion.tests.kit.comfy_source import comfyui_imports
+from leandiffusion.tests.kit.comfy_source import comfyui_imports, without_torchvision
 
 TOL = 1e-5
 SD2_PROBE = "model.diffusion_model.output_blocks.11.1.transformer_blocks.0.norm1.bias"
@@ -52,44 +47,6 @@ def _max_diff(a, b) -> float:
 
 
 # --------------------------------------------------------------------------------------------- ComfyUI's own code
-@contextlib.contextmanager
-def _without_torchvision():
-    """ComfyUI's model modules import torchvision at import time (only its video/vision models use it); its compiled
-    ops do not load with this torch, so a stub stands in while comfy imports and is removed afterwards."""
-    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional", "torchvision.ops",
-             "torchvision.io", "torchvision.utils")
-    saved = {n: sys.modules.get(n) for n in names}
-    try:
-        import torchvision  # noqa: F401
-        yield
-        return
-    except Exception:  # ImportError or the broken compiled ops (OSError/RuntimeError): stub it
-        pass
-
-    class _Stub(types.ModuleType):
-        def __getattr__(self, attr):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return _Stub(f"{self.__name__}.{attr}")
-
-        def __call__(self, *args, **kwargs):
-            return None
-
-    for n in names:
-        stub = _Stub(n)
-        stub.__spec__ = importlib.machinery.ModuleSpec(n, None)
-        stub.__path__ = []
-        sys.modules[n] = stub
-    try:
-        yield
-    finally:
-        for n, old in saved.items():
-            if old is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = old
-
-
 @pytest.fixture(scope="module")
 def comfy_models():
     """``comfy.supported_models`` and ``comfy.model_base`` from COMFYUI_PATH (ComfyUI's detection code)."""
@@ -99,7 +56,7 @@ def comfy_models():
     from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: F401
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer  # noqa: F401
 
-    with comfyui_imports(), _without_torchvision():
+    with comfyui_imports(), without_torchvision():
         import comfy.model_base
         import comfy.supported_models
     return comfy.supported_models, comfy.model_base
