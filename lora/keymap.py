@@ -18,11 +18,13 @@ Names
 - ComfyUI's files (``diffusion_model.<LDM name>``) use the dotted LDM names: looked up in the dotted table, next
   to the diffusers names.
 - Text-encoder layers for modules the engine leaves out because no image depends on them (CLIP-L's
-  ``text_projection``, SD2.x's last OpenCLIP layer; ComfyUI patches them to no effect) are refused with a message
-  that says so (``_left_out``), not with the wrong-family one.
+  ``text_projection``, SD2.x's last OpenCLIP layer; ComfyUI patches them to no effect) are skipped with a warning
+  that names them (``_left_out``): the picture is what ComfyUI makes from the same file. Any other layer that
+  matches no module is refused.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -31,6 +33,8 @@ import torch
 
 from .dora import magnitude_problem
 from .formats import LoraLayer, ParsedLora, family_hint
+
+logger = logging.getLogger(__name__)
 
 TARGET_TYPES = (torch.nn.Linear, torch.nn.Conv2d)
 _RESNET_LDM = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
@@ -170,11 +174,11 @@ def resolve(parsed: ParsedLora, roots: dict[str, Optional[torch.nn.Module]], mod
     left_out = [layer.source for layer in parsed.layers
                 if layer.source in unmatched and _left_out(layer, roots[layer.component], model_family)]
     if left_out:
-        raise ValueError(f"lora {parsed.source}: {len(left_out)} layers target text-encoder modules that no image "
-                         f"depends on, which the {model_family} model therefore leaves out (CLIP-L's text_projection "
-                         f"in SD1.x and SDXL; SD2.x's last OpenCLIP layer, as SD2 conditions on the penultimate "
-                         f"one); ComfyUI loads them without effect; remove these keys from the file: "
-                         f"{', '.join(left_out[:30])}")
+        logger.warning("lora %s: skipping %d layers for text-encoder modules that no image depends on, which the %s "
+                       "model leaves out (CLIP-L's text_projection in SD1.x and SDXL; SD2.x's last OpenCLIP layer, "
+                       "as SD2 conditions on the penultimate one); ComfyUI applies them without effect: %s",
+                       parsed.source, len(left_out), model_family, ", ".join(left_out[:30]))
+        unmatched = [source for source in unmatched if source not in set(left_out)]
     if unmatched:
         shown = ", ".join(unmatched[:30]) + (f" (+{len(unmatched) - 30} more)" if len(unmatched) > 30 else "")
         raise ValueError(f"lora {parsed.source}: {len(unmatched)} of {len(parsed.layers)} layers match no module "

@@ -10,7 +10,7 @@ Guards (each failed on the code before this file):
   ``.processor.to_out`` = ``to_out.0``). Each now computes exactly what the kohya spelling of the same factors does.
 - layers for the CLIP-L ``text_projection`` (SD1.x, SDXL) and SD2.x's last OpenCLIP layer, modules ComfyUI patches
   but no image depends on (the engine leaves them out), were refused with "use a LoRA made for this model family",
-  wrong for a file made for it: the message now says what those layers are.
+  wrong for a file made for it: they are now skipped with a warning that names them (the picture is ComfyUI's).
 
 The ``comfyui``-marked test runs ComfyUI's own ``model_lora_keys_unet`` / ``model_lora_keys_clip`` on the full-size
 SD1.5, SD2.x and SDXL layouts (meta device) and, for every alias family they generate and every factor spelling
@@ -129,15 +129,23 @@ def test_two_spellings_of_one_factor_are_refused(sdxl, tmp_path):
     ("sd1", "lora_te_text_projection"), ("sdxl", "lora_te1_text_projection"),
     ("sd2", "lora_te_text_model_encoder_layers_{n}_mlp_fc1"),
     ("sd2", "text_encoders.clip_h.transformer.text_model.encoder.layers.{n}.mlp.fc1")])
-def test_layers_of_modules_no_image_depends_on_are_named(tmp_path, family, key):
+def test_layers_of_modules_no_image_depends_on_are_skipped_with_a_warning(tmp_path, caplog, family, key):
+    """ComfyUI patches these modules to no effect on the image; the same file here gives the picture of the file
+    without those layers, and a warning names them (it was refused)."""
     engine = tiny_engine(family)
     te = engine.parts.text_encoder
     key = key.format(n=te.config.num_hidden_layers)  # SD2's last OpenCLIP layer, which the engine leaves out
     width = te.config.hidden_size
-    sd = {key + ".lora_down.weight": torch.zeros(2, width), key + ".lora_up.weight": torch.zeros(width, 2)}
-    with pytest.raises(ValueError, match=r"1 layers target text-encoder modules that no image depends on.*ComfyUI "
-                                         rf"loads them without effect; remove these keys from the file: {key}$"):
-        inject_lora(engine, lf.write(sd, tmp_path / "dead.safetensors"))
+    roots = {"unet": engine.parts.unet, "text_encoder": te}
+    live = lf.kohya_state_dict(roots, {"unet": lf.ATTN_FF, "text_encoder": lf.TE_LINEARS}, rank=2, seed=5)
+    dead = {key + ".lora_down.weight": torch.randn(2, width), key + ".lora_up.weight": torch.randn(width, 2)}
+    ref = lf.view_outputs(inject_lora(engine, lf.write(live, tmp_path / "live.safetensors"), 0.9, 1.1))
+    with caplog.at_level("WARNING", logger="leandiffusion.lora.keymap"):
+        view = inject_lora(engine, lf.write({**live, **dead}, tmp_path / "with_dead.safetensors"), 0.9, 1.1)
+    assert all(torch.equal(a, b) for a, b in zip(lf.view_outputs(view), ref))
+    assert lf.max_diff(ref, lf.view_outputs(engine)) > 0.01
+    assert re.search(rf"skipping 1 layers for text-encoder modules that no image depends on.*ComfyUI applies them "
+                     rf"without effect: {re.escape(key)}$", caplog.text, re.M)
 
 
 def test_extra_text_layers_of_another_family_still_name_the_family(tmp_path):
@@ -239,7 +247,7 @@ def _our_module(kind, roots, comfy_key, from_ldm):
 
 @pytest.mark.comfyui
 @pytest.mark.parametrize("kind", ["sd15", "sd2", "sdxl"])
-def test_every_alias_of_comfyuis_key_maps_resolves_like_comfyui(comfy, kind):
+def test_every_alias_of_comfyuis_key_maps_resolves_like_comfyui(comfy, kind, caplog):
     roots, key_map, from_ldm = _full_size(kind, comfy)
     families, dead = {}, []
     for alias, comfy_key in key_map.items():
@@ -271,7 +279,7 @@ def test_every_alias_of_comfyuis_key_maps_resolves_like_comfyui(comfy, kind):
             targets = resolve(parse_lora(sd, {}, f"{kind} {family} {spelling}"), roots, kind)
             got = {(t.component, t.module_name): t.layer.scale for t in targets}
             assert got == want, (family, spelling)
-    # ComfyUI patches these modules, which no image depends on and the engine leaves out: named, not skipped
+    # ComfyUI patches these modules, which no image depends on and the engine leaves out: skipped with a warning
     assert dead
     for alias in dead:
         comfy_key = key_map[alias]
@@ -281,5 +289,7 @@ def test_every_alias_of_comfyuis_key_maps_resolves_like_comfyui(comfy, kind):
             with pytest.raises(ValueError, match=rf"match no module.*: {re.escape(alias)}$"):
                 resolve(parse_lora(sd, {}, "f"), roots, kind)
             continue
-        with pytest.raises(ValueError, match=rf"no image depends on.*: {re.escape(alias)}$"):
-            resolve(parse_lora(sd, {}, "f"), roots, kind)
+        with caplog.at_level("WARNING", logger="leandiffusion.lora.keymap"):
+            caplog.clear()
+            assert resolve(parse_lora(sd, {}, "f"), roots, kind) == []
+        assert re.search(rf"no image depends on.*: {re.escape(alias)}$", caplog.text, re.M), alias
