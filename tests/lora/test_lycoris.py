@@ -160,12 +160,12 @@ def _conv_layer(kind: str, gen: torch.Generator):
              ".hada_w2_b": r(rank, 72), ".alpha": torch.tensor(1.5)}
         d = (g[".hada_w1_a"].double() @ g[".hada_w1_b"].double()) * (g[".hada_w2_a"].double() @
                                                                     g[".hada_w2_b"].double()) * 1.5 / rank
-        return parse_lycoris(g, "unet", "c", "lora_unet_c", "t", None), d.reshape(12, 8, 3, 3)
+        return parse_lycoris(g, "unet", "c", "kohya", "lora_unet_c", "t", None), d.reshape(12, 8, 3, 3)
     if kind == "lokr":
         g = {".lokr_w1": r(3, 2), ".lokr_w2": r(4, 4, 3, 3)}  # full factors: scale 1
         w1, w2 = g[".lokr_w1"].double(), g[".lokr_w2"].double().flatten(1)
         d = (w1[:, None, :, None] * w2[None, :, None, :]).reshape(12, 2 * 36)  # kron
-        return parse_lycoris(g, "unet", "c", "lora_unet_c", "t", None), d.reshape(12, 8, 3, 3)
+        return parse_lycoris(g, "unet", "c", "kohya", "lora_unet_c", "t", None), d.reshape(12, 8, 3, 3)
     down, up = r(4, 8, 3, 3), r(12, 4, 1, 1)  # DoRA on a LoCon layer, input axis
     magnitude = 0.5 + torch.rand(1, 8, 1, 1, generator=gen)
     layer = LoraLayer("unet", "c", "kohya", down, up, 0.5, "lora_unet_c", magnitude)
@@ -210,7 +210,7 @@ def test_loha_takes_the_khatri_rao_form_exactly_when_documented():
     def loha(out, n, r1, r2):
         g = {".hada_w1_a": torch.ones(out, r1), ".hada_w1_b": torch.ones(r1, n), ".hada_w2_a": torch.ones(out, r2),
              ".hada_w2_b": torch.ones(r2, n)}
-        return parse_lycoris(g, "unet", "c", "lora_unet_c", "t", None)
+        return parse_lycoris(g, "unet", "c", "kohya", "lora_unet_c", "t", None)
     assert loha(12, 72, 2, 5).khatri_rao_cheaper() and not loha(12, 72, 3, 4).khatri_rao_cheaper()
     assert loha(12, 12, 2, 3).khatri_rao_cheaper() and not loha(12, 12, 1, 7).khatri_rao_cheaper()
 
