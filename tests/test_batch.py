@@ -1,0 +1,66 @@
+"""``batch.py`` alone: the bar over a batch through several out-of-memory restarts, and ``release_frames`` along an
+exception's implicit context (session-20 mutation audit: neither mutant -- ``restart`` not recording the new units,
+``release_frames`` following only ``__cause__`` -- failed any test of the loops that use them)."""
+import gc
+import weakref
+
+from leandiffusion.batch import BatchProgress, release_frames
+from leandiffusion.tests.kit.progress import ComfyLikeBar
+
+
+def _run_image(progress, ticks):
+    for _ in range(ticks):
+        progress.tick()
+
+
+def test_two_restarts_in_one_batch_keep_the_bar_on_the_units_done():
+    """4 images of 10 units; image 0 restarts at 20 units (after 3 ticks), image 2 at 40 (after 5). Expected
+    positions and totals written out by hand: each restart goes back to the finished images' units."""
+    bar = ComfyLikeBar(40)
+    progress = BatchProgress(bar, images=4, units=10)
+    _run_image(progress, 3)
+    progress.restart(20)
+    assert (bar.value, bar.total) == (0, 80)  # nothing finished; 20 units x 4 images
+    _run_image(progress, 20)
+    progress.image_done()
+    _run_image(progress, 20)
+    progress.image_done()
+    assert (bar.value, bar.total) == (40, 80)
+    _run_image(progress, 5)
+    progress.restart(40)
+    assert (bar.value, bar.total) == (40, 40 + 40 * 2)  # back to images 0-1's 40 units; images 2-3 at 40 each
+    _run_image(progress, 40)
+    progress.image_done()
+    progress.restart(40)  # a third retry on image 3 at the same size: back to images 0-2's 80 units
+    assert (bar.value, bar.total) == (80, 120)
+    _run_image(progress, 40)
+    progress.image_done()
+    assert (bar.value, bar.total) == (120, 120)
+
+
+class _Held:
+    pass
+
+
+def _fail_holding(obj_ref_out):
+    held = _Held()
+    obj_ref_out.append(weakref.ref(held))
+    raise MemoryError("first")
+
+
+def _handler_that_fails(refs):
+    try:
+        _fail_holding(refs)
+    except MemoryError:
+        raise ValueError("second")  # implicit context: the MemoryError, whose frame holds ``held``
+
+
+def test_release_frames_follows_the_implicit_context():
+    refs = []
+    try:
+        _handler_that_fails(refs)
+    except ValueError as exc:
+        assert exc.__cause__ is None and isinstance(exc.__context__, MemoryError)
+        release_frames(exc)
+        gc.collect()
+        assert refs[0]() is None  # the object in the context's finished frame is gone
