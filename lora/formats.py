@@ -75,6 +75,7 @@ _FACTOR_SUFFIXES = {
     ".lora_A": "down", ".lora_B": "up",
 }
 _KOHYA_ROLE = {"down": ".lora_down.weight", "up": ".lora_up.weight"}
+_PEFT_ROLES = (*_FACTOR_SUFFIXES.items(), (".alpha", "alpha"))  # a PEFT key's suffix -> its role
 _UNSUPPORTED_MARKERS = {  # checked in this order (".diff_b" before ".diff", which it contains)
     "lora_magnitude_vector": "PEFT DoRA (lora_magnitude_vector)",
     "hada_t1": "LoHa with Tucker decomposition", "hada_t2": "LoHa with Tucker decomposition",
@@ -292,7 +293,7 @@ def _peft_split(key: str) -> tuple[str, str]:
     if m:
         names = _ATTN_PROCESSOR_TEXT if key.startswith("text_encoder") else _ATTN_PROCESSOR_UNET
         return f"{m['parent']}.{names[m['proj']]}", m["role"]
-    for suffix, role in [*_FACTOR_SUFFIXES.items(), (".alpha", "alpha")]:
+    for suffix, role in _PEFT_ROLES:
         if key.endswith(suffix):
             base = key[: -len(suffix)]
             p = _PROCESSOR_NAME.fullmatch(base)

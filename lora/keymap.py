@@ -160,25 +160,23 @@ def resolve(parsed: ParsedLora, roots: dict[str, Optional[torch.nn.Module]], mod
         raise ValueError(f"lora {parsed.source}: has layers for {', '.join(missing_components)}, which the "
                          f"{model_family} model does not have{about}; use a LoRA made for this model family")
     indexes = {c: ModuleIndex(c, roots[c]) for c in parsed.components()}
-    targets, unmatched, seen = [], [], {}
+    targets, unmatched, left_out, seen = [], [], [], {}
     for layer in parsed.layers:
         name = indexes[layer.component].lookup(layer)
         if name is None:
-            unmatched.append(layer.source)
+            dropped = _left_out(layer, roots[layer.component], model_family)
+            (left_out if dropped else unmatched).append(layer.source)
             continue
         if (layer.component, name) in seen:
             raise ValueError(f"lora {parsed.source}: layers {seen[(layer.component, name)]} and {layer.source} "
                              f"both target {layer.component}.{name}; the file is inconsistent")
         seen[(layer.component, name)] = layer.source
         targets.append(Target(layer.component, name, indexes[layer.component].modules[name], layer))
-    left_out = [layer.source for layer in parsed.layers
-                if layer.source in unmatched and _left_out(layer, roots[layer.component], model_family)]
     if left_out:
         logger.warning("lora %s: skipping %d layers for text-encoder modules that no image depends on, which the %s "
                        "model leaves out (CLIP-L's text_projection in SD1.x and SDXL; SD2.x's last OpenCLIP layer, "
                        "as SD2 conditions on the penultimate one); ComfyUI applies them without effect: %s",
                        parsed.source, len(left_out), model_family, ", ".join(left_out[:30]))
-        unmatched = [source for source in unmatched if source not in set(left_out)]
     if unmatched:
         shown = ", ".join(unmatched[:30]) + (f" (+{len(unmatched) - 30} more)" if len(unmatched) > 30 else "")
         raise ValueError(f"lora {parsed.source}: {len(unmatched)} of {len(parsed.layers)} layers match no module "
