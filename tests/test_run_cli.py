@@ -73,6 +73,16 @@ def test_convert_only_prints_the_prompt(fake, capsys):
     assert printed["2"]["inputs"]["width"] == 16 and not fake.prompts
 
 
+def test_convert_only_saves_nothing_so_out_is_not_checked(fake, tmp_path, capsys):
+    """--convert-only prints the prompt and saves no image: an --out that could not hold images (here a file) is no
+    reason to refuse it."""
+    not_a_folder = tmp_path / "file.txt"
+    not_a_folder.write_text("x")
+    assert _run(fake, "--convert-only", "--out", str(not_a_folder)) == EXIT_OK
+    assert json.loads(capsys.readouterr().out) == json.loads(Path(API).read_text())
+    assert not fake.prompts
+
+
 @pytest.mark.parametrize("case, expected", [
     ("wrong_type", ["node 1 (EmptyImage): input 'width' = 'wide' is not a valid INT value"]),
     ("missing_input", ["node 2 (ImageScale): required input 'upscale_method' is missing"]),

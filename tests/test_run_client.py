@@ -49,6 +49,13 @@ def _input_error(kind, name, value, config, **extra):
      "validation raised an exception: list index out of range"),
     ({"type": "some_future_kind", "message": "Something new", "details": "about width"},
      "Something new: about width"),
+    # no input_name in extra_info (a custom node's own entry, older servers): the name is read from the details,
+    # which ComfyUI starts with it ("width", "ckpt_name: 'x' not in [...]", "width, received_type(...)")
+    ({"type": "required_input_missing", "message": "Required input is missing", "details": "width"},
+     "required input 'width' is missing"),
+    ({"type": "value_not_in_list", "message": "Value not in list", "details": "ckpt_name: 'x' not in ['a', 'b']",
+      "extra_info": {"input_config": [["a", "b"], {}], "received_value": "x"}},
+     "input 'ckpt_name' = 'x' is not one of the allowed values (a, b)"),
 ])
 def test_every_refusal_kind_is_one_sentence(err, sentence):
     assert explain_error(err) == sentence
@@ -184,6 +191,20 @@ def test_frames_that_are_not_comfyui_messages_are_skipped(canned):
                                              poll_interval=5)
     assert result == entry["p-1"]
     assert seen == [("executing", "p-1"), ("execution_success", "p-1")]  # the other prompt's message is skipped
+
+
+def test_only_this_prompts_end_of_execution_ends_the_run(canned):
+    """``executing`` with ``node: null`` ends the run only when it names this prompt; one without a prompt id is
+    passed to the display and following goes on (here to the node error that comes next), instead of waiting for
+    a history entry that is not written yet."""
+    server = canned({("GET", "/history/p-1"): (200, b"{}")})
+    frames = [json.dumps({"type": "executing", "data": {"node": None}}),
+              json.dumps({"type": "execution_error", "data": {"prompt_id": "p-1", "node_id": "2",
+                                                             "node_type": "ImageScale", "exception_type": "ValueError",
+                                                             "exception_message": "bad size"}})]
+    with pytest.raises(ExecutionFailed) as info:
+        ComfyClient(server.url).follow("p-1", FakeSocket(frames), timeout=2, poll_interval=5)
+    assert info.value.lines == ["node 2 (ImageScale) failed: ValueError: bad size"]
 
 
 def test_without_websocket_client_the_run_is_polled(monkeypatch, caplog):

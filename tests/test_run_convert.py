@@ -179,6 +179,59 @@ def test_reroute_cycle_is_refused_with_the_input():
         ui_to_api(workflow, OBJECT_INFO)
 
 
+def test_bypass_read_by_an_any_type_input_passes_the_input_of_the_same_slot():
+    """Read by an input of type ``*`` (an any-type node, or through reroutes), a bypassed node passes on the input at
+    the output's slot whatever its type (frontend 1.27 ``getBypassSlotIndex``: ``type === "*"`` returns ``slot``
+    before any type test); a typed reader would get the first IMAGE input instead."""
+    info = dict(OBJECT_INFO, AnyIn={"input": {"required": {"value": ["*", {}]}},
+                                    "input_order": {"required": ["value"]}, "output": [], "output_node": True})
+    workflow = {"nodes": [
+        _node(1, "EmptyImage", [8, 8, 1, 0], outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [1, 3]}]),
+        _node(2, "ImageToMask", ["red"], inputs=[{"name": "image", "type": "IMAGE", "link": 1}],
+              outputs=[{"name": "MASK", "type": "MASK", "links": [2]}]),
+        _node(3, "MaskAndImagePack", None,
+              inputs=[{"name": "mask", "type": "MASK", "link": 2}, {"name": "image", "type": "IMAGE", "link": 3}],
+              outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [4, 5]}], mode=4),
+        _node(4, "AnyIn", None, inputs=[{"name": "value", "type": "*", "link": 4}]),
+        _node(5, "SaveImage", ["p"], inputs=[{"name": "images", "type": "IMAGE", "link": 5}])],
+        "links": [[1, 1, 0, 2, 0, "IMAGE"], [2, 2, 0, 3, 0, "MASK"], [3, 1, 0, 3, 1, "IMAGE"],
+                  [4, 3, 0, 4, 0, "IMAGE"], [5, 3, 0, 5, 0, "IMAGE"]]}
+    prompt = ui_to_api(workflow, info)
+    assert prompt["4"]["inputs"] == {"value": ["2", 0]}  # slot 0 -> the MASK input, as the editor does
+    assert prompt["5"]["inputs"]["images"] == ["1", 0]  # a typed IMAGE reader gets the IMAGE input
+
+
+def test_bypass_prefers_an_input_of_exactly_the_wanted_type_to_an_earlier_one_that_only_fits():
+    """When the input at the output's slot does not fit, the editor takes the first input of exactly the wanted
+    type before the first that merely fits (an any-type ``*`` input fits everything)."""
+    workflow = {"nodes": [
+        _node(1, "EmptyImage", [8, 8, 1, 0], outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [1]}]),
+        _node(2, "EmptyImage", [16, 16, 1, 0], outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [3]}]),
+        _node(3, "ThreeInputsPack", None,
+              inputs=[{"name": "latent", "type": "LATENT", "link": None}, {"name": "any", "type": "*", "link": 1},
+                      {"name": "image", "type": "IMAGE", "link": 3}],
+              outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [4]}], mode=4),
+        _node(4, "SaveImage", ["p"], inputs=[{"name": "images", "type": "IMAGE", "link": 4}])],
+        "links": [[1, 1, 0, 3, 1, "*"], [3, 2, 0, 3, 2, "IMAGE"], [4, 3, 0, 4, 0, "IMAGE"]]}
+    prompt = ui_to_api(workflow, OBJECT_INFO)
+    assert prompt["4"]["inputs"]["images"] == ["2", 0]  # the IMAGE input (index 2), not the '*' one (index 1)
+
+
+def test_a_primitive_sets_only_widgets_the_node_has():
+    """A PrimitiveNode linked to a socket whose widget the node no longer declares sets nothing (the editor's
+    ``applyToGraph`` finds no widget of that name and skips it); the node's real widgets keep their values."""
+    workflow = {"nodes": [
+        _node(1, "PrimitiveNode", [24, "fixed"], outputs=[{"name": "INT", "type": "INT", "links": [1],
+                                                           "widget": {"name": "gone"}}]),
+        _node(2, "EmptyImage", [8, 16, 1, 0], inputs=[{"name": "gone", "type": "INT", "widget": {"name": "gone"},
+                                                       "link": 1}],
+              outputs=[{"name": "IMAGE", "type": "IMAGE", "links": [2]}]),
+        _node(3, "SaveImage", ["p"], inputs=[{"name": "images", "type": "IMAGE", "link": 2}])],
+        "links": [[1, 1, 0, 2, 0, "INT"], [2, 2, 0, 3, 0, "IMAGE"]]}
+    prompt = ui_to_api(workflow, OBJECT_INFO)
+    assert prompt["2"]["inputs"] == {"width": 8, "height": 16, "batch_size": 1, "color": 0}
+
+
 def test_unknown_ui_nodes_get_one_line_each():
     workflow = {"nodes": [_node(1, "Mystery", []), _node(2, "AlsoMissing", []), _node(3, "Note", ["x"])], "links": []}
     with pytest.raises(WorkflowError) as info:

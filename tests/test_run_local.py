@@ -195,6 +195,28 @@ def test_pack_that_failed_to_import_is_named_not_unknown_nodes(fake_comfyui_dir,
     assert "No module named 'diffusers'" in err
 
 
+def test_a_refusal_unrelated_to_unknown_nodes_is_not_blamed_on_the_pack(fake_comfyui_dir, tmp_path, capsys):
+    """The pack's import failure is reported instead of a refusal only when the refusal is about unknown node types:
+    a workflow of core nodes with a bad --set keeps its own error even when the started ComfyUI could not import
+    the pack."""
+    from leandiffusion.runner.cli import main
+
+    (fake_comfyui_dir / "main.py").write_text(
+        "import runpy, sys\n"
+        "args = sys.argv[1:]\n"
+        "cfg = open(args[args.index('--extra-model-paths-config') + 1]).read()\n"
+        "nodes = [l.split(':', 1)[1].strip() for l in cfg.splitlines() if 'custom_nodes:' in l][0]\n"
+        "print(f\"Cannot import {nodes}/leandiffusion module for custom nodes: No module named 'diffusers'\", "
+        "flush=True)\n"
+        f"runpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
+    code = main([str(FIXTURES / "core_image.api.json"), "--comfyui", str(fake_comfyui_dir), "--python",
+                 sys.executable, "-q", "--set", "9.width=1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no node with id '9'" in errors[0] and "could not import" not in err
+
+
 def test_a_node_failing_on_the_started_comfyui_brings_its_log(fake_comfyui_dir, tmp_path, monkeypatch, capsys):
     """The started server's traceback is in its log, which goes away with the server: the error lines end with the
     log's tail (session-14 coverage audit: this path had never run)."""

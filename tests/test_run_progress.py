@@ -35,3 +35,16 @@ def test_without_tqdm_each_node_is_one_line(monkeypatch, capsys):
     assert stream.getvalue().splitlines() == ["running node 2 ImageInvert", "running node 3 SaveImage"]
     assert progress.done == {"1", "2", "3"}
     assert capsys.readouterr().out == ""
+
+
+def test_a_node_without_an_executed_message_counts_when_the_next_one_starts():
+    """ComfyUI sends ``executed`` only for nodes with UI output (SaveImage, PreviewImage): every other node is
+    finished when the next ``executing`` arrives, and the last one by ``executing`` with ``node: null``."""
+    progress = RunProgress(PROMPT, stream=io.StringIO())
+    for kind, data in [("execution_start", {}), ("executing", {"node": "1"}), ("executing", {"node": "2"}),
+                       ("executing", {"node": "3"}), ("executed", {"node": "3"}), ("executing", {"node": None})]:
+        progress.event(kind, data)
+        if kind == "executing" and data["node"] == "3":
+            assert progress.done == {"1", "2"} and progress._bar.n == 2
+    assert progress.done == {"1", "2", "3"} and progress._bar.n == 3
+    progress.close()

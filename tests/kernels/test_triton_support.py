@@ -54,3 +54,34 @@ def test_geglu_lora_auto_dispatch_skips_gpus_triton_does_not_support(gpu, monkey
     monkeypatch.setattr(geglu_lora, "geglu_lora_triton", lambda *a: "triton")
     monkeypatch.setattr(geglu_lora, "geglu_lora_reference", lambda *a: "reference")
     assert geglu_lora.geglu_lora(_cuda_stub(), None, None) == expected
+
+
+@pytest.mark.parametrize("env, expected", [("Reference", "reference"), (" TRITON\n", "triton"), ("", "auto"),
+                                           ("  ", "auto"), (None, "auto")])
+def test_the_environment_choice_is_read_like_a_user_writes_it(monkeypatch, env, expected):
+    """``$env_name`` is read case-insensitively and without surrounding blanks, and empty means unset ("auto")."""
+    if env is None:
+        monkeypatch.delenv("LEANDIFFUSION_TEST_IMPL", raising=False)
+    else:
+        monkeypatch.setenv("LEANDIFFUSION_TEST_IMPL", env)
+    assert dispatch.resolve_impl("auto", "LEANDIFFUSION_TEST_IMPL") == expected
+    assert dispatch.resolve_impl("reference", "LEANDIFFUSION_TEST_IMPL") == "reference"  # the argument wins
+
+
+@pytest.mark.parametrize("capability, usable", [((7, 0), True), ((6, 2), False)])
+def test_compute_capability_7_0_is_the_first_supported(gpu, capability, usable):
+    """Volta (7.0, V100) is the oldest architecture Triton supports: it is accepted, Jetson TX2's 6.2 is not."""
+    gpu["capability"] = capability
+    assert (dispatch.triton_unusable_reason(torch.device("cuda", 0)) is None) == usable
+
+
+def test_each_device_is_judged_by_its_own_capability(monkeypatch):
+    """A machine with a supported GPU and an old one (an RTX card as cuda:0, a GTX 1080 as cuda:1): the reason is
+    read from the device asked about, and a device without an index means the current one."""
+    caps = {0: (8, 6), 1: (6, 1)}
+    monkeypatch.setattr(dispatch, "triton_importable", lambda: True)
+    monkeypatch.setattr(dispatch, "_capability", lambda index: caps[index])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert dispatch.triton_unusable_reason(torch.device("cuda", 0)) is None
+    assert "6.1" in dispatch.triton_unusable_reason(torch.device("cuda", 1))
+    assert "6.1" in dispatch.triton_unusable_reason(torch.device("cuda"))

@@ -47,6 +47,26 @@ def test_rrdb_tail_strips_are_exact():
             torch.testing.assert_close(up.module(x, tail_rows=rows), whole, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("unshuffle,n_up", [(1, 2), (2, 2), (4, 2), (1, 3)])
+@pytest.mark.parametrize("feat,grow", [(64, 32), (32, 16)])
+def test_rrdb_memory_estimate_covers_the_live_activations(unshuffle, n_up, feat, grow):
+    """``work_bytes`` (what tile sizes come from) against the bytes of every tensor alive at once while the net runs
+    a window through its own call (tail strips included), counted exactly on the meta device (tests/vae/live_bytes:
+    what PyTorch's allocator would hold, without cuDNN workspaces). The estimate must cover the peak and not
+    overstate it by more than half: a pixel-unshuffle net runs its body at 1/u^2 of the pixels, and an estimate
+    without that factor (4x / 16x) shrank the automatic tiles of Real-ESRGAN x2 / x1 for nothing."""
+    from leandiffusion.tests.vae.live_bytes import LiveBytes
+
+    up = build_upscaler(H.random_rrdb(num_feat=feat, grow=grow, num_block=2, n_up=n_up, unshuffle=unshuffle))
+    module = up.module.to("meta")
+    for h, w in ((512, 384), (768, 768)):  # window sizes of real runs (smaller ones hit the 8-row tail floor)
+        live = LiveBytes("meta", exclude=list(module.parameters()))
+        estimate = up.work_bytes(h, w, torch.float32)
+        with torch.inference_mode(), live:
+            up.call(module, torch.empty(1, 3, h, w, device="meta"), estimate)
+        assert live.peak <= estimate <= 1.5 * live.peak, (h, w, live.peak, estimate)
+
+
 @pytest.mark.parametrize("scale,num_conv", [(4, 3), (2, 1), (3, 2), (1, 2)])
 def test_compact_detect_and_forward(scale, num_conv):
     sd = H.random_compact(num_conv=num_conv, scale=scale)

@@ -73,6 +73,83 @@ def test_wrapped_state_dicts_load(tmp_path, name):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)  # fp32 rounding; other weights differ by O(0.1)
 
 
+def test_ema_weights_are_preferred_over_the_raw_ones(tmp_path):
+    """BasicSR / Real-ESRGAN checkpoints carry both ``params`` (raw) and ``params_ema`` (the averaged weights the
+    release is meant to run with, what spandrel picks too): the EMA set must be the one loaded."""
+    path = tmp_path / "model.pth"
+    torch.save({"params": H.random_rrdb(num_block=1, n_up=1, seed=9), "params_ema": _SD}, path)
+    img = torch.rand(1, 13, 11, 3, generator=torch.Generator().manual_seed(3))
+    out = upscale_images(load_upscaler(path), img, device="cpu", quiet=True)
+    ref = H.ref_rrdb(_SD, img.permute(0, 3, 1, 2)).clamp(0, 1).permute(0, 2, 3, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_a_prefix_only_some_keys_carry_is_kept(tmp_path):
+    """``module.`` / ``netG.`` are removed only when every key carries them; a file where only some do keeps its
+    key names as they are (cutting the first 7 characters off every key would invent names)."""
+    from leandiffusion.upscale.loader import read_state_dict
+
+    path = tmp_path / "model.pth"
+    t = torch.zeros(2)
+    torch.save({"module.conv_first.weight": t, "conv_last.weight": t, "netG.x": t}, path)
+    sd, _ = read_state_dict(path)
+    assert sorted(sd) == ["conv_last.weight", "module.conv_first.weight", "netG.x"]
+
+
+def test_an_empty_ema_container_falls_through_to_the_raw_weights(tmp_path):
+    """A trainer run without EMA can leave ``params_ema`` empty beside real ``params``: the empty container is
+    skipped, not taken (which refused the file as holding no tensors)."""
+    path = tmp_path / "model.pth"
+    torch.save({"params_ema": {}, "params": _SD}, path)
+    img = torch.rand(1, 13, 11, 3, generator=torch.Generator().manual_seed(3))
+    out = upscale_images(load_upscaler(path), img, device="cpu", quiet=True)
+    ref = H.ref_rrdb(_SD, img.permute(0, 3, 1, 2)).clamp(0, 1).permute(0, 2, 3, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def _fake_spandrel(monkeypatch, minimum=1, multiple_of=1, square=False):
+    """A stand-in for spandrel (not installed in the CPU test environment) whose loader returns an image-model
+    descriptor with the given ``SizeRequirements`` (spandrel 0.4's attribute names)."""
+    import sys
+    import types
+
+    fake = types.ModuleType("spandrel")
+    fake.UnsupportedModelError = type("UnsupportedModelError", (Exception,), {})
+
+    class ImageModelDescriptor:
+        def __init__(self):
+            self.model = nn.Conv2d(3, 3, 1)
+            self.architecture = types.SimpleNamespace(name="FakeNet")
+            self.scale, self.input_channels, self.output_channels, self.tags = 1, 3, 3, ["fake"]
+            self.supports_half = self.supports_bfloat16 = True
+            self.size_requirements = types.SimpleNamespace(minimum=minimum, multiple_of=multiple_of, square=square)
+
+    class ModelLoader:
+        def load_from_state_dict(self, sd):
+            return ImageModelDescriptor()
+
+    fake.ImageModelDescriptor, fake.ModelLoader = ImageModelDescriptor, ModelLoader
+    monkeypatch.setitem(sys.modules, "spandrel", fake)
+
+
+def test_spandrels_size_requirements_reach_the_runner(monkeypatch):
+    """An architecture spandrel loads keeps its smallest side and alignment (RealCUGAN / SCUNet minimums, DRCT's
+    multiple of 16): the runner pads and tiles by them."""
+    from leandiffusion.upscale.loader import build_upscaler
+
+    _fake_spandrel(monkeypatch, minimum=40, multiple_of=16)
+    up = build_upscaler({"head.weight": torch.zeros(3, 3, 1, 1)}, source="x.pth")
+    assert (up.arch, up.min_size, up.multiple_of) == ("spandrel:FakeNet", 40, 16)
+
+
+def test_a_spandrel_model_that_needs_square_inputs_is_refused_by_name(monkeypatch):
+    from leandiffusion.upscale.loader import build_upscaler
+
+    _fake_spandrel(monkeypatch, square=True)
+    with pytest.raises(ValueError, match=r"x.pth: FakeNet needs square inputs, which tiling cannot promise"):
+        build_upscaler({"head.weight": torch.zeros(3, 3, 1, 1)}, source="x.pth")
+
+
 class _NeedsMinimumSide(nn.Module):
     """A x2 net that, like spandrel's RealCUGAN / SCUNet, refuses inputs with a side under ``minimum``; per-pixel
     (a 1x1 convolution, then nearest x2), so any tiling that feeds it valid windows must equal the one-piece run."""

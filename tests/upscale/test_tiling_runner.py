@@ -20,13 +20,14 @@ from leandiffusion.tests.upscale import helpers as H
 from leandiffusion.upscale import runner
 from leandiffusion.upscale.descriptor import Upscaler
 from leandiffusion.upscale.loader import build_upscaler
-from leandiffusion.upscale.tiling import axis_weights, plan_axis
+from leandiffusion.upscale.tiling import axis_weights, largest_keep, largest_window, plan, plan_axis
 from leandiffusion.upscale.runner import upscale_images
 
 
 @pytest.mark.parametrize("length,tile,overlap,m,min_window", [
     (100, 32, 8, 1, 1), (97, 40, 32, 1, 1), (128, 32, 0, 4, 1), (64, 64, 32, 1, 1), (250, 33, 30, 2, 1),
-    (1000, 512, 32, 1, 1), (100, 32, 0, 1, 40), (100, 32, 8, 1, 64), (128, 32, 0, 4, 37), (40, 8, 0, 1, 40)])
+    (1000, 512, 32, 1, 1), (100, 32, 0, 1, 40), (100, 32, 8, 1, 64), (128, 32, 0, 4, 37), (40, 8, 0, 1, 40),
+    (128, 32, 6, 4, 1), (90, 20, 5, 2, 1)])  # overlaps that are no multiple of m: rounded up, windows stay aligned
 def test_plan_axis_invariants(length, tile, overlap, m, min_window):
     spans = plan_axis(length, tile, overlap, m, min_window)
     cover = torch.zeros(length * 3)
@@ -188,7 +189,7 @@ def test_batch_is_image_by_image():
     assert len(batch_sizes) == len(spy.sizes)
 
 
-@pytest.mark.parametrize("output_scale", [2.5, 0.5])
+@pytest.mark.parametrize("output_scale", [2.5, 0.5, 1.7])  # 21 * 1.7 = 35.7: rounded to 36, not cut to 35
 def test_output_scale(output_scale):
     up = build_upscaler(H.random_compact(num_conv=1))
     img = _img(1, 21, 30)
@@ -198,6 +199,83 @@ def test_output_scale(output_scale):
     ref = F.interpolate(native.permute(0, 3, 1, 2), size=size, mode="bicubic", antialias=True).clamp(0, 1)
     assert out.shape == (1, *size, 3)
     torch.testing.assert_close(out, ref.permute(0, 2, 3, 1), atol=1e-6, rtol=0)
+
+
+def test_output_scale_zero_means_the_files_own_output_scale():
+    """A file whose metadata sets its output scale (an ncnn graph ending in a fixed resize, e.g. animevideov3 x2 =
+    the x4 net, then a bicubic downscale) gives that size for output_scale=0, resized from the net's x4 output."""
+    from dataclasses import replace
+
+    net = build_upscaler(H.random_compact(num_conv=1))  # x4
+    up = replace(net, default_output_scale=2.0)
+    img = _img(1, 21, 30)
+    out = upscale_images(up, img, device="cpu", quiet=True)
+    native = H.ref_compact(H.random_compact(num_conv=1), img.permute(0, 3, 1, 2)).clamp(0, 1)
+    ref = F.interpolate(native, size=(42, 60), mode="bicubic", antialias=True).clamp(0, 1)
+    assert out.shape == (1, 42, 60, 3)
+    torch.testing.assert_close(out, ref.permute(0, 2, 3, 1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name,value,inside", [
+    ("output_scale", 0.25, True), ("output_scale", 16, True), ("output_scale", 0.24, False),
+    ("output_scale", 16.5, False), ("tile_size", 32, True), ("tile_size", 2048, True), ("tile_size", 31, False),
+    ("tile_size", 2049, False), ("tile_overlap", 0, True), ("tile_overlap", 256, True), ("tile_overlap", -1, False),
+    ("tile_overlap", 257, False)])
+def test_option_ranges_include_their_documented_ends(name, value, inside):
+    """The node's inputs offer output_scale 0.25..16, tile_size 32..2048 and tile_overlap 0..256: both ends are
+    accepted, the values just outside are refused naming the input."""
+    options = {"output_scale": 0, "tile_size": 0, "tile_overlap": 32, name: value}
+    args = (_img(1, 8, 8), options["output_scale"], "cpu", options["tile_size"], options["tile_overlap"], "auto")
+    if inside:
+        runner.check_options(*args)
+    else:
+        with pytest.raises(ValueError, match=name):
+            runner.check_options(*args)
+
+
+@pytest.mark.parametrize("h,w", [(24, 90), (90, 24)])
+def test_one_row_or_column_of_tiles_is_still_feathered(h, w):
+    """Tiles in a single row have no band across rows, only across columns (and a single column the other way):
+    the seams must still be cross-faded, not summed; with the receptive field inside the context the tiled result
+    equals the untiled one."""
+    up = build_upscaler(H.random_compact(num_conv=3))
+    img = _img(1, h, w, seed=5)
+    tiled = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=8, quiet=True)
+    ref = H.ref_compact(H.random_compact(num_conv=3), img.permute(0, 3, 1, 2)).clamp(0, 1).permute(0, 2, 3, 1)
+    torch.testing.assert_close(tiled, ref, atol=1e-5, rtol=0)
+
+
+def test_staging_buffers_hold_every_window_and_kept_part_of_a_wide_image():
+    """The CUDA stager sizes its pinned buffers from ``largest_window`` / ``largest_keep`` (rows, columns): every
+    tile's window and kept part must fit them, and each bound is reached (40 x 200 px, 32 px tiles, overlap 8: by
+    hand, row windows of 28 and kept rows of 22; column windows up to 29 + 2 * 8 = 45, kept columns up to 29 + 4)."""
+    tiles = plan(40, 200, 32, 8)
+    assert largest_window(tiles) == (28, 45) and largest_keep(tiles) == (22, 33)
+    for span_of, bound in ((lambda s: s.win1 - s.win0, largest_window(tiles)),
+                           (lambda s: s.keep1 - s.keep0, largest_keep(tiles))):
+        assert all(span_of(r) <= bound[0] and span_of(c) <= bound[1] for r, c in tiles)
+        assert max(span_of(r) for r, _ in tiles) == bound[0] and max(span_of(c) for _, c in tiles) == bound[1]
+
+
+def test_oom_retry_halves_the_work_budget_with_the_tile():
+    """The work budget the model's call gets (RRDB tail strips size from it) is halved with the tile after an
+    out-of-memory error, as ``_upscale_with_retry`` documents; only the tile used to be checked."""
+    from dataclasses import replace
+
+    base = build_upscaler(H.random_compact(num_conv=3))
+    seen = []
+
+    def call(module, x, work_bytes):
+        seen.append(work_bytes)
+        if x.shape[-1] * x.shape[-2] > 70 * 70:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return module(x)
+
+    out = upscale_images(replace(base, call=call), _img(1, 100, 100), device="cpu", tile_size=256, tile_overlap=8,
+                         quiet=True)
+    first = base.work_bytes(100, 100, torch.float32)  # the whole 100 px image is the first (failing) window
+    assert seen[0] == first and len(seen) > 1 and set(seen[1:]) == {first // 2}
+    assert out.shape == (1, 400, 400, 3)
 
 
 def test_auto_tile_tiles_only_when_over_budget():
@@ -265,6 +343,19 @@ def test_gpu_requested_without_cuda(monkeypatch):
     up = build_upscaler(H.random_compact(num_conv=1))
     with pytest.raises(ValueError, match="no CUDA device"):
         upscale_images(up, _img(1, 8, 8), device="gpu")
+    assert runner.choose_device("auto", up).type == "cpu"
+
+
+def test_auto_follows_comfyuis_cpu_mode_without_asking_cuda(monkeypatch):
+    """ComfyUI started with --cpu: device='auto' runs on the CPU and never calls into CUDA, even where torch sees a
+    GPU (the module docstring's promise)."""
+    def boom(*a, **k):
+        raise AssertionError("CUDA was called for device='auto' under ComfyUI's --cpu")
+
+    for name in ("is_available", "mem_get_info", "current_device", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, boom)
+    monkeypatch.setattr(runner, "default_device", lambda: torch.device("cpu"))
+    up = build_upscaler(H.random_compact(num_conv=1))
     assert runner.choose_device("auto", up).type == "cpu"
 
 
