@@ -369,7 +369,8 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
 
     ``tile_size`` is the kept core of a tile (0: the largest that fits the working-memory budget, the whole image
     when it fits); ``tile_overlap`` is the context each tile sees beyond its core on every interior side.
-    ``work_cap`` lowers the activation budget (bytes) used for automatic tiles and tail strips. ``layout``:
+    ``work_cap`` lowers the activation budget (bytes) that automatic tiles are sized from and their tail strips
+    stay within; with an explicit ``tile_size`` the strips' budget is that window's own estimate. ``layout``:
     "nhwc" runs the convolutions channels-last, "nchw" as written, "auto" (default) channels-last for the
     built-in networks (same numbers, faster on cuDNN and oneDNN, no transpose workspace). ``cudnn_benchmark``
     autotunes cuDNN for this call only (``None``: ``CUDNN_BENCHMARK``). Both defaults come from
