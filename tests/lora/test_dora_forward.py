@@ -169,13 +169,38 @@ def test_the_gain_follows_a_merged_lora_underneath_and_its_restore(tmp_path, mon
     assert len(calls) == len(layers) + 2 * len(both)
 
 
-def test_under_the_stream_policy_the_gain_comes_from_the_host_copies(tmp_path):
+def test_a_gain_refresh_inside_a_cuda_graph_capture_is_refused(tmp_path, monkeypatch):
+    """A weight changed since the gain was computed cannot be re-normalised inside a capture (it would allocate and
+    the replay would keep the old gain): the refresh says so. The capture state is stubbed (no GPU here); outside
+    a capture the same refresh runs."""
+    engine = _engine("sd1")
+    _, path = _file(tmp_path, "sd1", "dora_in")
+    view = inject_lora(engine, path, 0.8, 0.8)
+    lf.view_outputs(view)  # attached once: every gain computed
+    with view.session("unet"):
+        forwards = [m.__dict__["forward"] for m in engine.parts.unet.modules()
+                    if isinstance(m.__dict__.get("forward"), dora_forward.DoraForward)]
+        assert forwards
+        fwd = forwards[0]
+        assert not fwd.refresh_gain()  # unchanged weight: nothing to do
+        with torch.no_grad():
+            fwd.module.weight.mul_(1.0)  # an in-place write: the gain's key changes
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match="cannot be recomputed inside a CUDA-graph capture"):
+            fwd.refresh_gain()
+        monkeypatch.undo()
+        assert fwd.refresh_gain()
+
+
+@pytest.mark.parametrize("layout", ["dora_in", "dora_out"])  # dora_out: the output-axis term reads the bias too
+def test_under_the_stream_policy_the_gain_comes_from_the_host_copies(tmp_path, layout):
     parts = tiny_parts("sd1")
     budget = stream_working_minimum_gb(parts, "cpu") + 0.3 * module_bytes(parts.unet, torch.float32) / GiB
     engine = build_engine(parts, "stream", budget, device="cpu")
     streamer = engine.placement.streamer
     assert 0 < len(streamer.schedule.streamed) < len(streamer.schedule.order)
-    sd, path = _file(tmp_path, "sd1", "dora_in")
+    sd, path = _file(tmp_path, "sd1", layout)
     view = inject_lora(engine, path, 0.8, 0.8)
     streamer.arena.zero_()  # what a streamed layer's weight reads as outside its block's forward: not its weights
     ref = lf.view_outputs(_reference("sd1", [(sd, 0.8, 0.8)]))

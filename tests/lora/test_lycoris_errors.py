@@ -51,6 +51,9 @@ CASES = [
     ({**_loha(), f"{Q}.hada_w1_b": torch.zeros(3, 32)},
      rf"layer {Q} has inconsistent factors: hada_w1_a \(32, 2\) @ hada_w1_b \(3, 32\) and hada_w2_a \(32, 2\) @ "
      r"hada_w2_b \(2, 32\) must share their rank; the file is corrupt"),
+    ({**_loha(), f"{Q}.hada_w2_b": torch.zeros(3, 32)},  # the second product's ranks differ (the first's agree)
+     rf"layer {Q} has inconsistent factors: hada_w1_a \(32, 2\) @ hada_w1_b \(2, 32\) and hada_w2_a \(32, 2\) @ "
+     r"hada_w2_b \(3, 32\) must share their rank; the file is corrupt"),
     ({**_loha(), f"{Q}.hada_w2_b": torch.zeros(2, 16)},
      rf"layer {Q} has inconsistent factors: the two Hadamard factors .* \[32, 32\] and .* \[32, 16\] must have one shape"),
     (_loha(out=64), FIT + rf"{re.escape(Q_MODULE)} \(file key {Q}, LoHa\): its LoHa factors make a \[64, 32\] delta "
@@ -71,6 +74,9 @@ CASES = [
            r"\[32, 64\] delta but the weight is \[32, 32\]"),
     (_lokr(lokr_t2=torch.zeros(2, 2, 3, 3)), rf"layer {Q} has inconsistent factors: lokr_t2 \(2, 2, 3, 3\) must be "
                                              r"\[r, r, kh, kw\] for lokr_w2_a \(8, 2\) \[r, o2\]"),
+    (_lokr(lokr_t2=torch.zeros(8, 3, 3, 3)),  # lokr_t2's first rank fits lokr_w2_a, its second not lokr_w2_b
+     rf"layer {Q} has inconsistent factors: lokr_t2 \(8, 3, 3, 3\) must be \[r, r, kh, kw\] for lokr_w2_a \(8, 2\) "
+     r"\[r, o2\] and lokr_w2_b \(2, 8\) \[r, i2\]"),
     (_lokr(lokr_w2_a=None, lokr_w2_b=None, lokr_t2=torch.zeros(2, 2, 3, 3)),
      rf"LoKr layer {Q} has lokr_t2 without lokr_w2_a/lokr_w2_b; the file is incomplete: re-export it"),
     ({f"{CONV}.lokr_w1": torch.zeros(4, 4), f"{CONV}.lokr_w2": torch.zeros(8, 8, 1, 1)},

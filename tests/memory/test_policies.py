@@ -158,9 +158,13 @@ def test_release_then_reuse_replaces_and_bumps_epoch():
 def test_remove_restores_plain_module():
     engine = _engine("sd1", "stream")
     ref = _unet_call(engine)
-    engine.placement.remove()
+    from leandiffusion.memory.streaming import host_copy
+
     unet = engine.parts.unet
+    assert any(host_copy(p) is not None for p in unet.parameters())  # streamed weights point to their host copy
+    engine.placement.remove()
     assert not unet._forward_pre_hooks and not unet._forward_hooks
+    assert all(host_copy(p) is None for p in unet.parameters())  # none does once the streamer is gone
     assert all(not m._forward_pre_hooks for m in unet.modules())
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 4, 8, 8, generator=g)
@@ -168,6 +172,32 @@ def test_remove_restores_plain_module():
     with torch.no_grad():
         plain = unet(x, torch.tensor(500), encoder_hidden_states=ctx).sample
     assert (plain - ref).abs().max().item() <= TOL
+
+
+def test_a_refused_nested_forward_caught_inside_a_block_leaves_the_outer_forward_running():
+    """A nested UNet call refused (and the refusal caught) inside a block ends only the nested call: the outer
+    forward keeps its schedule and finishes with the plain output (its later blocks still stream)."""
+    engine = _engine("sd1", "stream")
+    ref = _unet_call(engine)
+    streamer = engine.placement.streamer
+    block = dict(engine.parts.unet.named_modules())[streamer.schedule.order[1].name]
+    original, refused = block.forward, []
+
+    def nested(*args, **kwargs):
+        try:
+            _unet_call(engine)
+        except RuntimeError as exc:
+            refused.append(str(exc))
+        return original(*args, **kwargs)
+
+    block.forward = nested
+    try:
+        out = _unet_call(engine)
+    finally:
+        del block.forward
+    assert len(refused) == 1 and "entered twice" in refused[0]
+    assert (out - ref).abs().max().item() == 0.0
+    assert (_unet_call(engine) - ref).abs().max().item() == 0.0
 
 
 def test_failed_stream_build_leaves_model_whole(monkeypatch):

@@ -29,6 +29,16 @@ def test_ring_dependencies_are_safe_and_leave_lead(sizes):
     assert wait_for == sorted(wait_for)  # copies are issued in order
 
 
+def test_a_unit_that_exactly_fills_the_arena_end_is_placed_there():
+    """The ring wraps to 0 only when a unit does not fit: equal units in an arena of exactly three of them take the
+    three slots in turn, so unit k waits for unit k - 3 (two units of lead). Wrapping when a unit fits exactly
+    would leave the last slot unused and every unit with one unit of lead (a third of the arena idle)."""
+    units = _units([512] * 7)
+    offsets, wait_for = ring_layout(units, list(range(7)), 3 * 512)
+    assert offsets == [0, 512, 1024, 0, 512, 1024, 0]
+    assert wait_for == [-1, -1, -1, 0, 1, 2, 3]
+
+
 def test_equal_blocks_are_spread_not_clustered():
     units = _units([100] * 16)
     picked = choose_streamed(units, 400)
@@ -49,6 +59,29 @@ def test_simulation_hides_copies_behind_compute():
     assert slow > 8 * 1000 / 1e5
 
 
+def test_a_unit_without_weights_is_never_streamed():
+    """A unit with no parameters (0 bytes) has no copy to schedule and no FLOPs-per-byte ratio: it is skipped,
+    not divided by."""
+    units = _units([100, 0, 100], flops=[1e9, 1e9, 2e9])
+    assert choose_streamed(units, 100) == [2]
+    assert choose_streamed(units, 10 ** 6) == [0, 2]
+
+
+def test_simulation_waits_for_the_unit_whose_slice_a_copy_overwrites():
+    """Three streamed units in an arena of two: unit 2 reuses unit 0's slice, so its copy starts only when unit 0
+    has finished computing. Copies take 1 ms (+ the per-copy overhead); unit 0 computes 10 ms, unit 1 0.1 ms,
+    unit 2 1 ms. Worked by hand: copies 0, 1 end at 1 ms + o and 2 ms + 2o; unit 0 computes until 11 ms + o;
+    the copy of unit 2 runs from there to 12 ms + 2o; unit 1 ends at 11.1 ms + o; unit 2 runs 12 ms + 2o to
+    13 ms + 2o. A model that let the copy start before unit 0 finished would give 12.1 ms + o."""
+    from leandiffusion.memory.streaming import COPY_OVERHEAD_S
+
+    units = _units([1024] * 3, flops=[10e9, 0.1e9, 1e9])
+    offsets, wait_for = ring_layout(units, [0, 1, 2], 2048)
+    assert offsets == [0, 1024, 0] and wait_for == [-1, -1, 0]
+    step = simulate(units, [0, 1, 2], wait_for, bw=1024 / 1e-3, rate=1e12)
+    assert step == pytest.approx(13e-3 + 2 * COPY_OVERHEAD_S, rel=1e-9)
+
+
 def test_plan_fits_capacity():
     units = _units([1000] * 20)
     sched = plan_schedule(units, 9000)
@@ -57,6 +90,52 @@ def test_plan_fits_capacity():
     assert plan_schedule(units, 30000).streamed == ()
     with pytest.raises(ValueError, match="arena"):
         plan_schedule(units, 2000)
+
+
+def test_a_larger_arena_is_taken_only_for_a_clear_gain():
+    """The arena is capacity the resident blocks give up: a larger multiple is chosen only when the model says it is
+    at least 2% faster. Here (one compute-heavy block among light ones, 1 ms copies) 4 x the biggest block would be
+    0.8% faster than 3 x: the plan keeps 3 x."""
+    size = 512 * 97656  # ~1 ms per copy at the assumed 50 GB/s
+    units = _units([size] * 7, flops=[2e10, 2e12] + [2e10] * 5)
+    capacity = 5 * size
+    sched = plan_schedule(units, capacity)
+    assert sched.arena_bytes == 3 * size
+    streamed = choose_streamed(units, 7 * size - (capacity - 4 * size))
+    larger = simulate(units, streamed, ring_layout(units, streamed, 4 * size)[1])
+    assert 0.98 * sched.est_step_s <= larger < sched.est_step_s  # the case the rule is for
+
+
+def test_unit_flops_agree_with_a_flop_count_of_the_forward():
+    """The FLOP estimate that ranks the units (most compute per weight byte streams first) against torch's own FLOP
+    counter on a ``meta`` forward of the full-size SDXL UNet at 512 px, batch 2 (independent: it counts every
+    matmul, conv and attention product the forward runs). Transformer blocks: cross-attention keys and values come
+    from the 77 context tokens, not from every image token (counted per image token, the estimate is 11-26% high);
+    self-attention is quadratic in the tokens. Down/upsamplers are one conv each. (Resnets are left out: their
+    time-embedding projection, counted per pixel, runs once per image.)"""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from leandiffusion.bench.models import SDXL_UNET
+    from leandiffusion.memory.streaming import meta_inputs, trace_units
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**SDXL_UNET)
+    shape = (2, 64, 64)
+    units = trace_units(unet, shape, torch.float32)
+    args, kwargs = meta_inputs(unet.config, *shape)
+    counter = FlopCounterMode(display=False, depth=None)
+    with counter, torch.no_grad():
+        unet(*args, **kwargs)
+    counts = counter.get_flop_counts()
+    checked = {"transformer": 0, "downsample": 0, "upsample": 0}
+    for u in units:
+        if u.kind in checked:
+            counted = sum(counts[f"UNet2DConditionModel.{u.name}"].values())
+            assert 0.95 <= u.flops / counted <= 1.05, (u.name, u.flops, counted)
+            checked[u.kind] += 1
+    assert all(checked.values()), checked
 
 
 def test_sdxl_plan_at_4gib_leaves_no_more_than_one_block_idle():

@@ -108,3 +108,33 @@ def test_prompts_go_through_the_shared_prompt_cache(engine):
     run_stream(engine, s, quiet=True)
     _fused(engine, prompts[0], 11)
     assert PROMPT_CACHE.misses == misses
+
+
+def test_each_text_is_encoded_once_and_only_prompts_still_needed_are_held(engine, monkeypatch):
+    """4 prompts x 2 images in batches of 3: images [0, 3) are prompts 0-1, [3, 6) prompts 1-2, [6, 8) prompt 3.
+    Each batch's conditioning is prepared once, one batch ahead (batch k + 1 while batch k waits to be denoised);
+    each text, the negative included, goes to the encoder once per run; after batch k is denoised only the prompts
+    of later images are kept. So the held prompts when each batch is prepared are 0-1, 0-2 and 1-3."""
+    from leandiffusion.sampling.stream import text as stream_text
+
+    real_prepare, real_encode = stream_text.TextStage.prepare, stream_text.TextStage._encode
+    prepared, held, encoded = [], [], []
+
+    def prepare(self, start, stop):
+        out = real_prepare(self, start, stop)
+        prepared.append((start, stop))
+        held.append(sorted(self._embeds))
+        return out
+
+    def encode(self, texts):
+        encoded.extend(texts)
+        return real_encode(self, texts)
+
+    monkeypatch.setattr(stream_text.TextStage, "prepare", prepare)
+    monkeypatch.setattr(stream_text.TextStage, "_encode", encode)
+    prompts = ("held zero", "held one", "held two", "held three")
+    run_stream(engine, _settings(prompts=prompts, images_per_prompt=2, max_batch=3), quiet=True)
+    assert prepared == [(0, 3), (3, 6), (6, 8)]
+    assert held == [[0, 1], [0, 1, 2], [1, 2, 3]]
+    assert sorted(encoded) == sorted(prompts + (NEGATIVE,))
+

@@ -90,6 +90,17 @@ def test_bad_inputs_name_the_input(engine, kw, exc, match):
         run_stream(engine, _settings(**kw), quiet=True)
 
 
+def test_the_last_image_may_take_the_largest_seed():
+    """Image n uses seed + n: a run of 3 images may start at MAX_SEED - 2 (its last image takes MAX_SEED itself),
+    one more is refused naming the largest start."""
+    from leandiffusion.sampling.settings import MAX_SEED
+
+    assert _settings(seed=MAX_SEED - 2).validated().seed == MAX_SEED - 2
+    with pytest.raises(ValueError, match=rf"the last seed {MAX_SEED + 1} exceeds {MAX_SEED}; use a seed <= "
+                                         rf"{MAX_SEED - 2}"):
+        _settings(seed=MAX_SEED - 1).validated()
+
+
 def test_prompts_must_be_text():
     with pytest.raises(TypeError, match="prompts"):
         StreamSettings.from_text(["a", "b"])
@@ -154,6 +165,37 @@ def test_oom_at_batch_1_reports_what_was_tried(engine):
     assert "0 of 3 images were finished (unfinished: images 0-2)" in "".join(getattr(info.value, "__notes__", []))
 
 
+def test_an_image_failing_alone_in_a_short_last_batch_is_reported_not_retried(engine):
+    """3 images in batches of 2: the last batch holds 1 image, which runs out of memory. Nothing is smaller than
+    the batch that failed (1, not the run's batch size 2), so the error says so at once, naming that image and the
+    sizes tried."""
+    eng, wrapper = _with_unet(engine, lambda rows, i: rows == 2)
+    with pytest.raises(OOM, match=r"out of memory denoising image 2 even with a batch of 1 \(batch sizes tried: "
+                                  r"\[1\]\)"):
+        run_stream(eng, _settings(max_batch=2), quiet=True)
+    assert wrapper.calls == [4, 4, 2]
+
+
+def test_tiled_decode_oom_at_the_smallest_tile_is_raised_with_the_tiles_tried(engine, monkeypatch):
+    """A tiled decode that runs out of memory at every tile halves down to 128 px, then raises what it tried
+    (it does not retry 128 px again)."""
+    import leandiffusion.sampling.stream.decode as stream_decode
+
+    tiles = []
+
+    def oom(program, z, cfg, *args, **kwargs):
+        tiles.append(cfg.tile_px)
+        if len(tiles) > 4:
+            raise AssertionError(f"tiles retried without end: {tiles}")
+        raise OOM("injected: CUDA out of memory in the tiled decode")
+
+    monkeypatch.setattr(stream_decode, "run_exact", oom)
+    with pytest.raises(OOM, match=r"tiled VAE decode ran out of memory even with 128 px tiles \(tried \[256, 128\] "
+                                  r"px\).*Last error: injected"):
+        run_stream(engine, _settings(decode_tile_size=256), quiet=True)
+    assert tiles == [256, 128]
+
+
 def test_decode_oom_falls_back_to_exact_tiles(engine, monkeypatch):
     vae = engine.parts.vae
     real = vae.decode
@@ -171,8 +213,10 @@ def test_decode_oom_falls_back_to_exact_tiles(engine, monkeypatch):
     monkeypatch.undo()
     with engine.session("vae"):
         want = engine.vae_decode(result.latents)
+        first = engine.vae_decode(result.latents[:1])
     assert state["calls"] == 2  # image 0 untiled, image 1 failed -> images 1, 2 tiled
     assert (result.images - want).abs().max().item() <= 1e-4
+    assert torch.equal(result.images[:1], first)  # the image decoded before the failure is kept, not redone in tiles
 
 
 def test_tiled_decode_oom_later_images_keep_the_smaller_tile(engine, monkeypatch, caplog):
@@ -181,10 +225,11 @@ def test_tiled_decode_oom_later_images_keep_the_smaller_tile(engine, monkeypatch
     image). Now they start from the tile that worked; the images still equal the untiled decode."""
     import leandiffusion.sampling.stream.decode as stream_decode
 
-    real, tiles = stream_decode.run_exact, []
+    real, tiles, budgets = stream_decode.run_exact, [], []
 
     def flaky(program, z, cfg, *args, **kwargs):
         tiles.append(cfg.tile_px)
+        budgets.append(cfg.budget_bytes)
         if cfg.tile_px > 256:
             raise OOM("injected: CUDA out of memory in the tiled decode")
         return real(program, z, cfg, *args, **kwargs)
@@ -194,10 +239,45 @@ def test_tiled_decode_oom_later_images_keep_the_smaller_tile(engine, monkeypatch
         result = run_stream(engine, _settings(decode_tile_size=512), quiet=True)
     monkeypatch.undo()
     assert tiles == [512, 256, 256, 256]
+    # the activation budget is halved with the tile (not below 64 MiB) and later images keep the halved one too
+    assert budgets[0] > 128 * 2 ** 20 and budgets[1:] == [budgets[0] // 2] * 3
     assert caplog.text.count("retrying with 256 px tiles") == 1
     with engine.session("vae"):
         want = engine.vae_decode(result.latents)
     assert (result.images - want).abs().max().item() <= 1e-4
+
+
+def test_a_row_decoded_twice_is_refused(engine):
+    """The decode stage writes each output row once: a batch submitted again for rows already written (a scheduler
+    bug) is an error naming the rows, not a silent overwrite."""
+    from leandiffusion.sampling.stream.decode import DecodeStage
+    from leandiffusion.sampling.stream.streams import StageStreams
+
+    images, latents = torch.zeros(3, 64, 64, 3), torch.zeros(3, 4, 8, 8)
+    stage = DecodeStage(engine, 0, False, StageStreams(torch.device("cpu")), images, latents)
+    z = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    stage.submit(0, 2, z)
+    stage.drain()
+    assert stage.written.tolist() == [True, True, False]
+    stage.submit(1, 3, z)
+    with pytest.raises(RuntimeError, match="images 1-2 were produced twice"):
+        stage.drain()
+
+
+def test_a_batch_never_decoded_is_an_error_not_a_blank_image(engine, monkeypatch):
+    """The run checks that every row was written before returning: a batch the decode stage dropped (a scheduler
+    bug, stubbed here) fails the run naming the images, instead of returning uninitialised rows."""
+    from leandiffusion.sampling.stream.decode import DecodeStage
+
+    real = DecodeStage.submit
+
+    def drop_the_second_batch(self, start, stop, final):
+        if start != 2:
+            real(self, start, stop, final)
+
+    monkeypatch.setattr(DecodeStage, "submit", drop_the_second_batch)
+    with pytest.raises(RuntimeError, match=r"images \[2\] were never written"):
+        run_stream(engine, _settings(), quiet=True)
 
 
 # --------------------------------------------------------------------------------------------- interruption
@@ -277,6 +357,15 @@ def test_one_progress_bar_over_images_and_steps_even_with_a_retry(engine, monkey
     assert len(RecordingBar.made) == 1
     bar = RecordingBar.made[0]
     assert bar.total == 4 * 3 and sum(bar.updates) == 12 and all(u > 0 for u in bar.updates)
+
+
+def test_the_progress_bar_ends_at_its_total_after_a_short_last_batch(engine, monkeypatch):
+    """3 images in batches of 2: the last batch has 1 image, and advances the bar by 1 unit per step, not 2."""
+    RecordingBar.made = []
+    monkeypatch.setattr(bridge, "ProgressBar", RecordingBar)
+    run_stream(engine, _settings(steps=3, max_batch=2), quiet=True)
+    (bar,) = RecordingBar.made
+    assert bar.total == 3 * 3 and bar.updates == [2, 2, 2, 1, 1, 1]
 
 
 # --------------------------------------------------------------------------------------------- node

@@ -118,8 +118,10 @@ def test_image_is_the_vae_decode_of_the_latent(engine):
     result = run_stream(engine, s, quiet=True)
     with engine.session("vae"):
         want = engine.vae_decode(result.latents)
+        each = torch.cat([engine.vae_decode(result.latents[i:i + 1]) for i in range(3)])
     assert result.images.shape == (3, 64, 64, 3)
     assert (result.images - want).abs().max().item() <= 1e-5
+    assert torch.equal(result.images, each)  # each image decoded once, untiled, alone (not re-decoded in tiles)
 
 
 def test_tiled_decode_matches_untiled(engine):
@@ -139,6 +141,19 @@ def test_sdxl_rows_carry_their_own_pooled_embeddings():
     eng = tiny_engine("sdxl")
     s = _settings(prompts="a red boat\nsnowy forest\na cat", max_batch=2, cfg=BATCHED_CFG)
     _check(eng, s, run_stream(eng, s, quiet=True), bound=BATCHED_ABS)
+
+
+def test_sdxl_size_conditioning_of_a_non_square_image_is_height_then_width():
+    """SDXL's time ids are (height, width, 0, 0, height, width): a 64 x 96 (w x h) run equals the Fused DDIM
+    Sampler's at that size bit for bit (max_batch 1), which a swapped pair would not."""
+    eng = tiny_engine("sdxl")
+    s = _settings(prompts="a red boat", width=64, height=96, max_batch=1)
+    got = run_stream(eng, s, quiet=True).latents
+    ref = sample(eng, SamplerSettings(positive="a red boat", negative=s.negative, seed=s.seed, steps=s.steps,
+                                      cfg=s.cfg, width=64, height=96, batch_size=1, acceleration="none"),
+                 quiet=True)["samples"]
+    assert got.shape == ref.shape == (1, 4, 12, 8)
+    assert torch.equal(got, ref)
 
 
 class StandInBackend:
@@ -187,12 +202,56 @@ def test_auto_batch_runs_and_is_exact(engine):
     (64, 100, 10_000, 0, 64, 16),  # capped at 16
     (8, 100, 10_000, 0, 2, 2),  # the call is full at 2 images
     (16, 100, 350, 50, 8, 3),  # what fits (3 images), evened out over 16 -> 6 batches of <= 3
+    (16, 100, 350, 100, 8, 2),  # the decode's reserve leaves room for 2 images, not the 3 of 350 bytes
     (16, 100, 50, 0, 8, 1),  # nothing fits: still 1 (OOM handling takes over)
     (10, 100, 10_000, 0, 8, 5),  # 8 -> two batches -> evened out to 5, 5
     (1, 100, 10_000, 0, 8, 1),
 ])
 def test_auto_batch_rule(n, per, avail, reserve, sat, want):
     assert auto_batch(n, per, avail, reserve, sat) == want
+
+
+def test_a_guided_image_counts_the_activations_of_two_unet_rows(engine):
+    """Per-image activations: a guided step runs the UNet on 2 rows (cond + uncond), an unguided one on 1, and the
+    activation model is linear in the rows, so guided = 2 x unguided, whichever of the two a run asks for first
+    (the estimate is cached per model and shape)."""
+    from leandiffusion.sampling.stream.batching import per_image_bytes
+
+    guided_first = per_image_bytes(engine, 12, 20, True), per_image_bytes(engine, 12, 20, False)
+    unguided_first = per_image_bytes(engine, 20, 12, False), per_image_bytes(engine, 20, 12, True)
+    for guided, unguided in (guided_first, unguided_first[::-1]):
+        assert unguided > 0 and abs(guided - 2 * unguided) <= 2, (guided, unguided)
+
+
+def test_an_untiled_run_reserves_one_decode_and_the_vae_weights_loaded_only_while_used():
+    """The decode runs beside the next batch's denoising: an untiled decode's estimate (2200 B per output pixel per
+    dtype byte) is reserved, plus the VAE weights when the policy loads them only for the decode."""
+    from types import SimpleNamespace
+
+    from leandiffusion.sampling.stream.batching import decode_reserve
+
+    def engine_with(plan):
+        return SimpleNamespace(placement=SimpleNamespace(plan=plan))
+
+    assert decode_reserve(engine_with(SimpleNamespace(vae_mode="while used", vae_bytes=300)), 1000) == 1300
+    assert decode_reserve(engine_with(SimpleNamespace(vae_mode="resident", vae_bytes=300)), 1000) == 1000
+    assert decode_reserve(engine_with(None), 1000) == 1000
+
+
+def test_the_automatic_batch_leaves_room_for_an_untiled_decode(engine, monkeypatch):
+    """Per image 10 MiB, 25 MiB left beside a 64 x 64 fp32 untiled decode (64 * 64 * 2200 * 4 bytes): 2 images per
+    batch; a tiled decode reserves nothing, so the same free memory holds 5 (evened out over 6 images: 3)."""
+    from leandiffusion.sampling.stream import scheduler
+
+    MiB = 2 ** 20
+    untiled = 64 * 64 * 2200 * 4
+    monkeypatch.setattr(scheduler, "per_image_bytes", lambda *a: 10 * MiB)
+    monkeypatch.setattr(scheduler, "available_bytes", lambda e: untiled + 25 * MiB)
+    monkeypatch.setattr(scheduler, "decode_reserve", lambda e, b: b)
+    s = _settings(images_per_prompt=2).validated()
+    assert engine.vae_dtype == torch.float32 and s.n_images == 6
+    assert scheduler.choose_batch(engine, s, False, (8, 8)) == 2
+    assert scheduler.choose_batch(engine, s, True, (8, 8)) == 3
 
 
 def test_saturating_batch_sizes():
