@@ -4,9 +4,12 @@ Guards: timestep spacing (leading + steps_offset, trailing, linspace), ``prev_ti
 spacing, ``set_alpha_to_one``, beta schedules (incl. zero-terminal-SNR rescaling), the three prediction types,
 the eta > 0 variance, img2img's ``int(steps * strength)`` rule and ``add_noise``.
 """
+import logging
+
 import pytest
 import torch
 from diffusers import DDIMScheduler
+from diffusers.schedulers.scheduling_ddim import rescale_zero_terminal_snr
 
 from leandiffusion.kernels.cfg_ddim import cfg_ddim_reference
 from leandiffusion.sampling import ddim
@@ -27,6 +30,10 @@ CONFIGS = {
     "zero-snr-v-trailing": dict(SD, prediction_type="v_prediction", rescale_betas_zero_snr=True,
                                 timestep_spacing="trailing"),
     "trained-betas": dict(SD, trained_betas=(torch.linspace(1e-4, 0.03, 1000, dtype=torch.float64) ** 1.3).tolist()),
+    # a zero-SNR model that ships its rescaled betas: the last one is exactly 1 (alpha_bar_999 = 0), in range
+    "trained-zero-snr": dict(SD, prediction_type="v_prediction", timestep_spacing="trailing",
+                             trained_betas=rescale_zero_terminal_snr(
+                                 torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000) ** 2).tolist()),
 }
 
 
@@ -44,7 +51,8 @@ def test_alphas_cumprod_bit_identical():
 
 
 STEP_CASES = [(name, steps, eta) for name in CONFIGS for steps, eta in [(5, 0.0), (7, 0.6), (10, 1.0)]
-              if not (name == "zero-snr-v-trailing" and eta == 1.0)]  # see test_zero_snr_eta_one_follows_diffusers
+              if not (name in ("zero-snr-v-trailing", "trained-zero-snr") and eta == 1.0)]
+# (eta = 1 at zero SNR: see test_zero_snr_eta_one_follows_diffusers)
 
 
 def _check_steps_against_diffusers(name, steps, eta, textbook=True):
@@ -164,3 +172,18 @@ def test_trained_betas_that_cannot_be_the_schedule_are_refused_by_name(trained, 
                                          rf"per training timestep, num_train_timesteps=1000\), {got}; correct or "
                                          r"remove trained_betas in the model's scheduler_config.json"):
         ddim.make_schedule(cfg, 4)
+
+
+def test_pipeline_config_says_when_it_rewrites_an_outdated_config(caplog):
+    """Session-21 audit: the SD pipelines' rewrite is logged (a user comparing with another tool's offset-0 schedule
+    sees why), only when it changes something, and SDXL's config is kept as it is."""
+    outdated = dict(SD, steps_offset=0, clip_sample=True)
+    with caplog.at_level(logging.INFO, logger="leandiffusion.sampling.ddim"):
+        assert ddim.pipeline_config(outdated, sdxl=False) == dict(SD, steps_offset=1, clip_sample=False)
+        assert len(caplog.records) == 1
+        assert "steps_offset=0 clip_sample=True is outdated" in caplog.text
+        caplog.clear()
+        assert ddim.pipeline_config(SD, sdxl=False) == SD
+        assert ddim.pipeline_config(outdated, sdxl=True) == outdated
+        assert caplog.records == []
+    assert outdated["steps_offset"] == 0  # the model's config is never mutated

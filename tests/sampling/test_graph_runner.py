@@ -470,3 +470,51 @@ def test_max_graphs_setting_is_read(monkeypatch):
     assert GraphRunner().max_graphs == 3
     monkeypatch.setenv("LEANDIFFUSION_MAX_GRAPHS", "")
     assert GraphRunner().max_graphs == 2
+
+
+# Session-21 sampler mutation audit: the cache's LRU order and the key's weight / compile fields had never been
+# exercised (the stand-in replays the step eagerly, so a stale key shows only in the capture count).
+def test_the_least_recently_used_graph_is_evicted(engine):
+    runner = GraphRunner(StandInBackend(), max_graphs=2)
+    run = lambda width: sample(engine, _settings(width=width), runner=runner, quiet=True)  # noqa: E731
+    run(64), run(72), run(64)  # 64 is now the most recently used
+    assert runner.captures(engine) == 2
+    run(80)  # evicts 72, the least recently used
+    assert runner.captures(engine) == 3
+    run(64)
+    assert runner.captures(engine) == 3, "the most recently used graph was evicted"
+    run(72)
+    assert runner.captures(engine) == 4
+
+
+def test_replaced_weights_capture_again():
+    """A graph replays reads of the weights' addresses: weights replaced in place (a re-placement) must recapture."""
+    eng = tiny_engine("sd1", seed=2)
+    runner = GraphRunner(StandInBackend())
+    sample(eng, _settings(), runner=runner, quiet=True)
+    sample(eng, _settings(), runner=runner, quiet=True)
+    assert runner.captures(eng) == 1
+    eng.parts.unet.conv_out.weight.data = eng.parts.unet.conv_out.weight.data.clone()
+    sample(eng, _settings(), runner=runner, quiet=True)
+    assert runner.captures(eng) == 2
+
+
+def test_weights_fingerprint_tracks_replaced_buffers():
+    module = torch.nn.BatchNorm2d(4)
+    before = weights_fingerprint(module)
+    module.running_mean = module.running_mean.clone()
+    assert weights_fingerprint(module) != before
+
+
+def test_a_compiled_step_is_cached_apart_from_the_eager_one(engine, monkeypatch):
+    """The compiled UNet's graph holds other kernels: ``compile+cuda_graph`` after ``cuda_graph`` (same shapes)
+    captures again. The compiled UNet call is stubbed with the eager one (no inductor on the CPU test machine)."""
+    from leandiffusion.sampling import loop
+
+    monkeypatch.setattr(loop, "compiled_unet_fn", loop.eager_unet_fn)
+    runner = GraphRunner(StandInBackend(), max_graphs=4)
+    sample(engine, _settings(), runner=runner, quiet=True)
+    sample(engine, _settings(acceleration="compile+cuda_graph"), runner=runner, quiet=True)
+    assert runner.captures(engine) == 2
+    sample(engine, _settings(acceleration="compile+cuda_graph"), runner=runner, quiet=True)
+    assert runner.captures(engine) == 2

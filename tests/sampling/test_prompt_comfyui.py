@@ -28,6 +28,9 @@ PROMPTS = [
     ", ".join(f"word{i} (thing{i}:1.2)" for i in range(12)),
     "x" * 70 + " (" + "y" * 30 + ":1.4)",
     "a photo embedding:style of (a cat embedding:sub_old:1.2), embedding:style, done",
+    "a embedding:,style, x",  # a leading comma: ComfyUI's retry gives the name's tail back as text
+    "a " * 71 + "(b c d e:1.2)",  # a piece that fills the first chunk exactly
+    "a " * 70 + "(b c d e f g h i:1.2)",  # an 8-token piece (the smallest that splits) across the boundary
 ]
 
 

@@ -24,6 +24,9 @@ PROMPTS = [
     LONG,
     "x" * 70 + " (" + "y" * 30 + ":1.4)",  # a large weighted piece split across the chunk boundary
     "a " * 40 + "(tiny:1.2)",  # a short piece that moves whole to the next chunk
+    # session-21 audit, the packing rule's two edges (tiny tokenizers: "a" one token, "b".."i" one token each):
+    "a " * 71 + "(b c d e:1.2)",  # start + 71 + 4 = 76 items: the piece fills the first chunk exactly
+    "a " * 70 + "(b c d e f g h i:1.2)",  # an 8-token piece (the smallest that splits) across the boundary
 ]
 
 
@@ -166,6 +169,17 @@ def test_textual_inversion_list_and_lora_bundled_files(family, engine, comps, mo
         assert (got.pooled - pooled).abs().max().item() <= TOL
 
 
+def test_sd2_reads_the_clip_h_vectors_of_a_file_that_has_several(models_dir):
+    """Session-21 audit: SD2's OpenCLIP-H encoder takes an embedding file's ``clip_h`` tensor (ComfyUI's SD2 key),
+    never its ``clip_l`` one, also when both have the encoder's width."""
+    h, l_ = _vectors(2, 128, 21), _vectors(2, 128, 22)
+    save_file({"clip_l": l_, "clip_h": h}, str(models_dir / "both.safetensors"))
+    text = "a photo embedding:both of a cat"
+    got = _encode(tiny_engine("sd2"), text)
+    cond, _ = ref_encode(tiny_components("sd2"), text, {"both": h})
+    assert (got.context - cond).abs().max().item() <= TOL
+
+
 @pytest.mark.parametrize("content,match", [
     ({"name": "old", "step": 10}, r"embedding:empty.pt: the file holds no textual-inversion tensor ComfyUI would "
                                   r"read \(expected emb_params, string_to_param, clip_l or a list of tensors\)"),
@@ -264,3 +278,30 @@ def test_cache_is_used_by_default_and_invalidated_by_embedding_edit(models_dir):
     assert os.stat(models_dir / "e.safetensors").st_size == st.st_size
     c = encode_texts(engine, ["embedding:e cat"])[0]
     assert count.calls == 3 and not torch.equal(b.context, c.context)
+
+
+def test_the_syntax_and_an_undeclared_adapter_are_part_of_the_cache_key():
+    """Session-21 audit: one text reads differently in the two syntaxes ([x] and BREAK), so a cached "comfyui"
+    encoding must not answer an "extended" request; and an adapter that does not say whether it touches the text
+    encoders (no ``affects_text``) is assumed to."""
+    engine = tiny_engine("sd1")
+    cache = PromptCache()
+    count = _Counter(engine)
+    text = "[blur] a BREAK b"
+    comfy = encode_texts(engine, [text], syntax="comfyui", cache=cache)[0]
+    extended = encode_texts(engine, [text], syntax="extended", cache=cache)[0]
+    assert count.calls == 2
+    assert comfy.context.shape != extended.context.shape  # BREAK: two chunks in the extended syntax
+    assert torch.equal(extended.context, encode_texts(engine, [text], syntax="extended", cache=None)[0].context)
+
+    class Undeclared:
+        cache_key = ("te-lora.safetensors", 1.0)
+
+        def attach(self, parts):
+            pass
+
+        def detach(self, parts):
+            pass
+
+    encode_texts(engine.with_adapter(Undeclared()), [text], syntax="extended", cache=cache)
+    assert count.calls == 4  # (the uncached reference above was the third) the undeclared adapter's key missed
