@@ -42,3 +42,19 @@ def test_text_and_unet_halves_load_in_their_stages_dtypes(tmp_path):
     with split.session("unet"):
         out_base = lf.run_unet(split.parts.unet, inputs)
     assert out.dtype == torch.bfloat16 and (out.float() - out_base.float()).abs().max() > 0.05
+
+
+def test_each_strategy_is_its_own_binding_and_graph_key(tmp_path):
+    """``strategy`` is part of the binding key, hence of ``graph_key`` (a captured graph of one strategy cannot
+    replay the other's forward): views asking for ``hook`` and ``geglu`` get bindings of those strategies with
+    different graph keys (session 21 mutation audit: without it the second view silently reused the first one's
+    binding and strategy)."""
+    c = tiny_components("sd1")
+    sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=2)
+    path = lf.write(sd, tmp_path / "style.safetensors")
+    engine = engine_from_parts(tiny_parts("sd1"))
+    hook = inject_lora(engine, path, 0.7, strategy="hook").adapters[0]
+    geglu = inject_lora(engine, path, 0.7, strategy="geglu").adapters[0]
+    assert (hook.binding.strategy, geglu.binding.strategy) == ("hook", "geglu")
+    assert hook.graph_key != geglu.graph_key
+    assert inject_lora(engine, path, 0.3, strategy="hook").adapters[0].graph_key == hook.graph_key

@@ -74,3 +74,39 @@ def test_kohya_lookup_both_spellings(unets):
         "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
     assert find("output_blocks_2_2_conv") == "up_blocks.0.upsamplers.0.conv"
     assert find("input_blocks_4_1_transformer_blocks_0_attn1_to_z") is None
+
+
+def test_an_ambiguous_kohya_spelling_is_refused_not_guessed():
+    """``a_b.c`` and ``a.b_c`` are both ``a_b_c`` in kohya's spelling: such a key names no module (the mapping
+    refuses it, listing the key) rather than whichever module was indexed last; the dotted names stay exact."""
+    from leandiffusion.lora.formats import ParsedLora
+    from leandiffusion.lora.keymap import resolve
+
+    root = torch.nn.Module()
+    root.a_b, root.a = torch.nn.Module(), torch.nn.Module()
+    root.a_b.c, root.a.b_c = torch.nn.Linear(2, 3), torch.nn.Linear(2, 3)
+
+    def layer(name, naming):
+        return LoraLayer("unet", name, naming, torch.zeros(1, 2), torch.zeros(3, 1), 1.0, f"lora_unet_{name}")
+
+    index = ModuleIndex("unet", root)
+    assert index.lookup(layer("a_b_c", "kohya")) is None
+    assert index.lookup(layer("a_b.c", "dotted")) == "a_b.c" and index.lookup(layer("a.b_c", "dotted")) == "a.b_c"
+    with pytest.raises(ValueError, match=r"1 of 1 layers match no module .*lora_unet_a_b_c"):
+        resolve(ParsedLora("kohya", (layer("a_b_c", "kohya"),), "x.safetensors"), {"unet": root}, "sd1")
+
+
+@pytest.mark.parametrize("down_shape,up_shape,problem", [
+    ((1, 2), (4, 1), "maps 2->3 but the LoRA maps 2->4"),  # the output side alone is wrong
+    ((1, 5), (3, 1), "maps 2->3 but the LoRA maps 5->3"),
+])
+def test_a_linear_lora_of_the_wrong_width_on_either_side_is_named(down_shape, up_shape, problem):
+    """Session 21 mutation audit: only input-side mismatches were tested, so a check that ignored the up factor's
+    rows passed (the mismatch then fails later inside a forward, with torch's bare shape error)."""
+    from leandiffusion.lora.keymap import Target, shape_problem
+
+    linear = torch.nn.Linear(2, 3)
+    layer = LoraLayer("unet", "l", "kohya", torch.zeros(down_shape), torch.zeros(up_shape), 1.0, "lora_unet_l")
+    assert problem in shape_problem(Target("unet", "l", linear, layer))
+    fits = LoraLayer("unet", "l", "kohya", torch.zeros(1, 2), torch.zeros(3, 1), 1.0, "lora_unet_l")
+    assert shape_problem(Target("unet", "l", linear, fits)) == ""

@@ -75,3 +75,29 @@ def test_no_room_for_a_backup_on_the_device_keeps_it_on_the_cpu(setup, monkeypat
     assert refused and "no room for a" in caplog.text and "keeping it in CPU memory" in caplog.text
     assert torch.equal(got, merged_out)
     assert all(torch.equal(v, base[k]) for k, v in engine.parts.unet.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_merge_rounds_once_and_restores_bit_exactly(dtype):
+    """``round(W + s * up @ down)``: the sum in fp32, rounded once to the weight's dtype (session 21 mutation audit:
+    every merge test ran in fp32, where adding a delta rounded to the weight's dtype first gives the same bits).
+    The merged weight equals the fp32 sum written by hand, rounded once; detach gives the base bits back."""
+    from leandiffusion.lora.formats import LoraLayer
+    from leandiffusion.lora.keymap import Target
+    from leandiffusion.lora.merged import MergedBinding
+
+    gen = torch.Generator().manual_seed(11)
+    linear = torch.nn.Linear(64, 48).requires_grad_(False).to(dtype)
+    down, up = torch.randn(8, 64, generator=gen).to(dtype), torch.randn(48, 8, generator=gen).to(dtype)
+    layer = LoraLayer("unet", "l", "kohya", down, up, 1.0, "lora_unet_l")
+    base = linear.weight.clone()
+    want = (base.float() + 0.37 * (up.float() @ down.float())).to(dtype)
+    twice = base + (0.37 * (up.float() @ down.float())).to(dtype)  # rounded twice: differs from ``want``
+    assert not torch.equal(want, twice)
+    binding = MergedBinding(("half", dtype), [Target("unet", "l", linear, layer)], "t")
+    binding.attach({"unet": 0.37})
+    try:
+        assert torch.equal(linear.weight, want)
+    finally:
+        binding.detach({"unet": 0.37})
+    assert torch.equal(linear.weight, base)

@@ -74,6 +74,27 @@ def test_cache_sees_a_copy_that_kept_size_and_mtime(tmp_path):
 
 
 
+def test_cache_sees_an_in_place_rewrite_that_kept_inode_size_and_mtime(tmp_path):
+    """Rewritten in place (same inode) with the old mtime put back: only the ctime tells the new contents apart
+    (session 21 mutation audit: the other cache tests changed the inode or the mtime too)."""
+    from safetensors.torch import save
+
+    clear_cache()
+    c = tiny_components("sd1")
+    path = lf.write(lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}), tmp_path / "a.safetensors")
+    a = load_lora(path, "cpu", torch.float32)
+    st = os.stat(path)
+    new = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, seed=9)
+    with open(path, "r+b") as f:
+        f.write(save({k: v.contiguous() for k, v in new.items()}))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    now = os.stat(path)
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert now.st_ctime_ns != st.st_ctime_ns
+    b = load_lora(path, "cpu", torch.float32)
+    assert b is not a and not torch.equal(b.parsed.layers[0].down, a.parsed.layers[0].down)
+
+
 def test_a_loaded_lora_keeps_its_weights_when_the_file_is_overwritten_in_place(tmp_path):
     """``cp retrained.safetensors a.safetensors`` rewrites the same inode. The cached LoRA (still used by the views
     ComfyUI keeps) held views of the mapped file, so its weights became the new file's (a shorter file: SIGBUS)."""
@@ -115,3 +136,23 @@ def test_loaded_layers_fold_scale_into_up(tmp_path):
     layer = load_lora(path, "cpu", torch.float64).parsed.layers[0]
     assert layer.scale == 1.0 and torch.equal(layer.up, up.double() * 0.25)
     assert layer.down.dtype == torch.float64
+
+
+def test_a_load_for_some_components_holds_only_their_layers(tmp_path):
+    """The loader loads a LoRA per stage when the stages compute on other devices / dtypes (``lowvram``: text
+    encoders on the CPU in fp32): each load holds its components' layers only, so no layer is applied twice
+    (session 21 mutation audit: no test loaded a subset). Counts from the file's own keys."""
+    clear_cache()
+    c = tiny_components("sd1")
+    sd = lf.kohya_state_dict({"unet": c["unet"], "text_encoder": c["text_encoder"]},
+                             {"unet": lf.ATTN_FF, "text_encoder": lf.TE_LINEARS})
+    path = lf.write(sd, tmp_path / "both.safetensors")
+    downs = [k for k in sd if k.endswith(".lora_down.weight")]
+    n_unet = sum(k.startswith("lora_unet_") for k in downs)
+    assert 0 < n_unet < len(downs)
+    everything = load_lora(path, "cpu", torch.float32)
+    unet_only = load_lora(path, "cpu", torch.float32, ["unet"])
+    text_only = load_lora(path, "cpu", torch.float32, ["text_encoder", "text_encoder_2"])
+    assert len(everything.parsed.layers) == len(downs)
+    assert [layer.component for layer in unet_only.parsed.layers] == ["unet"] * n_unet
+    assert [layer.component for layer in text_only.parsed.layers] == ["text_encoder"] * (len(downs) - n_unet)

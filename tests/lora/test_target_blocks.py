@@ -101,6 +101,20 @@ def test_text_encoder_prefixes_with_and_without_text_model(sdxl):
             assert _selected(inject_lora(engine, path, target_blocks=f"{comp}.{spelled}")) == want, (comp, spelled)
 
 
+def test_a_component_name_alone_selects_that_whole_component(sdxl):
+    """``text_encoder`` / ``text_encoder_2`` / ``unet`` alone: every layer of the LoRA in that component, no other
+    (the file covers every attention / MLP Linear of both encoders and the UNet's attention, feed-forward and conv
+    layers: ``lorafiles``' patterns, not the selector code, say which)."""
+    engine, _, path, _ = sdxl
+    roots = {"unet": (engine.parts.unet, UNET_ALL), "text_encoder": (engine.parts.text_encoder, lf.TE_LINEARS),
+             "text_encoder_2": (engine.parts.text_encoder_2, lf.TE_LINEARS)}
+    for comp, (root, pattern) in roots.items():
+        want = {(comp, n) for n in lf.module_names(root, pattern)}
+        assert want and _selected(inject_lora(engine, path, target_blocks=comp)) == want, comp
+    both = {(c, n) for c in ("text_encoder", "text_encoder_2") for n in lf.module_names(roots[c][0], lf.TE_LINEARS)}
+    assert _selected(inject_lora(engine, path, target_blocks="text_encoder_2, text_encoder")) == both
+
+
 @pytest.mark.parametrize("value,valid", [
     ("input_blocks.9", r"diffusers blocks down_blocks\.0-1, mid_block, up_blocks\.0-1 .*ComfyUI/LDM blocks "
                        r"input_blocks\.0-3, middle_block, output_blocks\.0-3; LoRA Block Weight IN00-IN03, MID, "

@@ -232,3 +232,34 @@ def test_two_strengths_of_one_binding_cannot_run_at_once(tmp_path):
     lf.assert_untouched(before, engine.parts.unet)
     with v2.session("unet"):  # and it still works afterwards
         lf.run_unet(v2.parts.unet, lf.unet_inputs("sd1"))
+
+
+@pytest.mark.parametrize("strategy_name", ["hook", "geglu"])
+def test_a_conv_lora_keeps_the_layers_stride_padding_and_dilation(strategy_name):
+    """The tiny UNets' convs all have dilation 1 (session 21 mutation audit: a plain LoRA conv term that dropped the
+    module's dilation passed every model test). On a Conv2d with stride 2, padding 2 and dilation 2 the unmerged
+    term adds what the merged fp64 weight W + s * (alpha / r) * up @ down does, and detach restores the conv."""
+    import torch.nn.functional as F
+
+    from leandiffusion.lora.formats import LoraLayer
+    from leandiffusion.lora.keymap import Target
+    from leandiffusion.lora.unmerged import UnmergedBinding
+
+    gen = torch.Generator().manual_seed(5)
+    conv = torch.nn.Conv2d(8, 12, 3, stride=2, padding=2, dilation=2).requires_grad_(False)
+    down, up = torch.randn(4, 8, 3, 3, generator=gen) / 8, torch.randn(12, 4, 1, 1, generator=gen)
+    layer = LoraLayer("unet", "c", "kohya", down, up, 0.5, "lora_unet_c")
+    binding = UnmergedBinding(("dilated", strategy_name), [Target("unet", "c", conv, layer.placed(
+        torch.device("cpu"), torch.float32))], "t", strategy=strategy_name)
+    x = torch.randn(2, 8, 11, 9, generator=gen)
+    w = conv.weight.double()
+    merged = w + 0.8 * 0.5 * (up.double().flatten(1) @ down.double().flatten(1)).reshape(w.shape)
+    ref = F.conv2d(x.double(), merged, conv.bias.double(), stride=2, padding=2, dilation=2)
+    base = conv(x)
+    assert (ref - base.double()).abs().max() > 0.05
+    binding.attach({"unet": 0.8})
+    try:
+        assert (conv(x).double() - ref).abs().max() <= TOL
+    finally:
+        binding.detach({"unet": 0.8})
+    assert torch.equal(conv(x), base)

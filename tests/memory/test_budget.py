@@ -145,6 +145,17 @@ def test_vae_stage_releases_cached_graphs_when_their_pools_leave_no_room(fake_cu
     assert fake_cuda.reserved == 1 * GiB + 100 * MiB
 
 
+def test_text_stage_releases_cached_graphs_when_its_weights_would_not_fit(fake_cuda):
+    """2 GiB budget: 1.0 GiB held + a 0.6 GiB graph pool; the text encoders bring 500 MiB + the 128 MiB floor onto
+    the device (0.63 GiB > the 0.4 GiB left), so the text stage, not only the VAE's, drops the graphs first."""
+    placement = _placement(text_mode="while used")
+    fake_cuda.reserved = 1 * GiB
+    graphs = GraphCache(fake_cuda, placement.parts, 600 * MiB)
+    with budget.stage_budget(placement, "text"):
+        assert graphs.released == [placement.parts] and graphs.nbytes == 0
+    assert fake_cuda.reserved == 1 * GiB
+
+
 @pytest.mark.parametrize("stage, budget_bytes", [
     ("vae", 4 * GiB),  # the VAE finds room beside them
     ("unet", 1 * GiB),  # short of room, but the UNet stage replays them

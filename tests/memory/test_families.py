@@ -64,6 +64,16 @@ def test_sd2_prediction_rule(tmp_path):
     assert sd2_prediction_type({}, tmp_path / "mine.safetensors") == "v_prediction"
 
 
+def test_sd2_sidecar_with_another_parameterization_means_epsilon(tmp_path):
+    """``parameterization: "eps"`` (or any value but v) in the sidecar is epsilon, over a name that says 768 and
+    over ComfyUI's weight test; only ``v`` means v-prediction."""
+    for value in ('"eps"', "eps", "'x0'"):
+        (tmp_path / "model_768-v.yaml").write_text(f"model:\n  params:\n    parameterization: {value}\n")
+        assert sd2_prediction_type({}, tmp_path / "model_768-v.safetensors") == "epsilon", value
+    (tmp_path / "model_768-v.yaml").write_text("model:\n  params:\n    parameterization: V  # v2-inference-v\n")
+    assert sd2_prediction_type({}, tmp_path / "model_768-v.safetensors") == "v_prediction"
+
+
 def test_truncated_file_clear_error(tmp_path):
     path = save_ldm_checkpoint(tiny_components("sd1"), tmp_path / "t.safetensors")
     data = path.read_bytes()

@@ -125,3 +125,25 @@ def test_an_sdxl_folder_without_tokenizer_2_reuses_its_tokenizer_files_padded_fo
     loaded = load_diffusers_folder(folder)
     assert _ids(loaded["tokenizer"]) == _reference_ids(folder / "tokenizer", openclip=False)
     assert _ids(loaded["tokenizer_2"]) == _reference_ids(folder / "tokenizer", openclip=True)
+
+
+@pytest.mark.parametrize("family, engine_family", [("sd1", "sd1"), ("sd2", "sd2-v")])
+def test_a_folders_own_scheduler_settings_win_over_the_family_defaults(models, family, engine_family):
+    """A folder saved for v-prediction on the zero-terminal-SNR schedule keeps those settings (diffusers'
+    ``DDIMScheduler.from_pretrained`` reads the same folder as the reference); an SD2 folder with a v-prediction
+    scheduler is the ``sd2-v`` family."""
+    from diffusers import DDIMScheduler
+
+    def damage(folder):
+        path = folder / "scheduler" / "scheduler_config.json"
+        config = json.loads(path.read_text())
+        config.update(prediction_type="v_prediction", rescale_betas_zero_snr=True, timestep_spacing="trailing",
+                      steps_offset=0)
+        path.write_text(json.dumps(config))
+    folder = models(f"zsnr-{family}", family, damage)
+    loaded = load_diffusers_folder(folder)
+    reference = DDIMScheduler.from_pretrained(str(folder / "scheduler")).config
+    for key in ("prediction_type", "rescale_betas_zero_snr", "timestep_spacing", "steps_offset"):
+        assert loaded["scheduler_config"][key] == reference[key], key
+    assert reference["prediction_type"] == "v_prediction" and reference["rescale_betas_zero_snr"] is True
+    assert loaded["family"] == engine_family

@@ -89,6 +89,19 @@ def test_single_file_tokenizers_follow_family_conventions(loaded):
     assert ids.shape == (1, 77) and ids[0, 0].item() == 512
 
 
+# The VAE latent scale of each family's published VAE config (SD1.x / SD2.x 0.18215, SDXL 0.13025): the engine
+# scales latents by it (``ModelParts.vae_scaling_factor``), and the VAE's outputs do not depend on it.
+PUBLISHED_VAE_SCALING = {"sd1": 0.18215, "sd2": 0.18215, "sd2-v": 0.18215, "sdxl": 0.13025}
+
+
+def test_vae_scaling_factor_is_the_familys(loaded):
+    """Session 21 mutation audit: an SDXL single file loaded with SD's 0.18215 passed every output comparison."""
+    family, ref, single, folder = loaded
+    assert ref["vae"].config.scaling_factor == PUBLISHED_VAE_SCALING[family]
+    for got in (single, folder):
+        assert got["vae"].config.scaling_factor == PUBLISHED_VAE_SCALING[family]
+
+
 def test_fp16_checkpoint_loads_in_file_dtype(tmp_path):
     ref = tiny_components("sd1")
     path = save_ldm_checkpoint(ref, tmp_path / "half.safetensors", dtype=torch.float16)

@@ -305,3 +305,29 @@ def test_fp8_and_mixed_dtype_file_computes_with_the_files_values(tmp_path, monke
     with torch.no_grad():
         assert _max_diff(engine.parts.unet(x, 321, encoder_hidden_states=ctx).sample,
                          rounded(x, 321, encoder_hidden_states=ctx).sample) <= TOL
+
+
+def test_sdxl_attention_depth_that_differs_per_level_loads_like_reference(tmp_path):
+    """Real SDXL has 2 transformer blocks per attention at its second level and 10 at its third; the tiny SDXL has
+    one attention level, so a config that gave every level the deepest depth passed (session 21 mutation audit).
+    A 3-level SDXL UNet with depths 1 and 2 (ComfyUI's and diffusers' per-level ``transformer_depth``) loads from its
+    LDM file with the outputs of the diffusers model it was written from."""
+    from diffusers import UNet2DConditionModel
+
+    xl = tiny_components("sdxl")
+    torch.manual_seed(4)
+    xl["unet"] = UNet2DConditionModel(**{**xl["unet"].config, "block_out_channels": (64, 64, 128),
+                                         "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D",
+                                                              "CrossAttnDownBlock2D"),
+                                         "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                                         "transformer_layers_per_block": (1, 1, 2),
+                                         "attention_head_dim": (1, 1, 2)}).eval()
+    got = load_ldm_checkpoint(_save(ldm_state_dict(xl), tmp_path, "sdxl-depths.safetensors"))
+    assert [len(a.transformer_blocks) for b in got["unet"].down_blocks for a in getattr(b, "attentions", ())] == [1, 2]
+    g = torch.Generator().manual_seed(3)
+    x, ctx = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 77, 192, generator=g)
+    add = {"text_embeds": torch.randn(1, 128, generator=g), "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]])}
+    with torch.no_grad():
+        ours = got["unet"](x, 500, encoder_hidden_states=ctx, added_cond_kwargs=add).sample
+        ref = xl["unet"](x, 500, encoder_hidden_states=ctx, added_cond_kwargs=add).sample
+    assert _max_diff(ours, ref) <= TOL

@@ -98,6 +98,93 @@ def test_planned_peaks_are_ordered():
 
 
 
+def test_each_policys_peaks_are_what_it_keeps_on_the_device_per_stage():
+    """The module docstring's table, written out from the plan's byte counts: ``full`` holds everything in every
+    stage (and the UNet's activations in its own); ``balanced`` the UNet plus the running stage's weights or
+    activations; ``lowvram`` the same without the text encoders (on the CPU in fp32). The byte counts themselves are
+    the parameters' sizes (checked against a plain count, 512-byte alignment allowed)."""
+    parts = tiny_parts("sd1")
+    for policy in ("full", "balanced", "lowvram"):
+        plan = apply_vram_policy(tiny_parts("sd1"), policy, device="cpu").plan
+        T, U, V, act = plan.text_bytes, plan.unet_bytes, plan.vae_bytes, plan.unet_activation_bytes
+        want = {"full": {"text": T + U + V, "unet": T + U + V + act, "vae": T + U + V},
+                "balanced": {"text": U + T, "unet": U + act, "vae": U + V},
+                "lowvram": {"text": U, "unet": U + act, "vae": U + V}}[policy]
+        assert plan.peaks == want, policy
+        assert act > 0 and plan.peak_bytes == max(want.values())
+        for got, module in ((U, parts.unet), (V, parts.vae), (T, parts.text_encoder)):
+            params = list(module.parameters())
+            plain = sum(p.numel() * 4 for p in params)
+            assert plain <= got < plain + 512 * (len(params) + 1)
+    for policy, text in (("lowvram", "fp32"), ("balanced", "bf16")):  # lowvram's text encoders compute in fp32
+        placement = apply_vram_policy(tiny_parts("sd1"), policy, device="cpu", dtype=torch.bfloat16)
+        assert placement.plan.text_dtype == text and placement.plan.dtype == "bf16", policy
+        assert {p.dtype for p in placement.parts.text_encoder.parameters()} == {DTYPE_OF[text]}, policy
+
+
+DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def test_a_stream_placement_reports_its_resident_weights_and_staging_ring_to_comfyui():
+    """What ComfyUI's memory manager sees between stages (``device_bytes``) under ``stream``: the always-resident
+    and resident block weights plus the staging ring the streamer allocated (its arena tensor's size), not the
+    plan's weights alone (session 21 mutation audit); nothing once released."""
+    parts = tiny_parts("sd1")
+    placement = apply_vram_policy(parts, "stream", device="cpu", vram_budget_gb=_stream_budget(parts))
+    arena = placement.streamer.arena
+    assert arena.numel() * arena.element_size() > 0
+    assert placement.device_bytes() == (placement.plan.unet_fixed_bytes + placement.plan.unet_resident_bytes +
+                                        arena.numel() * arena.element_size())
+    placement.release()
+    assert placement.device_bytes() == 0
+
+
+def _cuda_plan(parts, policy, free=None, budget_gb=4.0):
+    """The plan ``apply_vram_policy`` would make on a CUDA device with ``free`` bytes free (planning runs on the
+    ``meta`` device, so no GPU is needed)."""
+    from leandiffusion.memory.policies import PolicyConfig, VramPolicy, _plan
+
+    req = VramPolicy(policy)
+    s = int(parts.unet.config.sample_size)
+    config = PolicyConfig(VramPolicy.FULL if req == VramPolicy.AUTO else req, req, torch.device("cuda", 0),
+                          torch.float16, torch.float16, torch.float32, int(budget_gb * GiB), (2, s, s))
+    return _plan(parts, config, free, "m")[0]
+
+
+def _least_free(peak):
+    """The least free VRAM whose 90% (rounded down) holds ``peak`` bytes: 90% of it is exactly ``peak``."""
+    free = int(peak / 0.9)
+    while int(free * 0.9) < peak:
+        free += 1
+    while int((free - 1) * 0.9) >= peak:
+        free -= 1
+    assert int(free * 0.9) == peak
+    return free
+
+
+def test_auto_takes_the_fastest_policy_whose_peak_fits_90_percent_of_the_free_vram():
+    """``auto`` on CUDA: full > balanced > lowvram > stream, the first whose estimated peak is at most 90% of the
+    free VRAM (an equal peak fits); below every resident policy, ``stream`` with the budget cut to that 90%. Checked
+    at the exact boundaries of each explicitly planned policy's peak (tiny SD1: balanced and lowvram peak alike)."""
+    parts = tiny_parts("sd1")
+    peaks = {p: _cuda_plan(parts, p).peak_bytes for p in ("full", "balanced", "lowvram")}
+    assert peaks["full"] > peaks["balanced"] == peaks["lowvram"]
+
+    def auto(free):
+        plan = _cuda_plan(parts, "auto", free)
+        assert plan.requested == "auto"
+        return plan
+
+    assert auto(_least_free(peaks["full"])).policy == "full"
+    assert auto(_least_free(peaks["full"]) - 1).policy == "balanced"
+    assert auto(_least_free(peaks["balanced"])).policy == "balanced"
+    free = _least_free(peaks["balanced"]) - 1
+    plan = auto(free)
+    assert plan.policy == "stream" and plan.budget_bytes == int(free * 0.9) == peaks["balanced"] - 1
+    assert plan.peak_bytes <= plan.budget_bytes
+    assert auto(10 * GiB).policy == "full"
+
+
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
 def test_stream_keeps_text_encoders_on_the_cpu_when_they_do_not_fit_the_budget(family):
     """Under ``stream`` the text encoders go on the device (while used) only if they fit next to the UNet's resident
