@@ -3,6 +3,7 @@ must leave the process-wide state as it found it (torch's numeric settings, the 
 promises to set nothing process-wide outside its own scopes, and a leak makes later tests' results depend on the
 order they run in)."""
 import os
+import time
 
 import pytest
 import torch
@@ -33,10 +34,17 @@ def _torch_compiler_initialised():
     compile sets TRITON_CACHE_DIR and TRITON_PTXAS_PATH in the environment and sys.recursionlimit 1000 -> 2000. One
     tiny compile of each kind here, before the first test, keeps that from being charged to whichever test compiles
     first by ``_process_state_unchanged``; anything a compile sets beyond that first initialisation still fails the
-    test that did it."""
+    test that did it.
+
+    The CUDA compile multiplies by a constant unique to this process, so it is always compiled afresh: a graph
+    served from Inductor's on-disk cache skips code generation, and with it the recursion limit and the Triton
+    environment, so on a machine whose cache already held the tiny graph (any earlier test process) every compiling
+    test failed that check while a fresh machine passed (session 22, H100: the five compile tests of one run).
+    Turning the caches off for the compile is not enough: Inductor then sets TRITON_CACHE_DIR only inside it."""
     torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(8))
     if torch.cuda.is_available():
-        torch.compile(lambda x: x * 2 + 1)(torch.ones(8, device="cuda"))
+        unique = float(os.getpid()) + time.time_ns() % 10**9 / 1e9
+        torch.compile(lambda x: x * unique + 1)(torch.ones(8, device="cuda"))
         torch.cuda.synchronize()
     yield
 

@@ -153,6 +153,24 @@ def test_gpu_kernel_matches_reference(shape, dtype):
     torch.testing.assert_close(mi, mi_ref, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.gpu
+def test_gpu_dispatcher_sends_only_contiguous_tensors_to_the_kernel(monkeypatch):
+    """Session 21's sampler audit: a dispatcher that ignores contiguity hands strided views to the kernel, which
+    refuses them; strided CUDA tensors must take the reference (the same numbers as its own call)."""
+    monkeypatch.setenv("LEANDIFFUSION_CFG_DDIM", "auto")
+    x, c, u, n = _inputs((2, 4, 6, 10), torch.float32, device="cuda")
+    coeffs = _coeffs("cuda")
+    calls, kernel = [], cfg_ddim.cfg_ddim_triton
+    monkeypatch.setattr(cfg_ddim, "cfg_ddim_triton", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    cfg_ddim_step(x, c, u, coeffs, n)
+    assert calls == [x.shape]
+    strided = [t.transpose(2, 3) for t in (x, c, u, n)]
+    got = cfg_ddim_step(strided[0], strided[1], strided[2], coeffs, strided[3])
+    assert calls == [x.shape]
+    want = cfg_ddim_reference(strided[0], strided[1], strided[2], coeffs, strided[3])
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 # Session-14 coverage audit: these paths had never run.
 def test_explicit_reference_choice_and_a_tensor_on_another_device():
     x, c, u, n = _inputs((1, 4, 5, 3), torch.float32)

@@ -7,6 +7,7 @@ metadata and rsLoRA; no alpha means alpha = rank.
 """
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,31 @@ def test_cache_per_file_identity(tmp_path):
     os.utime(path, ns=(1, 1))
     b = load_lora(path, "cpu", torch.float32)
     assert b is not a and not torch.equal(b.parsed.layers[0].down, a.parsed.layers[0].down)
+
+
+def test_cache_keeps_the_most_recently_used_files(tmp_path, monkeypatch):
+    """The strong cache holds the ``MAX_CACHED`` most recently *used* files: a hit refreshes a file, and the file
+    used least recently is the one dropped (with no view holding it, it is read again; the others are not)."""
+    import gc
+
+    from leandiffusion.lora import loader
+    clear_cache()
+    c = tiny_components("sd1")
+    paths = [lf.write(lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=2, seed=i),
+                      tmp_path / f"l{i}.safetensors") for i in range(loader.MAX_CACHED + 1)]
+    reads = []
+    real_read = loader.read_state_dict
+    monkeypatch.setattr(loader, "read_state_dict", lambda p: reads.append(Path(p).name) or real_read(p))
+    for p in paths[:-1]:
+        load_lora(p, "cpu", torch.float32)
+    load_lora(paths[0], "cpu", torch.float32)  # a hit: l0 becomes the most recent
+    load_lora(paths[-1], "cpu", torch.float32)  # one file too many: l1, the least recently used, goes
+    gc.collect()  # no view holds any of them: only the strong cache keeps them loaded
+    reads.clear()
+    for p in [paths[0], *paths[2:], paths[1]]:
+        load_lora(p, "cpu", torch.float32)
+    assert reads == ["l1.safetensors"]
+    clear_cache()
 
 
 def test_cache_sees_a_copy_that_kept_size_and_mtime(tmp_path):

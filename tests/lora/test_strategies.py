@@ -90,6 +90,27 @@ def test_placement_of_terms(strategy):
     assert (got - _run(_merged_reference(block, [b.targets], [1.0]), x, ctx)).abs().max().item() <= TOL
 
 
+@torch.no_grad()
+def test_a_geglu_set_to_the_tanh_gelu_keeps_its_own_gating(monkeypatch):
+    """The fused gating computes the exact GELU. A GEGLU that uses the tanh approximation (its ``approximate``,
+    as diffusers' ``GELU`` spells it; this diffusers' GEGLU has none, so the test gives it one) is left alone under
+    ``geglu``: its proj's term hooks, and the output is the tanh GEGLU's over the merged weights."""
+    monkeypatch.setattr(GEGLU, "gelu", lambda self, gate: F.gelu(gate, approximate=getattr(self, "approximate",
+                                                                                          "none")))
+    block = _block()
+    block.ff.net[0].approximate = "tanh"
+    b = _binding(block, "geglu")
+    b.attach({"unet": 1.0})
+    where = dict(zip([t.module_name for t in b.targets], b.installed("unet")))
+    assert set(where.values()) == {"hook"} and "forward" not in block.ff.net[0].__dict__
+    x, ctx = _inputs()
+    got = _run(block, x, ctx)
+    b.detach({"unet": 1.0})
+    ref = _merged_reference(block, [b.targets], [1.0])
+    ref.ff.net[0].approximate = "tanh"
+    assert (got - _run(ref, x, ctx)).abs().max().item() <= TOL
+
+
 @pytest.mark.parametrize("first,second", [("geglu", "geglu"), ("geglu", "hook"), ("hook", "geglu"), ("hook", "hook")])
 @torch.no_grad()
 def test_stacking_on_one_module_and_exact_restore(first, second):

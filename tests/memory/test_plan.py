@@ -29,3 +29,16 @@ def test_activation_estimate_by_hand():
     assert activation_bytes(UNITS, 2, "cpu") == int(1.3 * (skips + transient) * 2)
     assert activation_bytes(UNITS, 4, "cuda") == int(1.3 * (skips + transient) * 4) + 576 * 2 ** 20
     assert activation_bytes([], 2, "cpu") == 0
+
+
+def test_module_bytes_counts_the_run_dtype_by_hand():
+    """Session 22 (mutant L04): the weights' size in the dtype they will run in, not the dtype they were built in
+    (the CPU builds fp32 modules that CUDA runs in fp16); integer buffers are not parameters and do not count."""
+    import torch
+
+    from leandiffusion.memory.plan import module_bytes
+    lin = torch.nn.Linear(300, 7)  # weight 2100 + bias 7 elements, each slot rounded up to 512 bytes
+    assert module_bytes(lin, torch.float32) == 8704 + 512  # 8400 -> 8704, 28 -> 512
+    assert module_bytes(lin, torch.float16) == 4608 + 512  # 4200 -> 4608, 14 -> 512
+    assert module_bytes(lin.half(), torch.float32) == 8704 + 512
+    assert module_bytes(torch.nn.ReLU(), torch.float16) == 0 and module_bytes(None, torch.float16) == 0
