@@ -7,8 +7,9 @@ Invariants:
   of its new tile, which every later image keeps (they start from the tile that worked): the bar goes back to the
   finished images' units, out of a total that counts the new units for this and every later image, so it never
   passes its total and ends at it.
-- ``release_frames``: after it, no finished frame of the error's traceback (or of its cause / context) keeps a
-  local alive; the frame still running (the caller's) must drop its own locals.
+- ``release_frames``: after it, no finished frame of the error's traceback (or of any exception reachable through
+  causes and contexts, both chains followed) keeps a local alive; the frame still running (the caller's) must drop
+  its own locals.
 """
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ class BatchProgress:
 def release_frames(exc: BaseException) -> None:
     """Drop the locals of the finished frames of ``exc``'s traceback and of its causes / contexts (device tensors,
     half-filled outputs): they would stay alive for as long as the caller holds the exception."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
+    seen, pending = set(), [exc]
+    while pending:  # both chains: ``raise X from saved`` inside a handler gives a cause and a different context
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
+        pending += [exc.__cause__, exc.__context__]

@@ -42,10 +42,10 @@ class _Held:
     pass
 
 
-def _fail_holding(obj_ref_out):
+def _fail_holding(obj_ref_out, error=None):
     held = _Held()
     obj_ref_out.append(weakref.ref(held))
-    raise MemoryError("first")
+    raise error or MemoryError("first")
 
 
 def _handler_that_fails(refs):
@@ -64,3 +64,42 @@ def test_release_frames_follows_the_implicit_context():
         release_frames(exc)
         gc.collect()
         assert refs[0]() is None  # the object in the context's finished frame is gone
+
+
+def _raise_from_an_earlier_error_while_handling_another(refs):
+    try:
+        _fail_holding(refs, OSError("earlier failure"))
+    except OSError as earlier:
+        saved = earlier
+    try:
+        _fail_holding(refs)
+    except MemoryError:
+        raise ValueError("second") from saved  # cause: the OSError; context: the MemoryError being handled
+
+
+def test_release_frames_follows_both_the_cause_and_the_context():
+    """Session-22 mutation audit: ``raise X from saved`` inside another handler gives X a cause and a different
+    context; ``release_frames`` walked one chain (``__cause__ or __context__``), so the context's finished frames
+    kept their locals alive although the docstring promises none does."""
+    refs = []
+    try:
+        _raise_from_an_earlier_error_while_handling_another(refs)
+    except ValueError as exc:
+        assert isinstance(exc.__cause__, OSError) and isinstance(exc.__context__, MemoryError)
+        release_frames(exc)
+        gc.collect()
+        assert [r() is None for r in refs] == [True, True]  # the cause's and the context's objects are both gone
+
+
+def test_release_frames_ends_on_a_cycle_of_causes():
+    """A cause chain set by hand may loop (``a.__cause__ = b; b.__cause__ = a``): each exception is visited once."""
+    refs = []
+    try:
+        _fail_holding(refs)
+    except MemoryError as exc:
+        first = exc
+    second = ValueError("second")
+    first.__cause__, second.__cause__ = second, first
+    release_frames(second)  # returns (the test would hang otherwise)
+    gc.collect()
+    assert refs[0]() is None

@@ -205,3 +205,155 @@ def test_loader_and_upscaler_follow_comfyuis_cpu_mode(monkeypatch):
     assert choose_device("auto", upscaler=None) == torch.device("cpu")
     engine = load_engine("tiny-random (test)", "full", 4.0, "auto", "auto")
     assert engine.device == torch.device("cpu")
+
+
+# ------------------------------------------------------------------ session-22 mutation audit: ComfyUI hooks
+class _RecordingModelManagement(_FakeModelManagement):
+    """ComfyUI's model_management as the bridge calls it: every call recorded."""
+
+    def __init__(self, device="cpu", interrupted=False, free_fails=False):
+        super().__init__(device)
+        self.calls, self.interrupted, self.free_fails = [], interrupted, free_fails
+
+    def throw_exception_if_processing_interrupted(self):
+        self.calls.append("interrupt check")
+        if self.interrupted:
+            raise bridge.Interrupted("cancelled in ComfyUI")
+
+    def free_memory(self, *args, **kwargs):
+        self.calls.append(("free_memory", args, kwargs))
+        if self.free_fails:
+            raise AttributeError("an internal that moved between ComfyUI versions")
+
+    def soft_empty_cache(self):
+        self.calls.append("soft_empty_cache")
+
+    def load_models_gpu(self, models, **kwargs):
+        self.calls.append(("load_models_gpu", models, kwargs))
+
+
+def _inside_comfy(monkeypatch, mm):
+    monkeypatch.setattr(bridge, "_comfy_module", lambda name: mm if name == "comfy.model_management" else None)
+
+
+def test_cancel_in_comfyui_reaches_every_interruption_check(monkeypatch):
+    """Inside ComfyUI, ``check_interrupted`` is ComfyUI's own check, so Cancel stops the pack's loops (the test hook
+    alone was exercised: dropping ComfyUI's check passed every CPU test)."""
+    mm = _RecordingModelManagement()
+    _inside_comfy(monkeypatch, mm)
+    bridge.check_interrupted()
+    assert mm.calls == ["interrupt check"]
+    mm.interrupted = True
+    with pytest.raises(bridge.Interrupted, match="cancelled in ComfyUI"):
+        bridge.check_interrupted()
+
+
+def test_memory_hooks_reach_comfyuis_manager(monkeypatch, caplog):
+    """``free_comfy_memory`` asks for the bytes on the device and only logs a failure of ComfyUI's internals (best
+    effort); ``soft_empty_cache`` is ComfyUI's; ``load_comfy_model`` passes the memory the caller needs."""
+    import logging
+
+    mm = _RecordingModelManagement()
+    _inside_comfy(monkeypatch, mm)
+    bridge.free_comfy_memory(1234.0, "cuda:0")
+    bridge.soft_empty_cache()
+    patcher = object()
+    bridge.load_comfy_model(patcher, memory_required=5678.9)
+    assert mm.calls == [("free_memory", (1234, "cuda:0"), {}), "soft_empty_cache",
+                        ("load_models_gpu", [patcher], {"memory_required": 5678})]
+    mm.free_fails = True
+    with caplog.at_level(logging.WARNING, logger="leandiffusion.bridge"):
+        bridge.free_comfy_memory(10, "cuda:0")  # does not raise
+    assert any("ComfyUI could not free 10 bytes on cuda:0: an internal that moved" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_comfyuis_cuda_device_index_is_kept(monkeypatch):
+    """ComfyUI started with ``--cuda-device``-style selection of ``cuda:1``: the pack uses that GPU, not the current
+    one."""
+    import torch
+
+    _inside_comfy(monkeypatch, _RecordingModelManagement(torch.device("cuda", 1)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert bridge.default_device() == torch.device("cuda", 1)
+    _inside_comfy(monkeypatch, _RecordingModelManagement(torch.device("cuda")))
+    assert bridge.default_device() == torch.device("cuda", 0)  # no index: the current device
+
+
+def test_tokenizer_dir_only_when_comfyuis_vocab_is_there(monkeypatch, tmp_path):
+    mm = _RecordingModelManagement()
+    mm.__file__ = str(tmp_path / "comfy" / "model_management.py")
+    _inside_comfy(monkeypatch, mm)
+    (tmp_path / "comfy" / "sd1_tokenizer").mkdir(parents=True)
+    assert bridge.comfy_tokenizer_dir() is None  # the folder without its vocab.json
+    (tmp_path / "comfy" / "sd1_tokenizer" / "vocab.json").write_text("{}")
+    assert bridge.comfy_tokenizer_dir() == (tmp_path / "comfy" / "sd1_tokenizer").resolve()
+
+
+def test_a_folder_comfyui_does_not_know_is_an_unconfigured_folder(monkeypatch, tmp_path):
+    """Inside ComfyUI, ``folder_paths.get_folder_paths`` raises ``KeyError`` for a folder name it has no entry for
+    (an old ComfyUI without ``upscale_models``, say): the menu is empty and a name gets the "no folder configured"
+    error, not a bare KeyError."""
+    import types
+
+    fp = types.ModuleType("folder_paths")
+
+    def get_folder_paths(folder):
+        raise KeyError(folder)
+
+    fp.get_folder_paths = get_folder_paths
+    monkeypatch.setitem(sys.modules, "folder_paths", fp)
+    assert bridge.list_models("upscale_models") == []
+    with pytest.raises(ValueError, match=r"no 'upscale_models' model folder is configured"):
+        bridge.resolve_model("upscale_models", "x4.pth")
+
+
+def test_a_model_index_at_the_top_of_the_diffusers_folder_is_not_a_model(models_dir):
+    """Diffusers models are sub-folders holding ``model_index.json``; one lying in the folder itself is not listed
+    (it would be the model '.')."""
+    (models_dir / "diffusers" / "m").mkdir(parents=True)
+    (models_dir / "diffusers" / "model_index.json").write_text("{}")
+    (models_dir / "diffusers" / "m" / "model_index.json").write_text("{}")
+    assert bridge.list_models("diffusers", marker="model_index.json") == ["m"]
+
+
+def test_an_importable_but_unloaded_comfyui_is_left_alone(monkeypatch, tmp_path):
+    """A process that could import ComfyUI (its folder on ``sys.path``) but has not loaded it stays plain: the bridge
+    looks ComfyUI up in ``sys.modules`` and never imports it itself."""
+    (tmp_path / "comfy").mkdir()
+    (tmp_path / "comfy" / "__init__.py").write_text("")
+    (tmp_path / "comfy" / "utils.py").write_text("raise AssertionError('the bridge imported comfy.utils')\n")
+    (tmp_path / "comfy" / "model_management.py").write_text("raise AssertionError('imported model_management')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("comfy", "comfy.utils", "comfy.model_management"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with bridge.ProgressBar(2, quiet=True) as bar:
+        bar.update(1)
+    bridge.check_interrupted()
+    assert "comfy" not in sys.modules and "comfy.utils" not in sys.modules
+
+
+def test_fingerprint_tells_apart_files_that_differ_only_in_inode(models_dir, monkeypatch):
+    """A replacement that lands within one tick of the kernel's coarse clock keeps ctime as well as size and mtime;
+    only the inode then tells the files apart (session-22 mutation audit: the inode could be dropped from the digest
+    with every test passing, as any real replacement in a test also changes ctime). The stat is faked here."""
+    import os
+    from pathlib import Path
+
+    real_stat = Path.stat
+    inode = [111]
+
+    def stat(self, *args, **kwargs):
+        st = real_stat(self, *args, **kwargs)
+        if self.name != "a.safetensors":
+            return st
+        fields = list(st)
+        fields[1] = inode[0]  # st_ino; st_mtime_ns / st_ctime_ns / st_size come from the same real file
+        return os.stat_result(fields, {"st_mtime_ns": st.st_mtime_ns, "st_ctime_ns": st.st_ctime_ns})
+
+    monkeypatch.setattr(Path, "stat", stat)
+    first = bridge.model_fingerprint("checkpoints", "a.safetensors")
+    assert bridge.model_fingerprint("checkpoints", "a.safetensors") == first
+    inode[0] = 222
+    assert bridge.model_fingerprint("checkpoints", "a.safetensors") != first

@@ -113,3 +113,31 @@ def test_number_inputs_fit_the_editor_widgets(where, kind, opts):
         assert round(default, decimals) == default, f"{where}: default {default} is shown with {decimals} decimals"
     else:
         assert (default - opts["min"] % step) % step == 0, f"{where}: default {default} is off the step grid"
+
+
+def test_a_node_id_declared_by_two_modules_fails_the_import(monkeypatch):
+    """Node IDs are what saved workflows reference, so a second module declaring one is an import-time error, not a
+    silent override (session-22 mutation audit: the check could be dropped with every test passing). The registry
+    is re-run with one stand-in module that re-declares ``LeanModelLoader``, then restored."""
+    import importlib
+    import pkgutil
+    import sys
+    import types
+
+    import leandiffusion.nodes as registry
+
+    before = dict(registry.NODE_CLASS_MAPPINGS)
+    clash = types.ModuleType("leandiffusion.nodes.zz_clash")
+    clash.NODE_CLASS_MAPPINGS = {"LeanModelLoader": object}
+    real = pkgutil.iter_modules
+    try:
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, clash.__name__, clash)
+            m.setattr(pkgutil, "iter_modules", lambda *a, **k: [*real(*a, **k), pkgutil.ModuleInfo(None, "zz_clash",
+                                                                                                    False)])
+            with pytest.raises(RuntimeError, match=r"node ID 'LeanModelLoader' is declared twice \(second time in "
+                                                   r"leandiffusion\.nodes\.zz_clash\)"):
+                importlib.reload(registry)
+    finally:
+        importlib.reload(registry)
+    assert registry.NODE_CLASS_MAPPINGS == before

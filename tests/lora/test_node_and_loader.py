@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from leandiffusion.lora import formats, load_lora
+from leandiffusion.lora import formats, inject_lora, load_lora
 from leandiffusion.lora.loader import clear_cache
 from leandiffusion.memory.engine import engine_from_parts, parts_from_components
 from leandiffusion.nodes.lora import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
@@ -45,6 +45,42 @@ def test_node_contract_and_run(models_dir):
     assert engine.adapters == () and len(view.adapters) == 1 and view.parts is engine.parts
     with pytest.raises(ValueError, match="lora_name"):
         node().inject(engine, "../escape.safetensors", 0.5, 1.0, "", "unmerged")
+
+
+def test_node_inputs_and_menu_are_the_documented_ones(models_dir):
+    """docs/lora.md's table: both strengths -10..10 (default 1), mode default 'unmerged', and every listed
+    extension in the menu (session-22 mutation audit: the text-encoder range, the mode default and the '.sft'
+    extension could change unnoticed)."""
+    node = NODE_CLASS_MAPPINGS["LeanLoraInjector"]
+    for ext in (".safetensors", ".sft", ".pt", ".pth", ".ckpt", ".bin"):
+        (models_dir / "loras" / f"a{ext}").write_bytes(b"x")
+    (models_dir / "loras" / "notes.txt").write_bytes(b"x")
+    spec = node.INPUT_TYPES()["required"]
+    assert spec["lora_name"][0] == ["a.bin", "a.ckpt", "a.pt", "a.pth", "a.safetensors", "a.sft"]
+    te = spec["strength_text_encoder"][1]
+    assert (te["min"], te["max"], te["default"]) == (-10.0, 10.0, 1.0)
+    assert spec["mode"][1]["default"] == "unmerged"
+
+
+def test_node_is_plumbing_over_inject_lora(models_dir):
+    """Every widget reaches ``inject_lora`` as itself (session-22 mutation audit: the node passing ``strength`` as
+    the text-encoder strength, dropping ``target_blocks`` or always injecting 'unmerged' passed every test, which
+    only counted the view's adapters)."""
+    c = tiny_components("sd1")
+    engine = engine_from_parts(parts_from_components(c))
+    roots = {"unet": c["unet"], "text_encoder": c["text_encoder"]}
+    path = lf.write(lf.kohya_state_dict(roots, {"unet": lf.ATTN_FF, "text_encoder": lf.TE_LINEARS}),
+                    models_dir / "loras" / "both.safetensors")
+    blocks = "mid_block, text_encoder"
+    (view,) = NODE_CLASS_MAPPINGS["LeanLoraInjector"]().inject(engine, "both.safetensors", 0.5, -0.25, blocks, "merged")
+    (got,) = view.adapters
+    (want,) = inject_lora(engine, path, strength=0.5, strength_text_encoder=-0.25, target_blocks=blocks,
+                          mode="merged").adapters
+    assert got.mode == "merged" and dict(got.strengths) == {"unet": 0.5, "text_encoder": -0.25}
+    assert got.binding.key == want.binding.key  # same file, mode and targets (the blocks' filter applied)
+    everything = inject_lora(engine, path, mode="merged").adapters[0]
+    assert got.binding.key != everything.binding.key  # the filter does narrow this file's targets
+    assert got.name == "both.safetensors"
 
 
 def test_cache_per_file_identity(tmp_path):

@@ -126,3 +126,29 @@ def test_load_reports_progress_and_honours_cancel_between_stages(models_dir, mon
     finally:
         bridge.set_interrupt_hook(None)
     assert len(checks) == 2 and not placed
+
+
+def test_defaults_and_outputs_are_the_documented_ones():
+    """docs/loader.md: every COMBO defaults to `auto`, the budget to 4.0 GB; outputs `lean_model` then `memory_plan`
+    (session-22 mutation audit: the policy / dtype defaults and the output names could change unnoticed)."""
+    req = LeanModelLoader.INPUT_TYPES()["required"]
+    assert [req[k][1]["default"] for k in ("vram_policy", "weight_dtype", "vae_dtype")] == ["auto"] * 3
+    assert req["model"][1]["default"] == "tiny-random (test)"
+    assert LeanModelLoader.RETURN_NAMES == ("lean_model", "memory_plan")
+
+
+def test_an_upper_case_checkpoint_name_reruns_when_its_file_changes(tmp_path, monkeypatch):
+    """The menu lists and the loader loads a ``.SAFETENSORS`` checkpoint (suffixes compared in lower case); its
+    fingerprint must follow the file too (session-22 mutation audit: a case-sensitive suffix test in ``IS_CHANGED``
+    looked the name up as a diffusers folder, found none and never changed)."""
+    import os
+
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(tmp_path))
+    path = tmp_path / "checkpoints" / "OLD.SAFETENSORS"
+    path.parent.mkdir()
+    path.write_bytes(b"first")
+    assert "OLD.SAFETENSORS" in LeanModelLoader.INPUT_TYPES()["required"]["model"][0]
+    first = LeanModelLoader.IS_CHANGED(model="OLD.SAFETENSORS")
+    (tmp_path / "new").write_bytes(b"second, longer")
+    os.replace(tmp_path / "new", path)
+    assert LeanModelLoader.IS_CHANGED(model="OLD.SAFETENSORS") != first

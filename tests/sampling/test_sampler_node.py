@@ -185,3 +185,65 @@ def test_precomputed_conditioning_path(engine):
                        sample(engine, s, quiet=True)["samples"])
     with pytest.raises(ValueError, match="needs batch 1"):
         sample(engine, _settings(steps=2), conditioning=cond, quiet=True)
+
+
+def _documented_inputs(doc: str) -> dict:
+    """``name -> (type column, default column)`` from a node page's input table (``| `a`, `b` (optional) | ...``)."""
+    import re
+    from pathlib import Path
+
+    rows = {}
+    for line in (Path(__file__).resolve().parents[2] / "docs" / doc).read_text().splitlines():
+        m = re.match(r"\| (`[^|]+) \| ([^|]+) \|([^|]*)\|", line)
+        if m:
+            for name in re.findall(r"`(\w+)`", m.group(1)):
+                rows[name] = (m.group(2).strip(), m.group(3).strip())
+    return rows
+
+
+def test_inputs_are_the_documented_ones():
+    """docs/sampler.md's input table is the contract: every input, its kind, range, step, choices and default
+    (session-22 mutation audit: the steps / eta / batch_size ranges, the width step and the denoise, cfg_mode and
+    spacing defaults could all change with every test passing)."""
+    import re
+
+    spec = LeanFusedDDIMSampler.INPUT_TYPES()
+    inputs = {**spec["required"], **spec["optional"]}
+    documented = _documented_inputs("sampler.md")
+    assert set(documented) == set(inputs)
+    for name, (kind, default) in documented.items():
+        decl = inputs[name]
+        opts = decl[1] if len(decl) > 1 else {}
+        number = re.match(r"(INT|FLOAT)(?: (-?[\d.]+)-([\d.]+))?(?:, step ([\d.]+))?$", kind)
+        if number:
+            assert decl[0] == number.group(1), name
+            if number.group(2):
+                assert (opts["min"], opts["max"]) == (float(number.group(2)), float(number.group(3))), name
+            if number.group(4):
+                assert opts["step"] == float(number.group(4)), name
+            assert opts["default"] == float(default), name
+        elif " / " in kind:
+            assert decl[0] == re.findall(r"`([^`]+)`", kind) and opts["default"] == default, name
+        else:
+            assert decl[0] == kind, name
+    assert LeanFusedDDIMSampler.RETURN_TYPES == ("LATENT",)
+    assert LeanFusedDDIMSampler.CATEGORY == "LeanDiffusion/sampling"
+
+
+def test_every_widget_reaches_sample_as_itself(engine, monkeypatch):
+    """The node hands each widget to ``SamplerSettings`` and the optional inputs to ``sample`` unchanged (session-22
+    mutation audit: eta or denoise replaced by their defaults, or the two CONDITIONING inputs swapped, passed every
+    test: they ran at eta 0, or at the same denoise through both paths)."""
+    import leandiffusion.nodes.sampler as node_module
+
+    seen = {}
+    monkeypatch.setattr(node_module, "sample", lambda model, settings, **kw: seen.update(kw, settings=settings))
+    latent, pos, neg = {"samples": torch.zeros(1, 4, 8, 8)}, [["pos"]], [["neg"]]
+    args = _node_args(engine, seed=11, steps=7, cfg=3.5, eta=0.25, width=72, height=80, batch_size=2,
+                      timestep_spacing="trailing", cfg_mode="sequential", acceleration="none")
+    LeanFusedDDIMSampler().run(**args, latent_image=latent, denoise=0.6, positive_cond=pos, negative_cond=neg)
+    s = seen["settings"]
+    assert (s.seed, s.steps, s.cfg, s.eta, s.width, s.height, s.batch_size) == (11, 7, 3.5, 0.25, 72, 80, 2)
+    assert (s.timestep_spacing, s.cfg_mode, s.acceleration, s.denoise) == ("trailing", "sequential", "none", 0.6)
+    assert (s.positive, s.negative) == ("a lighthouse", "")
+    assert seen["latent_image"] is latent and seen["positive_cond"] is pos and seen["negative_cond"] is neg

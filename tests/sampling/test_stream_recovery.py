@@ -393,3 +393,44 @@ def test_unfinished_images_are_named_as_spans():
     from leandiffusion.sampling.stream.scheduler import _spans
 
     assert _spans([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and _spans([4]) == "4" and _spans([]) == ""
+
+
+def test_node_inputs_shared_with_the_fused_sampler_are_declared_alike():
+    """docs/stream.md: seed, steps, cfg, width, height, timestep_spacing and acceleration are "as the Fused DDIM
+    Sampler"; images_per_prompt 1-64, max_batch and decode_tile_size 0 = automatic (the default), the tile 128-4096
+    as the Tiled VAE nodes' (session-22 mutation audit: defaults and ranges here could drift unnoticed)."""
+    from leandiffusion.nodes.sampler import LeanFusedDDIMSampler
+
+    def bare(decl):
+        return decl[0], {k: v for k, v in (decl[1] if len(decl) > 1 else {}).items() if k != "tooltip"}
+
+    mine, fused = LeanStreamSampler.INPUT_TYPES()["required"], LeanFusedDDIMSampler.INPUT_TYPES()["required"]
+    for name in ("lean_model", "negative", "seed", "steps", "cfg", "width", "height", "timestep_spacing",
+                 "acceleration"):
+        assert bare(mine[name]) == bare(fused[name]), name
+    assert bare(mine["images_per_prompt"]) == ("INT", {"default": 1, "min": 1, "max": 64})
+    assert bare(mine["max_batch"])[1]["default"] == 0
+    assert bare(mine["decode_tile_size"]) == ("INT", {"default": 0, "min": 0, "max": 4096, "step": 32})
+    assert LeanStreamSampler.CATEGORY == "LeanDiffusion/sampling"
+
+
+def test_node_hands_every_widget_to_run_stream(engine, monkeypatch):
+    """Session-22 mutation audit: the node dropping decode_tile_size, images_per_prompt or negative_cond passed every
+    test (the node tests ran with the defaults)."""
+    import leandiffusion.nodes.stream as node_module
+
+    class Result:
+        images, latents = "images", "latents"
+
+    seen = {}
+    monkeypatch.setattr(node_module, "run_stream", lambda model, settings, **kw: seen.update(kw, settings=settings)
+                        or Result())
+    pos, neg = [["pos"]], [["neg"]]
+    image, latent = LeanStreamSampler().run(engine, PROMPTS, "fog", 9, 4, 3.0, 72, 80, "trailing", "none", 3, 5, 256,
+                                            positive_cond=pos, negative_cond=neg)
+    assert (image, latent) == ("images", {"samples": "latents"})
+    s = seen["settings"]
+    assert (s.negative, s.seed, s.steps, s.cfg, s.width, s.height) == ("fog", 9, 4, 3.0, 72, 80)
+    assert (s.timestep_spacing, s.acceleration, s.images_per_prompt, s.max_batch, s.decode_tile_size) == (
+        "trailing", "none", 3, 5, 256)
+    assert seen["positive_cond"] is pos and seen["negative_cond"] is neg

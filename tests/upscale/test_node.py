@@ -43,3 +43,26 @@ def test_node_runs(models_dir, name):
 def test_node_refuses_escapes(models_dir):
     with pytest.raises(ValueError, match="outside"):
         LeanESRGANUpscale().upscale(torch.rand(1, 8, 8, 3), "../x.pth", 0.0, "cpu", 0, 32, "auto")
+
+
+def test_ranges_and_defaults_are_the_documented_ones(models_dir):
+    """docs/upscale.md: output_scale 0 or 0.25-16, tile_size 0 or 32-2048, tile_overlap 0-256, device and precision
+    `auto` by default (session-22 mutation audit: the two upper limits and the device default could change with
+    every test passing)."""
+    spec = LeanESRGANUpscale.INPUT_TYPES()["required"]
+    assert (spec["output_scale"][1]["min"], spec["output_scale"][1]["max"]) == (0.0, 16.0)
+    assert (spec["tile_size"][1]["min"], spec["tile_size"][1]["max"]) == (0, 2048)
+    assert spec["tile_overlap"][1]["min"] == 0
+    assert (spec["device"][1]["default"], spec["precision"][1]["default"]) == ("auto", "auto")
+
+
+def test_every_widget_reaches_the_runner_as_itself(models_dir, monkeypatch):
+    """Session-22 mutation audit: the node passing precision='auto' whatever was chosen passed every test (on the CPU
+    'auto' is fp32, the precision the node test asked for)."""
+    import leandiffusion.nodes.upscale as node_module
+
+    seen = {}
+    monkeypatch.setattr(node_module, "upscale_images", lambda upscaler, image, **kw: seen.update(kw, image=image))
+    image = torch.rand(1, 12, 16, 3)
+    LeanESRGANUpscale().upscale(image, "rrdb.pth", 1.5, "cpu", 64, 8, "bf16")
+    assert seen == dict(image=image, output_scale=1.5, device="cpu", tile_size=64, tile_overlap=8, precision="bf16")

@@ -350,3 +350,26 @@ def test_blend_decode_overlap_is_the_requested_pixels(engine, monkeypatch):
     assert step_w <= 0.05 / 32 + 1e-6, step_w
     assert img[0, 0, 0, 0].item() == pytest.approx(0.5, abs=1e-6)
     assert img[0, -1, -1, 0].item() == pytest.approx(0.65, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- node declarations
+@pytest.mark.parametrize("node, method, returns", [(LeanTiledVAEDecode, "decode", ("IMAGE",)),
+                                                  (LeanTiledVAEEncode, "encode", ("LATENT",))])
+def test_node_declarations_are_the_documented_ones(node, method, returns):
+    """docs/vae.md: tile_size 0 (auto) or up to 4096 in steps of 32, overlap 0-512, seam_mode 'exact' (default) or
+    'blend', the model as one of two optional inputs; the editor's defaults are the Python defaults, so a workflow and
+    an API call that leave a widget out get the same tiles (session-22 mutation audit: ranges, the overlap and
+    seam_mode defaults, the outputs and the inputs' optionality could all change with every test passing)."""
+    import inspect
+
+    spec = node.INPUT_TYPES()
+    req = spec["required"]
+    assert {k: v[0] for k, v in spec["optional"].items()} == {"lean_model": "LEAN_MODEL", "vae": "VAE"}
+    assert (req["tile_size"][1]["min"], req["tile_size"][1]["max"], req["tile_size"][1]["step"]) == (0, 4096, 32)
+    assert (req["overlap"][1]["min"], req["overlap"][1]["max"]) == (0, 512)
+    assert req["seam_mode"][0] == ["exact", "blend"]
+    params = inspect.signature(getattr(node, method)).parameters
+    for name in ("tile_size", "overlap", "seam_mode"):
+        assert req[name][1]["default"] == params[name].default, name
+    assert params["seam_mode"].default == "exact"
+    assert node.RETURN_TYPES == returns and node.CATEGORY == "LeanDiffusion/vae"
