@@ -117,6 +117,19 @@ def test_scope_swaps_only_plain_group_norms_and_restores_them():
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.gpu
+def test_dispatch_threshold_is_inclusive_on_gpu():
+    """Exactly ``MIN_GROUP_ELEMENTS`` per (sample, group) row takes the parallel path, one fewer does not (session 22
+    mutant G06, ``>=`` -> ``>``; written unverified, like G07 below: only a CUDA tensor reaches these checks)."""
+    rows = gn.MIN_GROUP_ELEMENTS
+    assert gn.takes_parallel_path(torch.empty(2, 64, rows // 512, 256, device="cuda"), 32)
+    assert not gn.takes_parallel_path(torch.empty(2, 64, rows // 2 - 1, device="cuda"), 32)
+    # affine parameters wider than the input (PyTorch then keeps fp32 statistics) stay native (mutant G07)
+    x = torch.empty(1, 64, rows // 512, 256, device="cuda", dtype=torch.float16)
+    assert gn.takes_parallel_path(x, 32, torch.ones(64, device="cuda", dtype=torch.float16))
+    assert not gn.takes_parallel_path(x, 32, torch.ones(64, device="cuda"))
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_forced_parallel_path_decodes_a_tiny_vae_like_diffusers(monkeypatch, batch):
     """Every GroupNorm whose layout the parallel path reads goes through it (all of them for one image: the blocks
