@@ -130,6 +130,23 @@ def test_dispatch_threshold_is_inclusive_on_gpu():
     assert not gn.takes_parallel_path(x, 32, torch.ones(64, device="cuda"))
 
 
+@pytest.mark.gpu
+def test_half_statistics_are_rounded_as_pytorchs_cuda_kernel_rounds_them():
+    """PyTorch's CUDA GroupNorm stores a half input's mean (and rstd) in half (``RowwiseMomentsCUDAKernel``); a
+    group whose mean is large against its spread then loses ~1/16 of its spread, and the parallel path must round
+    the same way (session 22 mutant G02 kept fp32 statistics: closer to fp64, 0.05 away from PyTorch's own output).
+    Written unverified (no GPU in the session)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(1, 64, 32, 32, generator=g) + 100 + 3 * torch.rand(64, generator=g).view(1, 64, 1, 1))
+    x = x.half().cuda()
+    w, b = torch.ones(64, device="cuda", dtype=torch.float16), torch.zeros(64, device="cuda", dtype=torch.float16)
+    native = F.group_norm(x, 32, w, b, 1e-5).double()
+    exact = F.group_norm(x.double(), 32, w.double(), b.double(), 1e-5)
+    assert (native - exact).abs().max().item() > 0.02  # PyTorch's kernel really rounds the mean here
+    ours = gn.parallel_stats_group_norm(x, 32, w, b, 1e-5).double()
+    assert (ours - native).abs().max().item() <= 0.01
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_forced_parallel_path_decodes_a_tiny_vae_like_diffusers(monkeypatch, batch):
     """Every GroupNorm whose layout the parallel path reads goes through it (all of them for one image: the blocks
