@@ -26,10 +26,11 @@ def _vae(seed=0, **kw):
 
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
+    kw = {"up_block_types": ("UpDecoderBlock2D",) * 2, **kw}
     try:
         vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 32),
                             layers_per_block=1, norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 2,
-                            up_block_types=("UpDecoderBlock2D",) * 2, **kw)
+                            **kw)
     finally:
         torch.random.set_rng_state(state)
     return vae.eval().requires_grad_(False)
@@ -65,8 +66,12 @@ RES = "decoder.up_blocks.0.resnets.0"
      r"unsupported VAE attention block at mid.attentions.0 \(Attention: no residual connection\)"),
     (_set("decoder.mid_block.attentions.0.group_norm", None),
      r"unsupported VAE attention block at mid.attentions.0 \(Attention: no group_norm\)"),
+    (_set("decoder.mid_block.attentions.0.spatial_norm", nn.Identity()),
+     r"unsupported VAE attention block at mid.attentions.0 \(Attention: spatial_norm\)"),
     (_set("decoder.up_blocks.0.upsamplers.0.use_conv_transpose", True),
      r"unsupported upsampler at up_blocks.0.upsamplers.0"),
+    (_set("post_quant_conv", nn.Conv2d(4, 4, 1, padding=1)),
+     r"unsupported convolution at post_quant_conv: kernel \(1, 1\), stride \(1, 1\), padding \(1, 1\)"),
     (_set("decoder", nn.Identity()), r"vae: AutoencoderKL is neither a diffusers AutoencoderKL nor a ComfyUI/LDM "
                                      r"AutoencoderKL \(no decoder.up_blocks or decoder.up\); exact tiling supports "
                                      r"those two"),
@@ -78,11 +83,35 @@ def test_unsupported_decoders_are_refused_by_module_with_the_fix(change, match):
         tiled_decode(from_module(vae), torch.zeros(1, 4, 8, 8), tile_size=128, overlap=32, quiet=True)
 
 
-def test_unsupported_encoders_are_refused_with_the_fix():
+@pytest.mark.parametrize("name,value,where", [("use_conv", False, "down_blocks.0"),
+                                              ("padding", 1, "down_blocks.0.downsamplers.0")])
+def test_unsupported_encoders_are_refused_with_the_fix(name, value, where):
+    """``padding=1`` (session 22 mutant A08): diffusers then skips the bottom/right zero pad SD's encoder has, so
+    the band algebra of ``down2`` would compute another picture."""
     vae = _vae()
-    vae.encoder.down_blocks[0].downsamplers[0].use_conv = False
-    with pytest.raises(TypeError, match=r"unsupported downsampler at down_blocks.0" + FIX):
+    setattr(vae.encoder.down_blocks[0].downsamplers[0], name, value)
+    with pytest.raises(TypeError, match=rf"unsupported downsampler at {where}" + FIX):
         tiled_encode(from_module(vae), torch.zeros(1, 64, 64, 3), tile_size=128, overlap=32, quiet=True)
+
+
+def test_a_decoder_up_block_with_attention_is_refused():
+    """Session 22 mutant A09: the up blocks' attentions were silently left out of the program."""
+    vae = _vae(up_block_types=("AttnUpDecoderBlock2D", "UpDecoderBlock2D"))
+    with pytest.raises(TypeError, match=r"unsupported attention in decoder up block 0" + FIX):
+        tiled_decode(from_module(vae), torch.zeros(1, 4, 8, 8), tile_size=128, overlap=32, quiet=True)
+
+
+def test_an_ldm_resnet_with_a_3x3_conv_shortcut_is_refused():
+    """LDM's ``use_conv_shortcut`` means a 3x3 ``conv_shortcut`` where the channels change (session 22 mutant A03:
+    without the check the program took the block's ``nin_shortcut``, another function, or crashed without it)."""
+    from leandiffusion.tests.vae.ldm_tree import LdmAutoencoderKL
+
+    ldm = LdmAutoencoderKL().eval().requires_grad_(False)
+    block = ldm.decoder.up[1].block[0]
+    assert block.in_channels != block.out_channels
+    block.use_conv_shortcut = True
+    with pytest.raises(TypeError, match=r"unsupported 3x3 shortcut at up.1.block.0" + FIX):
+        tiled_decode(from_module(ldm), torch.zeros(1, 4, 8, 8), tile_size=128, overlap=32, quiet=True)
 
 
 def test_resnet_output_scale_is_computed_exactly():
@@ -113,3 +142,26 @@ def test_untiled_fast_path_leaves_an_attention_it_cannot_run_to_its_own_processo
             got = untiled.decode(vae, z)
     assert torch.equal(got, want)
     assert attn.processor is processor
+
+
+@pytest.mark.parametrize("flag", ["give_pre_end", "tanh_out"])
+def test_an_ldm_decoder_that_ends_otherwise_is_refused(flag):
+    """Session 22 mutant A10: without the check a decoder ending before its output layers (``give_pre_end``) or in
+    ``tanh`` decoded as if it ended in ``norm_out``, SiLU, ``conv_out``."""
+    from leandiffusion.tests.vae.ldm_tree import LdmAutoencoderKL
+
+    ldm = LdmAutoencoderKL().eval().requires_grad_(False)
+    setattr(ldm.decoder, flag, True)
+    with pytest.raises(TypeError, match=r"unsupported LDM decoder \(give_pre_end/tanh_out\)" + FIX):
+        tiled_decode(from_module(ldm), torch.zeros(1, 4, 8, 8), tile_size=128, overlap=32, quiet=True)
+
+
+@pytest.mark.parametrize("name,value", [("scale_factor", 4.0), ("with_conv", False)])
+def test_an_ldm_upsampler_other_than_2x_with_a_convolution_is_refused(name, value):
+    """ComfyUI's LDM ``Upsample`` takes any ``scale_factor`` (session 22 mutant A14: a 4x upsampler ran as 2x)."""
+    from leandiffusion.tests.vae.ldm_tree import LdmAutoencoderKL
+
+    ldm = LdmAutoencoderKL().eval().requires_grad_(False)
+    setattr(ldm.decoder.up[1].upsample, name, value)
+    with pytest.raises(TypeError, match=r"unsupported upsampler at up.1" + FIX):
+        tiled_decode(from_module(ldm), torch.zeros(1, 4, 8, 8), tile_size=128, overlap=32, quiet=True)

@@ -117,6 +117,36 @@ def test_scope_swaps_only_plain_group_norms_and_restores_them():
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.gpu
+def test_dispatch_threshold_is_inclusive_on_gpu():
+    """Exactly ``MIN_GROUP_ELEMENTS`` per (sample, group) row takes the parallel path, one fewer does not (session 22
+    mutant G06, ``>=`` -> ``>``; written unverified, like G07 below: only a CUDA tensor reaches these checks)."""
+    rows = gn.MIN_GROUP_ELEMENTS
+    assert gn.takes_parallel_path(torch.empty(2, 64, rows // 512, 256, device="cuda"), 32)
+    assert not gn.takes_parallel_path(torch.empty(2, 64, rows // 2 - 1, device="cuda"), 32)
+    # affine parameters wider than the input (PyTorch then keeps fp32 statistics) stay native (mutant G07)
+    x = torch.empty(1, 64, rows // 512, 256, device="cuda", dtype=torch.float16)
+    assert gn.takes_parallel_path(x, 32, torch.ones(64, device="cuda", dtype=torch.float16))
+    assert not gn.takes_parallel_path(x, 32, torch.ones(64, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_half_statistics_are_rounded_as_pytorchs_cuda_kernel_rounds_them():
+    """PyTorch's CUDA GroupNorm stores a half input's mean (and rstd) in half (``RowwiseMomentsCUDAKernel``); a
+    group whose mean is large against its spread then loses ~1/16 of its spread, and the parallel path must round
+    the same way (session 22 mutant G02 kept fp32 statistics: closer to fp64, 0.05 away from PyTorch's own output).
+    Written unverified (no GPU in the session)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(1, 64, 32, 32, generator=g) + 100 + 3 * torch.rand(64, generator=g).view(1, 64, 1, 1))
+    x = x.half().cuda()
+    w, b = torch.ones(64, device="cuda", dtype=torch.float16), torch.zeros(64, device="cuda", dtype=torch.float16)
+    native = F.group_norm(x, 32, w, b, 1e-5).double()
+    exact = F.group_norm(x.double(), 32, w.double(), b.double(), 1e-5)
+    assert (native - exact).abs().max().item() > 0.02  # PyTorch's kernel really rounds the mean here
+    ours = gn.parallel_stats_group_norm(x, 32, w, b, 1e-5).double()
+    assert (ours - native).abs().max().item() <= 0.01
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_forced_parallel_path_decodes_a_tiny_vae_like_diffusers(monkeypatch, batch):
     """Every GroupNorm whose layout the parallel path reads goes through it (all of them for one image: the blocks

@@ -74,13 +74,19 @@ def test_calls_it_cannot_serve_go_to_the_blocks_own_processor():
     seen = []
 
     def original(block, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
-        seen.append(encoder_hidden_states is not None)
+        seen.append(next(name for name, v in (("context", encoder_hidden_states), ("mask", attention_mask),
+                                              ("temb", temb), ("3-D", hidden_states)) if v is not None))
         return hidden_states
 
     proc = untiled._RunAttentionProcessor(original, untiled.spec_from_diffusers(attn))
     h = torch.randn(1, 64, 4, 4)
-    ctx = torch.randn(1, 16, 64)
-    assert proc(attn, h, encoder_hidden_states=ctx) is h and seen == [True]
+    assert proc(attn, h, encoder_hidden_states=torch.randn(1, 16, 64)) is h
+    # session 22 mutant U01: a mask was dropped and the block ran unmasked through run_attention
+    assert proc(attn, h, attention_mask=torch.zeros(1, 16, 16)) is h
+    assert proc(attn, h, temb=torch.randn(1, 8)) is h
+    tokens = torch.randn(1, 16, 64)
+    assert proc(attn, tokens) is tokens
+    assert seen == ["context", "mask", "temb", "3-D"]
 
 
 # matmul precision choices a user (or another pack) may have made before a decode, through each of PyTorch's APIs
@@ -158,6 +164,30 @@ def test_chunked_attention_equals_sdpa():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attention_mod, "_SCORE_BYTES", 4 * 300 * 64)  # 64 query rows per chunk: 5 chunks
         out = attention_mod._sdpa(q, k, v, tf32=True)
+    assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_chunked_attention_holds_at_most_the_score_cap_across_batch_and_heads():
+    """The fallback path's score matrix held at once (``chunk x N`` fp32 per image and head) stays within
+    ``_SCORE_BYTES``, and the chunks are as large as the cap allows (session 22 mutants T01: one chunk of all the
+    queries, an N x N matrix; T02: the heads left out of the chunk size, 3x the cap)."""
+    g = torch.Generator().manual_seed(1)
+    b, heads, n, d = 2, 3, 300, 16
+    q, k, v = (torch.randn(b, heads, n, d, generator=g) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double()).float()
+    cap = 4 * n * b * heads * 50  # 50 query rows per chunk
+    held = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(qc, kc, vc, *args, **kwargs):
+        held.append(4 * qc.shape[0] * qc.shape[1] * qc.shape[2] * kc.shape[2])
+        return sdpa(qc, kc, vc, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_mod, "_SCORE_BYTES", cap)
+        mp.setattr(F, "scaled_dot_product_attention", spy)
+        out = attention_mod._sdpa(q, k, v)
+    assert len(held) == 6 and max(held) == cap
     assert (out - ref).abs().max().item() <= 1e-5
 
 
