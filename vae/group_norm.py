@@ -13,8 +13,9 @@ module.
 
 Invariants
 - ``parallel_stats_group_norm(x, ...)`` equals ``F.group_norm(x, ...)`` up to floating-point rounding: the same
-  biased statistics (per-channel Welford passes merged exactly in fp32), rounded to the dtype PyTorch's own kernel
-  stores them in (the input's), normalised in fp32 for fp16/bf16 inputs; the output keeps the input's layout.
+  biased statistics (per-channel passes, channel means kept in fp32 at least, merged exactly), rounded to the dtype
+  PyTorch's own kernel stores them in (the input's), normalised in fp32 for fp16/bf16 inputs; the output keeps the
+  input's layout.
 - ``ParallelStatsGroupNorm`` only overrides ``forward``: parameters, buffers, ``state_dict`` and ``isinstance(m,
   nn.GroupNorm)`` are unchanged. It takes the parallel path only where it pays (CUDA, a layout it reads without a
   copy, at least ``MIN_GROUP_ELEMENTS`` elements per group); everywhere else it is ``nn.GroupNorm.forward`` itself.
@@ -104,11 +105,25 @@ def channel_var_mean(x: torch.Tensor, acc: torch.dtype) -> tuple:
     spatial = x[0, 0].numel()
     splits = math.gcd(spatial, CHANNELS_LAST_SPLITS)
     if x.is_contiguous() or splits < 2:
-        return torch.var_mean(x, dim=tuple(range(2, x.dim())), correction=0)
+        return var_and_wide_mean(x, tuple(range(2, x.dim())), acc)
     slabs = x.permute(0, 2, 3, 1).reshape(splits, spatial // splits, x.shape[1])  # a view: one channels-last image
-    var_s, mean_s = torch.var_mean(slabs, dim=1, correction=0)  # [splits, C]
+    var_s, mean_s = var_and_wide_mean(slabs, (1,), acc)  # [splits, C]
     spread, mean_c = torch.var_mean(mean_s.to(acc), dim=0, correction=0)
     return (var_s.to(acc).mean(dim=0) + spread).unsqueeze(0), mean_c.unsqueeze(0)
+
+
+def var_and_wide_mean(x: torch.Tensor, dims: tuple, acc: torch.dtype) -> tuple:
+    """Biased variance (in ``x``'s dtype) and mean (in ``acc``) of ``x`` over ``dims``, without copying ``x``.
+
+    ``torch.var_mean`` returns both in ``x``'s dtype. A half variance is off by at most 2^-11 of itself, but a half
+    mean is off by up to half a unit in its last place *of the mean*, and the merge above turns that into an error
+    in the spread term: 0.08 in a normalised output whose channel means sit near 100 (session 23, H100). So a
+    narrower ``x`` takes a second pass for a mean accumulated and returned in ``acc``: +0.3 ms on a 15 ms SD1.5 fp16
+    512 px decode, +1.3 ms on 53 ms at 1024 px (H100, ``docs/bench/gpu-checks-s23``); fp32 inputs take one pass.
+    """
+    if x.dtype == acc:
+        return torch.var_mean(x, dim=dims, correction=0)
+    return torch.var(x, dim=dims, correction=0), torch.mean(x, dim=dims, dtype=acc)
 
 
 def takes_parallel_path(x: torch.Tensor, groups: int, weight: Optional[torch.Tensor] = None) -> bool:
