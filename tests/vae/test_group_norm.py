@@ -137,7 +137,7 @@ def test_scope_swaps_only_plain_group_norms_and_restores_them():
 @pytest.mark.gpu
 def test_dispatch_threshold_is_inclusive_on_gpu():
     """Exactly ``MIN_GROUP_ELEMENTS`` per (sample, group) row takes the parallel path, one fewer does not (session 22
-    mutant G06, ``>=`` -> ``>``; written unverified, like G07 below: only a CUDA tensor reaches these checks)."""
+    mutant G06, ``>=`` -> ``>``; like G07 below, only a CUDA tensor reaches these checks; first run: session 23)."""
     rows = gn.MIN_GROUP_ELEMENTS
     assert gn.takes_parallel_path(torch.empty(2, 64, rows // 512, 256, device="cuda"), 32)
     assert not gn.takes_parallel_path(torch.empty(2, 64, rows // 2 - 1, device="cuda"), 32)
