@@ -301,3 +301,12 @@ def test_write_all_stores_pass_beside_passed(tmp_path):
     report.write_all(doc([r]), tmp_path, charts=False)
     stored = json.loads((tmp_path / "bench.json").read_text())["records"][0]
     assert stored["pass"] is True and report.validate_record(stored) == []
+
+
+def test_summary_shows_exactly_max_rows_records_targets_first():
+    records = [rec(case=f"t{i}") for i in range(7)]
+    records += [rec(case=f"info{i}", target="", passed=None, **{"pass": None}) for i in range(200)]
+    lines = report.summary_lines(doc(records), max_rows=40)
+    rows = [x for x in lines if x.startswith("s/")]
+    assert len(rows) == 40 and all(x.startswith("s/t") for x in rows[:7])
+    assert "... 167 more record(s) without a target in bench.json / BENCHMARKS.md" in lines
