@@ -334,10 +334,11 @@ def chart_kind(rec: dict) -> Optional[str]:
     """Which chart a record belongs to: "time", "vram", "throughput" or None (ratios, errors, counts)."""
     unit = (rec.get("unit") or "").strip().lower()
     metric = rec.get("metric", "").lower()
-    if unit in ("ms", "s", "us") or (metric.endswith(("_ms", "_us", "_s")) and not metric.endswith("per_s")):
-        return "time"
-    if unit.endswith("/s") or metric.endswith(("per_s", "_per_second", "it_s", "_gbps")):
+    throughput = ("per_s", "_per_second", "it_s", "_gbps")  # "it_s" ends in "_s" too: test these names first
+    if unit.endswith("/s") or metric.endswith(throughput):
         return "throughput"
+    if unit in ("ms", "s", "us") or metric.endswith(("_ms", "_us", "_s")):
+        return "time"
     if unit in ("gb", "gib", "mb", "mib") or any(k in metric for k in ("reserved", "allocated", "vram", "_gb")):
         return "vram"
     return None

@@ -232,3 +232,108 @@ def test_a_node_failing_on_the_started_comfyui_brings_its_log(fake_comfyui_dir, 
     assert "  the end of ComfyUI's log:" in err
     assert any("!!! Exception during processing !!! (the fake fails node 2)" in line for line in err)
     assert not _alive(_server_pid(fake_comfyui_dir)) and not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------- mutation audit, s23
+def test_options_reach_the_command_line_and_the_model_paths_config(fake_comfyui_dir, tmp_path):
+    """Every model sub-folder is mapped under ``models_dir``; ``input_dir`` and ``extra_args`` reach ComfyUI's
+    command line (the fake prints its arguments and the config into the log)."""
+    models, inputs = tmp_path / "models", tmp_path / "inputs"
+    models.mkdir()
+    inputs.mkdir()
+    with LocalComfyUI(fake_comfyui_dir, python=sys.executable, models_dir=models, input_dir=inputs,
+                      extra_args=["--preview-method", "none"]) as server:
+        pass
+    log = server.log_text()
+    for folder in ("checkpoints", "diffusers", "loras", "upscale_models", "vae", "embeddings", "text_encoders"):
+        assert f"  {folder}: {folder}\n" in log
+    assert f"--input-directory {inputs.resolve()}" in log and log.rstrip().count("--preview-method none") == 1
+    assert "--cpu" not in log
+
+
+def test_a_missing_models_folder_is_refused_before_anything_starts(fake_comfyui_dir, tmp_path):
+    with pytest.raises(ServerUnreachable, match="models folder .*no-models does not exist"):
+        LocalComfyUI(fake_comfyui_dir, python=sys.executable, models_dir=tmp_path / "no-models")
+
+
+def test_dot_venv_comes_before_venv(tmp_path, monkeypatch):
+    monkeypatch.delenv("COMFYUI_PYTHON", raising=False)
+    for venv in ("venv", ".venv"):
+        (tmp_path / venv / "bin").mkdir(parents=True)
+        (tmp_path / venv / "bin" / "python").write_text("")
+    assert comfyui_python(tmp_path) == str(tmp_path / ".venv" / "bin" / "python")
+
+
+def test_a_second_start_is_refused_and_leaves_the_first_server_running(fake_comfyui_dir):
+    with LocalComfyUI(fake_comfyui_dir, python=sys.executable) as server:
+        with pytest.raises(RuntimeError, match="already started"):
+            server.start()
+        assert ComfyClient(server.url).ping()["system"]["comfyui_version"] == "fake"
+
+
+def test_an_error_inside_the_block_propagates_after_the_server_stopped(fake_comfyui_dir):
+    with pytest.raises(KeyError, match="inside"):
+        with LocalComfyUI(fake_comfyui_dir, python=sys.executable) as server:
+            log = server._log
+            raise KeyError("inside")
+    assert server.proc is None and server.tmp is None and log.closed
+    assert not _alive(_server_pid(fake_comfyui_dir))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to tell a zombie from a live process")
+def test_stop_asks_politely_first_then_kills_what_ignores_it(fake_comfyui_dir, tmp_path):
+    """SIGTERM first, so ComfyUI can shut down cleanly (its handler runs); then SIGKILL to the whole group, so a
+    child that ignores SIGTERM (a worker spawned by a custom node) is gone too."""
+    marker, child_pid = tmp_path / "clean-exit", tmp_path / "child.pid"
+    child = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"open({str(child_pid)!r}, 'w').write(str(os.getpid())); time.sleep(600)")
+    (fake_comfyui_dir / "main.py").write_text(
+        "import os, runpy, signal, subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), os._exit(0)))\n"
+        f"runpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
+    with LocalComfyUI(fake_comfyui_dir, python=sys.executable):
+        deadline = time.monotonic() + 30
+        while not (child_pid.exists() and child_pid.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(child_pid.read_text())
+        assert _alive(pid)
+    assert marker.exists()
+
+    def running(pid):  # a killed orphan waits for init to reap it: a zombie counts as gone
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 5
+    while running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(pid)
+
+
+def test_exited_waits_for_the_servers_exit_code(fake_comfyui_dir):
+    (fake_comfyui_dir / "main.py").write_text(
+        "import os, runpy, threading, time\n"
+        "threading.Thread(target=lambda: (time.sleep(2.0), os._exit(5)), daemon=True).start()\n"
+        f"runpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
+    with LocalComfyUI(fake_comfyui_dir, python=sys.executable) as server:
+        assert server.exited() is None
+        assert server.exited(wait=20) == 5
+
+
+def test_a_log_path_keeps_the_log_after_stop(fake_comfyui_dir, tmp_path):
+    log_path = tmp_path / "logs" / "comfyui.log"
+    with LocalComfyUI(fake_comfyui_dir, python=sys.executable, log_path=log_path) as server:
+        assert server.log_file == log_path
+    assert "fake ComfyUI args:" in log_path.read_text()
+
+
+def test_log_tail_and_pack_import_error_cut_the_log_where_they_say(fake_comfyui_dir, tmp_path):
+    server = LocalComfyUI(fake_comfyui_dir, python=sys.executable)
+    server.log_file = tmp_path / "log"
+    server.log_file.write_text("a\nb\nTraceback\nModuleNotFoundError: x\n"
+                               f"Cannot import {PACK_ROOT} module for custom nodes: x\nlater\nlast\n")
+    assert server.log_tail(2) == ["  later", "  last"]
+    assert server.pack_import_error(context=2) == ["  ModuleNotFoundError: x",
+                                                   f"  Cannot import {PACK_ROOT} module for custom nodes: x"]

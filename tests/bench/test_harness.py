@@ -126,3 +126,115 @@ def test_infinite_numbers_never_pass(tmp_path, ours, peer, lower, kind, target):
     assert rec.passed is False
     stored = json.loads((tmp_path / "r.json").read_text())["records"][0]
     assert validate_record(stored) == []
+
+
+# --------------------------------------------------------------------------------------------- mutation audit, s23
+@pytest.mark.parametrize("ours, peer, lower, kind, target", [
+    (10.0, 20.0, True, "ratio>=", 2.0),     # ratio exactly 2.0 (both exact in binary)
+    (4.0, None, True, "ours<=", 4.0),
+    (2.0, None, False, "ours>=", 2.0),
+])
+def test_a_target_met_exactly_passes(tmp_path, ours, peer, lower, kind, target):
+    """Targets read ">= 2x" and "<= 4 GB": a measurement on the bound meets them (mutants s23 H03-H05)."""
+    rec = make_ctx(tmp_path).record("c", "m", ours, peer, "p" if peer is not None else "", target=target,
+                                    target_kind=kind, lower_is_better=lower)
+    assert rec.passed is True
+
+
+@pytest.mark.parametrize("ours, peer", [(0.0, 5.0), (5.0, 0.0)])
+def test_a_zero_measurement_gives_no_ratio_instead_of_dividing_by_it(tmp_path, ours, peer):
+    rec = make_ctx(tmp_path).record("c", "m", ours, peer, "p", target=2.0, target_kind="ratio>=")
+    assert rec.ratio is None and rec.passed is False
+
+
+def test_has_time_is_inclusive_at_the_deadline(tmp_path, monkeypatch):
+    import leandiffusion.bench.harness as harness
+
+    ctx = make_ctx(tmp_path, deadline=1000.0)
+    monkeypatch.setattr(harness.time, "time", lambda: 990.0)
+    assert ctx.time_left() == 10.0 and ctx.has_time(10.0) and not ctx.has_time(10.5)
+
+
+def test_a_skip_reaches_the_sink_at_once(tmp_path):
+    """A suite killed right after ``skip`` still reports the case it left out (the sink is written on skip)."""
+    sink = tmp_path / "r.json"
+    make_ctx(tmp_path, sink=sink).skip("big", "no time")
+    assert json.loads(sink.read_text())["skipped"] == [{"case": "big", "reason": "no time"}]
+
+
+def test_smoke_mode_runs_on_the_cpu_even_where_cuda_is_available(tmp_path, monkeypatch):
+    import leandiffusion.bench.harness as harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness, "device_name", lambda: "fake gpu")
+    monkeypatch.setattr(harness, "versions", lambda: {"torch": torch.__version__})
+    assert BenchContext("unit", tmp_path, smoke=True).device.type == "cpu"
+    assert BenchContext("unit", tmp_path, smoke=False).device.type == "cuda"
+
+
+class _FakeCuda:
+    """Stands in for ``torch.cuda``'s timing and memory calls; logs every call in order, with a clock."""
+
+    def __init__(self, monkeypatch, reserved=3 * 2**30, allocated=2**30):
+        self.log = []
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.t = None
+
+            def record(self):
+                fake.log.append("record")
+                self.t = time.perf_counter()
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+            monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: fake.log.append(_n))
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: fake.log.append("reserved") or reserved)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: fake.log.append("allocated") or allocated)
+
+
+def test_cuda_timing_brackets_exactly_the_call_between_synchronised_events(monkeypatch):
+    """On a GPU, ``time_ms`` times with CUDA events: the queue is drained before the start event, the call runs
+    between the two events, and the end event is waited for before it is read (CUDA faked by a clock-event stub:
+    the GPU itself cannot be checked here)."""
+    cuda = _FakeCuda(monkeypatch)
+
+    def fn():
+        cuda.log.append("fn")
+        time.sleep(0.02)
+
+    ms = time_ms(fn, warmup=1, repeat=2, device=torch.device("cuda"))
+    assert 19 <= ms < 60
+    one = ["synchronize", "record", "fn", "record", "synchronize"]
+    assert cuda.log == ["fn"] + one + one
+
+
+def test_cpu_timing_on_a_machine_with_cuda_uses_the_host_clock(monkeypatch):
+    """``device=cpu`` is timed with ``perf_counter`` even where CUDA exists (CUDA events would time the GPU's queue,
+    not the host work)."""
+    cuda = _FakeCuda(monkeypatch)
+    assert 9 <= time_ms(lambda: time.sleep(0.01), warmup=0, repeat=1, device=torch.device("cpu")) < 50
+    assert cuda.log == []
+
+
+def test_peak_memory_resets_before_and_reads_both_peaks_in_gib_after(monkeypatch):
+    """The peak of a block is measured from a drained queue, an emptied cache (blocks cached by earlier work are
+    not counted) and reset peaks; after the block the queue is drained again, then reserved and allocated peaks
+    are read, each in GiB (CUDA faked: the logged order is the contract)."""
+    cuda = _FakeCuda(monkeypatch, reserved=3 * 2**30, allocated=2**29)
+    with peak_memory(torch.device("cuda")) as mem:
+        cuda.log.append("block")
+    assert cuda.log == ["synchronize", "empty_cache", "reset_peak_memory_stats", "block", "synchronize", "reserved",
+                        "allocated"]
+    assert mem == {"reserved_gb": 3.0, "allocated_gb": 0.5}
+
+
+def test_non_finite_numbers_inside_tuples_are_stored_as_null(tmp_path):
+    write_json({"pair": (1.0, float("nan")), "deep": [(float("-inf"),)]}, tmp_path / "t.json")
+    assert json.loads((tmp_path / "t.json").read_text()) == {"pair": [1.0, None], "deep": [[None]]}

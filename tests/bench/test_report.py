@@ -233,3 +233,80 @@ def test_readme_block_lists_skipped_cases_next_to_the_count():
     assert "1 case(s) skipped" in block
     assert "skipped `s/sdxl-1024/compile+cuda_graph`: not enough time" in block
     assert "neither passed nor failed" in block
+
+
+# --------------------------------------------------------------------------------------------- mutation audit, s23
+def test_readme_counts_targets_not_records_and_lists_every_failure():
+    """"N of M targets pass": M counts targeted records only (a comparison without a target is neither), and the
+    table lists the failures next to the passes."""
+    d = doc([rec(), rec(case="slow", ours=30.0, ratio=0.67, passed=False, **{"pass": False}),
+             rec(case="info", target="", passed=None, **{"pass": None})])
+    block = report.readme_markdown(d)
+    assert "**1 of 2 targets pass.**" in block
+    assert "| s | slow | step_ms | 30 ms | 20 ms (eager) | 0.67x | >= 1.5x eager | **FAIL** |" in block
+    assert "| info |" not in block
+    assert report.counts(d) == {"pass": 1, "fail": 1, "records": 3}
+
+
+def test_a_record_without_a_ratio_shows_a_dash_in_every_table():
+    r = rec(peer=None, peer_name="", ratio=None)
+    assert "| c | step_ms | 10 ms | - | - | >= 1.5x eager | **pass** |" in report.benchmarks_markdown(doc([r]))
+    assert report.format_row(r).split()[-5] == "-"  # ratio column (then the target ">= 1.5x eager", result)
+
+
+def test_a_suite_that_failed_before_recording_shows_its_whole_error():
+    d = doc([rec()], statuses={"dead": "crashed"})
+    suite(d, "dead")["error"] = "Traceback (most recent call last):\n  File \"suite_dead.py\", line 3\nMemoryError"
+    md = report.benchmarks_markdown(d)
+    assert "## dead" in md and "File \"suite_dead.py\", line 3" in md
+
+
+def test_pipes_and_newlines_in_text_cells_do_not_break_the_table():
+    md = report.benchmarks_markdown(doc([rec(case="a|b", notes="x | y\nz")]))
+    row = next(line for line in md.splitlines() if line.startswith("| a"))
+    assert row.count("|") - row.count("\\|") == 9  # 8 columns and "a\\|b" in row and "x \\| y z" in row
+
+
+def test_numbers_switch_to_exponent_form_at_the_documented_bounds():
+    assert report.fmt(100000.0) == "1.000e+05"
+    assert report.fmt(0.001) == "0.001" and report.fmt(0.000999) == "9.990e-04"
+
+
+def test_a_throughput_unit_per_second_is_charted_as_throughput():
+    assert report.chart_kind({"metric": "decode_fps", "unit": "frames/s"}) == "throughput"
+
+
+@pytest.mark.parametrize("metric, unit", [("sampler_it_s", "it/s"), ("it_s", "")])
+def test_iterations_per_second_are_throughput_not_time(metric, unit):
+    """Defect found in session 23's audit (by reading, no mutant): ``chart_kind`` lists ``it_s`` as a throughput
+    name, but the time rule (names ending in ``_s``) matched it first, so an it/s record was drawn on the time chart
+    (lower is better) even with unit ``it/s``."""
+    assert report.chart_kind({"metric": metric, "unit": unit}) == "throughput"
+
+
+def test_charts_skip_records_without_a_number(tmp_path):
+    """A record whose ``ours`` is null (a non-finite measurement) has no bar: it is left out of the panels, and a
+    kind whose every record is null gets no chart."""
+    d = doc([rec(), rec(case="nan", ours=None, ratio=None, target="", passed=None, **{"pass": None}),
+             rec(case="m", metric="peak_reserved_gb", unit="GB", ours=None, ratio=None, target="", passed=None,
+                 **{"pass": None})])
+    assert report.chart_kinds(d) == ["time"]
+    assert [item[0] for _, items in report.chart_groups(d, "time") for item in items] == ["c · step_ms"]
+    assert [p.name for p in report.write_charts(d, tmp_path, backend="pillow")] == ["time.png"]
+
+
+def test_write_all_stores_pass_beside_passed(tmp_path):
+    r = rec()
+    del r["pass"]
+    report.write_all(doc([r]), tmp_path, charts=False)
+    stored = json.loads((tmp_path / "bench.json").read_text())["records"][0]
+    assert stored["pass"] is True and report.validate_record(stored) == []
+
+
+def test_summary_shows_exactly_max_rows_records_targets_first():
+    records = [rec(case=f"t{i}") for i in range(7)]
+    records += [rec(case=f"info{i}", target="", passed=None, **{"pass": None}) for i in range(200)]
+    lines = report.summary_lines(doc(records), max_rows=40)
+    rows = [x for x in lines if x.startswith("s/")]
+    assert len(rows) == 40 and all(x.startswith("s/t") for x in rows[:7])
+    assert "... 167 more record(s) without a target in bench.json / BENCHMARKS.md" in lines

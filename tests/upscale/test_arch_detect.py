@@ -260,3 +260,64 @@ def test_spandrel_route_leaves_the_global_generator_alone(monkeypatch):
     with pytest.raises(ValueError, match="not a known upscaler"):
         build_upscaler({"head.weight": torch.zeros(3, 3, 3, 3)})
     assert torch.equal(torch.rand(4), expected)
+
+
+# --------------------------------------------------------------------------------------------- mutation audit, s23
+@pytest.mark.parametrize("n_up, unshuffle", [(1, 4), (0, 2), (2, 3)])
+def test_rrdb_refuses_an_unshuffle_its_upsampling_cannot_undo(n_up, unshuffle):
+    """Net scale 2**n_up / u must be whole: (1, 4) would be a 1/2x net, which ``scale`` (an integer) would call 0x."""
+    from leandiffusion.upscale.arch_rrdb import RRDBNet
+
+    with pytest.raises(ValueError, match=f"unshuffle={unshuffle} with num_upsample={n_up}"):
+        RRDBNet(num_feat=4, num_block=1, num_grow_ch=2, num_upsample=n_up, unshuffle=unshuffle)
+
+
+def test_compact_refuses_different_in_and_out_channels():
+    from leandiffusion.upscale.arch_compact import SRVGGNetCompact
+
+    with pytest.raises(ValueError, match="num_out_ch=1 != num_in_ch=3"):
+        SRVGGNetCompact(num_in_ch=3, num_out_ch=1, num_feat=4, num_conv=1)
+
+
+def test_rrdb_keeps_a_channels_last_input_channels_last():
+    """The ESRGAN descriptor says ``channels_last=True`` (every op keeps NHWC, so ``layout="auto"`` runs it NHWC):
+    a dense block must not route an NHWC input through its NCHW buffer, which would turn the rest of the net NCHW."""
+    sd = H.random_rrdb()
+    up = build_upscaler(sd)
+    assert up.channels_last
+    x = torch.rand(1, 3, 9, 7)
+    with torch.inference_mode():
+        out = up.module(x.contiguous(memory_format=torch.channels_last))
+        torch.testing.assert_close(out, H.ref_rrdb(sd, x), atol=1e-5, rtol=1e-5)
+    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+
+
+@pytest.mark.parametrize("n, channels", [(1, 2 * 8 + 4 * 4), (2, 8 + 8 * 4)])
+def test_dense_block_peak_activations(n, channels):
+    """Live bytes of one dense block (F 8, G 4), counted on the meta device (tests/vae/live_bytes), its input not
+    counted. Buffer path (one image): the [F + 4G] buffer plus conv5's F output. Concatenation path (a batch): at the
+    last concatenation x1..x4 (4G) and their F + 4G concatenation; x1..x4 are dropped before conv5 runs (kept, they
+    would add 4G while conv5's output is live: 2F + 8G)."""
+    from leandiffusion.tests.vae.live_bytes import LiveBytes
+    from leandiffusion.upscale.arch_rrdb import ResidualDenseBlock
+
+    rdb = ResidualDenseBlock(8, 4).to("meta")
+    live = LiveBytes("meta", exclude=list(rdb.parameters()))
+    x = torch.empty(n, 8, 16, 16, device="meta")
+    with torch.inference_mode(), live:
+        rdb(x)
+    assert live.peak <= channels * n * 16 * 16 * 4, live.peak / (n * 16 * 16 * 4)
+
+
+def test_each_tail_strip_starts_after_the_previous_one_was_freed():
+    """Tail strips bound the upsampling tail's memory only if a finished strip is freed before the next is computed:
+    counted on the meta device, every strip starts with the same live bytes (features, output buffer)."""
+    from leandiffusion.tests.vae.live_bytes import LiveBytes
+
+    net = build_upscaler(H.random_rrdb(n_up=2)).module.to("meta")
+    live = LiveBytes("meta", exclude=list(net.parameters()))
+    entries, tail = [], net._tail
+    net._tail = lambda feat: (entries.append(live.current()), tail(feat))[1]
+    with torch.inference_mode(), live:
+        net(torch.empty(1, 3, 40, 24, device="meta"), tail_rows=8)
+    assert len(entries) == 5 and len(set(entries)) == 1, entries
