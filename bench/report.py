@@ -334,8 +334,10 @@ def chart_kind(rec: dict) -> Optional[str]:
     """Which chart a record belongs to: "time", "vram", "throughput" or None (ratios, errors, counts)."""
     unit = (rec.get("unit") or "").strip().lower()
     metric = rec.get("metric", "").lower()
-    throughput = ("per_s", "_per_second", "it_s", "_gbps")  # "it_s" ends in "_s" too: test these names first
-    if unit.endswith("/s") or metric.endswith(throughput):
+    # iterations per second: "it_s" or "..._it_s" (not "wait_s", "init_s": those are times); checked before the
+    # time rule because they end in "_s" too
+    throughput = metric.endswith(("per_s", "_per_second", "_it_s", "_gbps")) or metric == "it_s"
+    if unit.endswith("/s") or throughput:
         return "throughput"
     if unit in ("ms", "s", "us") or metric.endswith(("_ms", "_us", "_s")):
         return "time"

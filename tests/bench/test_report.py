@@ -284,6 +284,14 @@ def test_iterations_per_second_are_throughput_not_time(metric, unit):
     assert report.chart_kind({"metric": metric, "unit": unit}) == "throughput"
 
 
+@pytest.mark.parametrize("metric", ["wait_s", "init_s", "queue_wait_s", "split_s"])
+def test_seconds_whose_name_ends_in_it_s_stay_times(metric):
+    """Only ``it_s`` itself or a ``..._it_s`` name is iterations per second; the session 23 fix first matched every
+    name ending in ``it_s`` (a wait or an init time became a throughput)."""
+    assert report.chart_kind({"metric": metric, "unit": "s"}) == "time"
+    assert report.chart_kind({"metric": metric, "unit": ""}) == "time"
+
+
 def test_charts_skip_records_without_a_number(tmp_path):
     """A record whose ``ours`` is null (a non-finite measurement) has no bar: it is left out of the panels, and a
     kind whose every record is null gets no chart."""
