@@ -37,6 +37,22 @@ def tiny_engine(family: str = "sd1", seed: int = 0, device: str = "cpu", dtype=t
     return engine_from_parts(tiny_parts(family, seed), device=device, dtype=dtype, vae_dtype=dtype)
 
 
+def assert_unet_call_passes_sdxl_conditioning(engine: LeanEngine, call) -> None:
+    """``call(x, t, context, added)`` (``LeanEngine.unet``'s contract) inside a UNet session equals the SDXL UNet
+    called directly with the same ``added_cond_kwargs`` (a dropped ``added`` fails: the UNet needs it)."""
+    cfg = engine.parts.unet.config
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, cfg.in_channels, 8, 8, generator=g)
+    ctx = torch.randn(1, 77, cfg.cross_attention_dim, generator=g)
+    pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+    added = {"text_embeds": torch.randn(1, pooled, generator=g), "time_ids": engine.time_ids(64, 64, 1)}
+    with engine.session("unet"), torch.no_grad():
+        out = call(x, torch.tensor(500), ctx, added)
+        ref = engine.parts.unet(x, torch.tensor(500), encoder_hidden_states=ctx, added_cond_kwargs=added,
+                                return_dict=False)[0]
+    assert torch.equal(out, ref)
+
+
 def tiny_tokenizer_dir(folder: str | Path) -> Path:
     return write_tiny_clip_tokenizer(folder)
 
