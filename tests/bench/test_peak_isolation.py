@@ -222,3 +222,37 @@ def test_stream_smoke_starts_a_case_only_with_room_for_it(monkeypatch, case_s, r
     ctx = _SmokeClockCtx(clock, budget_s=10.0)
     suite_stream.run(ctx)
     assert calls == ran and ctx.skipped == skipped
+
+
+def test_comfyui_upscale_peer_moves_the_model_as_the_node_does_on_every_call():
+    """ComfyUI's ImageUpscaleWithModel frees memory for the model, moves it to the device, tiles, and moves it back
+    to the CPU on every call (comfy_extras/nodes_upscale_model.py). The old peer left the model on the GPU after
+    its first call, so its timed calls skipped the weights' upload and download that the node (and ours) pays."""
+    events = []
+
+    class Model:  # a spandrel ImageModelDescriptor stand-in: x4, remembers where it is
+        scale = 4
+        model = "module"
+        device = "cpu"
+
+        def to(self, dev):
+            events.append(("to", torch.device(dev).type))
+            self.device = torch.device(dev).type
+            return self
+
+        def __call__(self, a):
+            events.append(("run", self.device))
+            return a
+
+    mm = types.SimpleNamespace(module_size=lambda module: 1000, OOM_EXCEPTION=torch.cuda.OutOfMemoryError,
+                               free_memory=lambda required, device: events.append(("free", required > 1000)))
+    utils = types.SimpleNamespace(tiled_scale=lambda img, fn, **kw: fn(img))
+    comfy = object.__new__(suite_comfyui.Comfy)
+    comfy.mm, comfy.utils = mm, utils
+    model = Model()
+    image = torch.rand(1, 8, 8, 3)
+    for _ in range(2):  # the warm-up and a timed call; "meta" stands in for the GPU
+        out = comfy.upscale_with_model(model, image, torch.device("meta"))
+        assert out.shape == image.shape
+    call = [("free", True), ("to", "meta"), ("run", "meta"), ("to", "cpu")]
+    assert events == call * 2
