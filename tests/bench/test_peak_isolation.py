@@ -256,3 +256,31 @@ def test_comfyui_upscale_peer_moves_the_model_as_the_node_does_on_every_call():
         assert out.shape == image.shape
     call = [("free", True), ("to", "meta"), ("run", "meta"), ("to", "cpu")]
     assert events == call * 2
+
+
+def test_vae_suite_measures_comfyuis_contenders_with_our_vae_off_the_gpu(monkeypatch):
+    """bench/suite_vae.py with ``--comfyui``: ``comfyui_tiled`` and ``exact_comfy_vae`` decode with ComfyUI's own
+    VAE object; the old suite kept our full-size VAE resident, so their peaks held two sets of weights (ours 0.16
+    GiB in fp16) where ours' rows hold one. ``_measure`` runs a contender inside ``peak_memory``: whatever sits on
+    the GPU then counts in its peak."""
+    from leandiffusion.bench import suite_vae
+
+    vae = Where("vae")
+    where = []
+
+    def measure(ctx, fn, repeat):
+        where.append(vae.device)
+        return 1.0, torch.zeros(1), {"allocated_gb": 0.5, "reserved_gb": 0.5}
+
+    monkeypatch.setattr(suite_vae, "_measure", measure)
+    monkeypatch.setattr(suite_vae, "_comfy_vae", lambda ctx, vae_, dtype: object())
+    monkeypatch.setattr("leandiffusion.vae.targets.from_module", lambda ae, device=None, dtype=None: "ours")
+    monkeypatch.setattr("leandiffusion.vae.targets.from_comfy", lambda comfy_vae: "comfy")
+    ctx = FakeCtx()
+    ctx.comfyui = "/comfyui"
+    suite_vae._case(ctx, vae, 2048, torch.float16, repeat=1)
+    labels = [case.split("/", 1)[1] for case, metric, _ in ctx.records if metric == "time_ms"]
+    assert labels == ["exact", "exact_auto", "blend", "diffusers_tiled", "comfyui_tiled", "exact_comfy_vae"]
+    # the untiled reference and ours need our VAE on the GPU; ComfyUI's two must not hold it (old: all on cuda)
+    assert where == ["cuda"] * 5 + ["cpu"] * 2
+    assert vae.device == "cuda"  # back on the GPU for the next size
