@@ -8,7 +8,9 @@ remember where ``.to()`` put them. The bugs these tests guard:
   ``peak_reserved_gb`` started at everything ours' batched runs had left cached (``max_memory_reserved`` right after
   a reset is the memory reserved at that moment);
 - ``suite_comfyui``'s KSampler and VAEDecodeTiled cases ran ComfyUI with our full-size models still resident on
-  the GPU (built there for speed), so ComfyUI's published peaks included our UNet, text encoders and VAE.
+  the GPU (built there for speed), so ComfyUI's published peaks included our UNet, text encoders and VAE;
+- (session 23) ``suite_vae``'s ``--comfyui`` contenders did the same with our VAE, and ``suite_comfyui``'s
+  ImageUpscaleWithModel peer left its model on the GPU between calls, which the node never does.
 """
 import contextlib
 import types
