@@ -5,7 +5,8 @@
 - ``VAEDecodeTiled`` (its defaults: tile 512, overlap 64, i.e. three offset tilings averaged) at 2048x2048, fp16;
   against ``LeanTiledVAEDecode`` (``exact`` and ``blend``) on our VAE and on ComfyUI's own VAE object.
 - ``ImageUpscaleWithModel`` (spandrel model, ``comfy.utils.tiled_scale`` with tile 512 / overlap 32, the model's
-  own dtype as loaded, fp32): RRDB x4 (ESRGAN x4plus architecture, random weights); against ``LeanESRGANUpscale``.
+  own dtype as loaded, fp32, moved to the GPU and back to the CPU on every call as the node does): RRDB x4 (ESRGAN
+  x4plus architecture, random weights); against ``LeanESRGANUpscale``.
 - low-VRAM partial loading: SDXL step (1024x1024, CFG batch 2) with ComfyUI behaving as on a card of 4 GiB and of
   1.5 GiB; against the pack's ``stream`` policy at the same budgets.
 
@@ -105,7 +106,13 @@ class Comfy:
         return vae.decode_tiled(latent, tile_x=tile_size // c, tile_y=tile_size // c, overlap=overlap // c)
 
     def upscale_with_model(self, model, image: torch.Tensor, device: torch.device, tile: int = 512, overlap: int = 32):
-        """``ImageUpscaleWithModel.execute``: tiled_scale with the node's tile/overlap, OOM halving included."""
+        """``ImageUpscaleWithModel.execute``: free memory for the model, move it to the device, tiled_scale with the
+        node's tile/overlap (OOM halving included), and move the model back to the CPU, as the node does every call
+        (the weights' upload and download are part of ComfyUI's time, as ours' are of LeanESRGANUpscale's)."""
+        required = self.mm.module_size(model.model)
+        required += (512 * 512 * 3) * image.element_size() * max(model.scale, 1.0) * 384.0  # the node's estimate
+        required += image.nelement() * image.element_size()
+        self.mm.free_memory(required, device)
         model.to(device)
         in_img = image.movedim(-1, -3).to(device)
         while True:
@@ -117,6 +124,7 @@ class Comfy:
                 tile //= 2
                 if tile < 128:
                     raise
+        model.to("cpu")
         return torch.clamp(out.movedim(-3, -1), min=0, max=1.0)
 
     def unload_all(self) -> None:

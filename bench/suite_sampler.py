@@ -17,7 +17,8 @@ cuda_graph >= 2.0x, compile+cuda_graph >= 3.0x; SDXL 1.4x / 1.8x), ``rel_diff_vs
 ``rel_diff_vs_eager`` (||ours - ref|| / ||ref|| over the final latents, target <= 5e-3), ``first_run_s`` (capture,
 and compile, time) and ``peak_reserved_gb``. Timing: one warm-up run, then the median of ``repeat`` runs timed with
 CUDA events (``harness.time_ms``); the peer is re-timed after every acceleration and the fastest peer timing so far
-is the denominator (``peer_spread`` records the drift).
+is the denominator (``peer_spread`` records the drift). Each acceleration starts with the graph cache empty, so
+its ``peak_reserved_gb`` holds its own graph's memory pool and no earlier acceleration's.
 
 Modes: smoke = CPU tiny SD1/SDXL, 1 step (plumbing only; accelerations fall back to eager on the CPU);
 quick = both cases, every acceleration, 3 timed runs (SDXL 2) instead of 5, ``none`` (no target) run once for the
@@ -247,6 +248,9 @@ def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerat
             _skip(ctx, f"{case}/{acc}", "not enough of the suite's time budget left")
             continue
         fn = _ours(engine, cond, x_init, schedule, acc, runner)
+        # the previous acceleration's graph (and its private memory pool, which empty_cache cannot return) is
+        # dropped first: kept, it sat reserved through this acceleration's first run and counted in its peak
+        runner.clear()
         with peak_memory(dev) as peak:
             t0 = time.perf_counter()
             out = fn().float()  # first run: capture (and compile)

@@ -8,7 +8,9 @@ remember where ``.to()`` put them. The bugs these tests guard:
   ``peak_reserved_gb`` started at everything ours' batched runs had left cached (``max_memory_reserved`` right after
   a reset is the memory reserved at that moment);
 - ``suite_comfyui``'s KSampler and VAEDecodeTiled cases ran ComfyUI with our full-size models still resident on
-  the GPU (built there for speed), so ComfyUI's published peaks included our UNet, text encoders and VAE.
+  the GPU (built there for speed), so ComfyUI's published peaks included our UNet, text encoders and VAE;
+- (session 23) ``suite_vae``'s ``--comfyui`` contenders did the same with our VAE, and ``suite_comfyui``'s
+  ImageUpscaleWithModel peer left its model on the GPU between calls, which the node never does.
 """
 import contextlib
 import types
@@ -222,3 +224,65 @@ def test_stream_smoke_starts_a_case_only_with_room_for_it(monkeypatch, case_s, r
     ctx = _SmokeClockCtx(clock, budget_s=10.0)
     suite_stream.run(ctx)
     assert calls == ran and ctx.skipped == skipped
+
+
+def test_comfyui_upscale_peer_moves_the_model_as_the_node_does_on_every_call():
+    """ComfyUI's ImageUpscaleWithModel frees memory for the model, moves it to the device, tiles, and moves it back
+    to the CPU on every call (comfy_extras/nodes_upscale_model.py). The old peer left the model on the GPU after
+    its first call, so its timed calls skipped the weights' upload and download that the node (and ours) pays."""
+    events = []
+
+    class Model:  # a spandrel ImageModelDescriptor stand-in: x4, remembers where it is
+        scale = 4
+        model = "module"
+        device = "cpu"
+
+        def to(self, dev):
+            events.append(("to", torch.device(dev).type))
+            self.device = torch.device(dev).type
+            return self
+
+        def __call__(self, a):
+            events.append(("run", self.device))
+            return a
+
+    mm = types.SimpleNamespace(module_size=lambda module: 1000, OOM_EXCEPTION=torch.cuda.OutOfMemoryError,
+                               free_memory=lambda required, device: events.append(("free", required > 1000)))
+    utils = types.SimpleNamespace(tiled_scale=lambda img, fn, **kw: fn(img))
+    comfy = object.__new__(suite_comfyui.Comfy)
+    comfy.mm, comfy.utils = mm, utils
+    model = Model()
+    image = torch.rand(1, 8, 8, 3)
+    for _ in range(2):  # the warm-up and a timed call; "meta" stands in for the GPU
+        out = comfy.upscale_with_model(model, image, torch.device("meta"))
+        assert out.shape == image.shape
+    call = [("free", True), ("to", "meta"), ("run", "meta"), ("to", "cpu")]
+    assert events == call * 2
+
+
+def test_vae_suite_measures_comfyuis_contenders_with_our_vae_off_the_gpu(monkeypatch):
+    """bench/suite_vae.py with ``--comfyui``: ``comfyui_tiled`` and ``exact_comfy_vae`` decode with ComfyUI's own
+    VAE object; the old suite kept our full-size VAE resident, so their peaks held two sets of weights (ours 0.16
+    GiB in fp16) where ours' rows hold one. ``_measure`` runs a contender inside ``peak_memory``: whatever sits on
+    the GPU then counts in its peak."""
+    from leandiffusion.bench import suite_vae
+
+    vae = Where("vae")
+    where = []
+
+    def measure(ctx, fn, repeat):
+        where.append(vae.device)
+        return 1.0, torch.zeros(1), {"allocated_gb": 0.5, "reserved_gb": 0.5}
+
+    monkeypatch.setattr(suite_vae, "_measure", measure)
+    monkeypatch.setattr(suite_vae, "_comfy_vae", lambda ctx, vae_, dtype: object())
+    monkeypatch.setattr("leandiffusion.vae.targets.from_module", lambda ae, device=None, dtype=None: "ours")
+    monkeypatch.setattr("leandiffusion.vae.targets.from_comfy", lambda comfy_vae: "comfy")
+    ctx = FakeCtx()
+    ctx.comfyui = "/comfyui"
+    suite_vae._case(ctx, vae, 2048, torch.float16, repeat=1)
+    labels = [case.split("/", 1)[1] for case, metric, _ in ctx.records if metric == "time_ms"]
+    assert labels == ["exact", "exact_auto", "blend", "diffusers_tiled", "comfyui_tiled", "exact_comfy_vae"]
+    # the untiled reference and ours need our VAE on the GPU; ComfyUI's two must not hold it (old: all on cuda)
+    assert where == ["cuda"] * 5 + ["cpu"] * 2
+    assert vae.device == "cuda"  # back on the GPU for the next size
