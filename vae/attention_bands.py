@@ -31,7 +31,8 @@ output) set a floor under any budget (about 0.9 GiB at 2048 px and 3.0 GiB at 40
 Precision of the online form: the score blocks and the weighted sums are fp32 tensors. Their matmuls run in TF32
 when ``tf32`` is set: the caller sets it on CUDA for fp16 / bf16 maps (whose 8-11 significant bits TF32 keeps, as
 the half-precision attention kernels' fp32-accumulating GEMMs do) and for fp32 maps whose convolutions already run
-in TF32.
+in TF32. The softmax scale is applied to the fp32 scores (the GEMM's ``alpha``), not to ``q``, so half-precision
+queries and keys reach the TF32 matmul unrounded (``_online_attention``).
 
 Why hand-written: PyTorch's public ``scaled_dot_product_attention`` returns no log-sum-exp, which merging key chunks
 needs, and its fused kernels take the keys and values whole; no library bands a VAE's attention under a byte budget.
@@ -247,22 +248,29 @@ def _finish(spec: AttentionSpec, x: torch.Tensor, o: torch.Tensor) -> torch.Tens
 
 def _online_attention(q: torch.Tensor, chunks, tf32: bool) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for ``q`` [1, h, n, d] against the ``(k, v)`` chunks ([1, h, u, d] each), merged
-    with an online softmax in fp32 (module docstring); returns [1, h, n, d] fp32."""
-    q = q.float() * (q.shape[-1] ** -0.5)
+    with an online softmax in fp32 (module docstring); returns [1, h, n, d] fp32.
+
+    The scale multiplies the fp32 scores in the GEMM's epilogue (``baddbmm``'s ``alpha``), never ``q``: a scaled
+    fp16 / bf16 ``q`` no longer fits TF32's mantissa, and its rounding grows with the scores' size (with scores in
+    the hundreds and a spread of ~10 per row, 10x the error of exact products: 1.6e-2 vs 1.5e-3 at outputs ~3,
+    TF32 emulated on the CPU, session 23)."""
+    scale = q.shape[-1] ** -0.5
+    q = q.float()[0]  # [h, n, d]
     m = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     norm = torch.zeros_like(m)  # l in the module docstring
     acc = torch.zeros_like(q)
+    unused = q.new_zeros(())  # baddbmm's ignored input (beta = 0)
     with tf32_matmuls() if tf32 and q.is_cuda else contextlib.nullcontext():
         for k, v in chunks:
-            s = torch.matmul(q, k.float().transpose(-1, -2))
+            s = torch.baddbmm(unused, q, k.float()[0].transpose(-1, -2), beta=0.0, alpha=scale)
             m_new = torch.maximum(m, s.amax(dim=-1))
             s.sub_(m_new.unsqueeze(-1)).exp_()
             keep = torch.exp(m - m_new)
             norm.mul_(keep).add_(s.sum(dim=-1))
-            acc.mul_(keep.unsqueeze(-1)).add_(torch.matmul(s, v.float()))
+            acc.mul_(keep.unsqueeze(-1)).add_(torch.matmul(s, v.float()[0]))
             m = m_new
             del s
-    return acc.div_(norm.unsqueeze(-1))
+    return acc.div_(norm.unsqueeze(-1)).unsqueeze(0)
 
 
 def run_banded(spec: AttentionSpec, prefetch: Callable, stats: GroupStats, shape: tuple, band_plan: BandPlan,

@@ -13,9 +13,11 @@ module.
 
 Invariants
 - ``parallel_stats_group_norm(x, ...)`` equals ``F.group_norm(x, ...)`` up to floating-point rounding: the same
-  biased statistics (per-channel passes, channel means kept in fp32 at least, merged exactly), rounded to the dtype
-  PyTorch's own kernel stores them in (the input's), normalised in fp32 for fp16/bf16 inputs; the output keeps the
-  input's layout.
+  biased statistics (per-channel passes, channel means and variances kept in fp32 at least, merged exactly), the
+  group mean rounded to the dtype PyTorch's own kernel stores it in (the input's), the variance kept in fp32
+  (PyTorch stores ``rstd``, which a half dtype holds for any variance; a half *variance* overflows above a spread
+  of 256 and loses its digits below ~0.01), normalised in fp32 for fp16/bf16 inputs; the output keeps the input's
+  layout.
 - ``ParallelStatsGroupNorm`` only overrides ``forward``: parameters, buffers, ``state_dict`` and ``isinstance(m,
   nn.GroupNorm)`` are unchanged. It takes the parallel path only where it pays (CUDA, a layout it reads without a
   copy, at least ``MIN_GROUP_ELEMENTS`` elements per group); everywhere else it is ``nn.GroupNorm.forward`` itself.
@@ -62,8 +64,8 @@ def parallel_stats_group_norm(x: torch.Tensor, groups: int, weight: Optional[tor
     Per (sample, channel): ``torch.var_mean`` over the spatial dims (long reductions split across blocks in either
     layout); the channels of a group are merged exactly (equal counts: the group mean is the mean of the channel
     means, the group variance the mean of the channel variances plus the variance of the channel means) in fp32 at
-    least; the statistics are then rounded to ``x``'s dtype as PyTorch's kernel stores them. Output in ``x``'s
-    layout.
+    least; the group mean is then rounded to ``x``'s dtype as PyTorch's kernel stores it, the variance stays in
+    fp32 (module docstring). Output in ``x``'s layout.
     """
     n, c = x.shape[0], x.shape[1]
     if c % groups:
@@ -75,21 +77,22 @@ def parallel_stats_group_norm(x: torch.Tensor, groups: int, weight: Optional[tor
     var_c, mean_c = channel_var_mean(x, acc)  # [N, C]
     spread, mean_g = torch.var_mean(mean_c.to(acc).view(n, groups, -1), dim=2, correction=0)  # [N, G]
     var_g = var_c.to(acc).view(n, groups, -1).mean(dim=2) + spread
-    # PyTorch's kernel keeps the statistics in x's dtype when the affine parameters share it (mixed ones never come
-    # here, see ``takes_parallel_path``); normalisation runs in fp32 for fp16/bf16 inputs.
+    # PyTorch's kernel keeps the mean (and rstd) in x's dtype when the affine parameters share it (mixed ones never
+    # come here, see ``takes_parallel_path``); normalisation runs in fp32 for fp16/bf16 inputs.
     apply_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     per = c // groups
 
-    def per_channel(stat: torch.Tensor) -> torch.Tensor:
-        return stat.to(x.dtype).to(apply_dtype).reshape(n * groups).repeat_interleave(per)
+    def per_channel(stat: torch.Tensor, rounded: bool) -> torch.Tensor:
+        stat = stat.to(x.dtype) if rounded else stat
+        return stat.to(apply_dtype).reshape(n * groups).repeat_interleave(per)
 
     def affine(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if p is None else (p.detach().to(apply_dtype) if n == 1 else p.detach().to(apply_dtype).repeat(n))
 
     # inference-mode batch norm with per-(sample, channel) statistics: one fused kernel in x's own layout
     src = x if n == 1 else x.view(1, n * c, -1)
-    return F.batch_norm(src, per_channel(mean_g), per_channel(var_g), affine(weight), affine(bias), False, 0.0,
-                        eps).view(x.shape)
+    return F.batch_norm(src, per_channel(mean_g, True), per_channel(var_g, False), affine(weight), affine(bias),
+                        False, 0.0, eps).view(x.shape)
 
 
 def channel_var_mean(x: torch.Tensor, acc: torch.dtype) -> tuple:
@@ -113,17 +116,20 @@ def channel_var_mean(x: torch.Tensor, acc: torch.dtype) -> tuple:
 
 
 def var_and_wide_mean(x: torch.Tensor, dims: tuple, acc: torch.dtype) -> tuple:
-    """Biased variance (in ``x``'s dtype) and mean (in ``acc``) of ``x`` over ``dims``, without copying ``x``.
+    """Biased variance and mean of ``x`` over ``dims``, both in ``acc``, without copying ``x``.
 
-    ``torch.var_mean`` returns both in ``x``'s dtype. A half variance is off by at most 2^-11 of itself, but a half
-    mean is off by up to half a unit in its last place *of the mean*, and the merge above turns that into an error
-    in the spread term: 0.08 in a normalised output whose channel means sit near 100 (session 23, H100). So a
-    narrower ``x`` takes a second pass for a mean accumulated and returned in ``acc``: +0.3 ms on a 15 ms SD1.5 fp16
-    512 px decode, +1.3 ms on 53 ms at 1024 px (H100, ``docs/bench/gpu-checks-s23``); fp32 inputs take one pass.
+    ``torch.var_mean`` returns both in ``x``'s dtype. A half mean is off by up to half a unit in its last place *of
+    the mean*, and the merge above turns that into an error in the spread term: 0.08 in a normalised output whose
+    channel means sit near 100 (session 23, H100). So a narrower ``x`` takes a second pass for a mean accumulated and
+    returned in ``acc``: +0.3 ms on a 15 ms SD1.5 fp16 512 px decode, +1.3 ms on 53 ms at 1024 px (H100,
+    ``docs/bench/gpu-checks-s23``); fp32 inputs take one pass. Its variance comes as a standard deviation (the same
+    fp32 Welford pass, square-rooted before the cast), squared in ``acc``: an fp16 variance overflowed to inf above a
+    spread of 256 (the group then normalised to its bias: 5.1 off) and went subnormal below ~0.008 (0.03 off at a
+    spread of 0.001), where PyTorch, which stores ``rstd``, is exact to rounding (session 23).
     """
     if x.dtype == acc:
         return torch.var_mean(x, dim=dims, correction=0)
-    return torch.var(x, dim=dims, correction=0), torch.mean(x, dim=dims, dtype=acc)
+    return torch.std(x, dim=dims, correction=0).to(acc).square(), torch.mean(x, dim=dims, dtype=acc)
 
 
 def takes_parallel_path(x: torch.Tensor, groups: int, weight: Optional[torch.Tensor] = None) -> bool:

@@ -139,3 +139,26 @@ def test_full_vae_exact_holds_its_budget(dtype, budget_gib, px):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     assert peak <= budget, f"{peak / 2 ** 30:.3f} GiB allocated above the weights, budget {budget_gib} GiB"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_online_tf32_attention_keeps_half_queries_exact(dtype):
+    """Session 23: ``attention_bands._online_attention`` scaled ``q`` by d^-0.5 in fp32 before its TF32 score
+    matmul, so fp16 / bf16 queries no longer fit TF32's 10-bit mantissa and were rounded, with an error that grows
+    with the scores' size. Scores in the hundreds with a spread of ~10 per row (a shared offset direction in q and k)
+    put the output 1.6e-2 (TF32 rounding to nearest) to 2.2e-2 (truncating) off fp64 at values ~3, TF32 emulated on
+    the CPU; with the scale in the GEMM's epilogue the half inputs stay exact and the error is 1.4e-3 / 2.3e-3 (what
+    an fp16 attention kernel's rounded probabilities give). Reference: fp64 softmax attention of the same
+    (rounded) inputs on the CPU."""
+    from leandiffusion.vae.attention_bands import _online_attention
+
+    gen = torch.Generator().manual_seed(0)
+    d, n = 512, 2048
+    u = torch.randn(d, generator=gen)
+    q, k = ((8 * u + 2 * torch.randn(n, d, generator=gen)).to(dtype) for _ in range(2))
+    v = (torch.randn(n, d, generator=gen) + 3).to(dtype)
+    ref = torch.softmax((q.double() @ k.double().T) * d ** -0.5, dim=-1) @ v.double()
+    qc, kc, vc = (t.to(CUDA)[None, None] for t in (q, k, v))
+    chunks = [(kc[:, :, a:a + 512], vc[:, :, a:a + 512]) for a in range(0, n, 512)]
+    got = _online_attention(qc, chunks, True)[0, 0].double().cpu()
+    assert (got - ref).abs().max().item() <= 5e-3

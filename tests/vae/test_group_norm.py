@@ -89,6 +89,26 @@ def test_half_channel_means_far_from_zero_merge_without_rounding(layout, dtype, 
     assert (ours.double() - ref).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("spread", [400.0, 1e-3, 3e-3])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_fp16_spreads_beyond_a_half_variances_range(layout, spread):
+    """Session 23: the channel and group variances were kept in fp16 (``torch.var`` of a half tensor, and the group
+    variance rounded to the input's dtype before normalising), where PyTorch's kernel keeps only ``rstd``. A spread of
+    400 overflowed the variance (160000 > 65504) to inf and normalised every group to its bias (6.2 off this
+    reference); spreads of 0.001 / 0.003 made it subnormal (0.042 / 0.0098 off, NCHW; 0.025 / 0.0067 channels-last).
+    With the variance in fp32 the error is at most 0.0027 (F.group_norm's own: 0.0019); outputs reach 5.8, so the
+    bound is one output ulp. Reference: fp64 GroupNorm with the group mean rounded to fp16 as PyTorch stores it."""
+    g = torch.Generator().manual_seed(0)
+    x = (spread * torch.randn(1, 64, 32, 32, generator=g)).half().contiguous(memory_format=layout)
+    w, b = (t.half() for t in _affine(64))
+    rows = x.double().reshape(32, -1)
+    mean, var = rows.mean(1, keepdim=True), rows.var(1, unbiased=False, keepdim=True)
+    ref = ((rows - mean.half().double()) / (var + 1e-6).sqrt()).view(x.shape) * w.double().view(1, -1, 1, 1) \
+        + b.double().view(1, -1, 1, 1)
+    ours = gn.parallel_stats_group_norm(x, 32, w, b, 1e-6)
+    assert (ours.double() - ref).abs().max().item() <= 4e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_channels_last_image_keeps_its_layout(dtype):
     x = _input((1, 64, 33, 20), dtype).contiguous(memory_format=torch.channels_last)
