@@ -75,15 +75,14 @@ def parallel_stats_group_norm(x: torch.Tensor, groups: int, weight: Optional[tor
                          f"expected a contiguous tensor or one channels-last image")
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     var_c, mean_c = channel_var_mean(x, acc)  # [N, C]
-    spread, mean_g = torch.var_mean(mean_c.to(acc).view(n, groups, -1), dim=2, correction=0)  # [N, G]
-    var_g = var_c.to(acc).view(n, groups, -1).mean(dim=2) + spread
+    spread, mean_g = torch.var_mean(mean_c.view(n, groups, -1), dim=2, correction=0)  # [N, G], in acc
+    var_g = var_c.view(n, groups, -1).mean(dim=2) + spread
     # PyTorch's kernel keeps the mean (and rstd) in x's dtype when the affine parameters share it (mixed ones never
     # come here, see ``takes_parallel_path``); normalisation runs in fp32 for fp16/bf16 inputs.
     apply_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     per = c // groups
 
-    def per_channel(stat: torch.Tensor, rounded: bool) -> torch.Tensor:
-        stat = stat.to(x.dtype) if rounded else stat
+    def per_channel(stat: torch.Tensor) -> torch.Tensor:
         return stat.to(apply_dtype).reshape(n * groups).repeat_interleave(per)
 
     def affine(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -91,12 +90,12 @@ def parallel_stats_group_norm(x: torch.Tensor, groups: int, weight: Optional[tor
 
     # inference-mode batch norm with per-(sample, channel) statistics: one fused kernel in x's own layout
     src = x if n == 1 else x.view(1, n * c, -1)
-    return F.batch_norm(src, per_channel(mean_g, True), per_channel(var_g, False), affine(weight), affine(bias),
+    return F.batch_norm(src, per_channel(mean_g.to(x.dtype)), per_channel(var_g), affine(weight), affine(bias),
                         False, 0.0, eps).view(x.shape)
 
 
 def channel_var_mean(x: torch.Tensor, acc: torch.dtype) -> tuple:
-    """Biased per-(sample, channel) variance and mean of ``x`` [N, C, *] over its spatial dims, as ``[N, C]``.
+    """Biased per-(sample, channel) variance and mean of ``x`` [N, C, *] over its spatial dims, as ``[N, C]`` in ``acc``.
 
     Contiguous inputs: one ``torch.var_mean`` (PyTorch splits long rows across blocks). A channels-last image is
     reduced in two levels, because PyTorch's kernel for a spatial reduction of that layout is ~3x slower than the
@@ -111,8 +110,8 @@ def channel_var_mean(x: torch.Tensor, acc: torch.dtype) -> tuple:
         return var_and_wide_mean(x, tuple(range(2, x.dim())), acc)
     slabs = x.permute(0, 2, 3, 1).reshape(splits, spatial // splits, x.shape[1])  # a view: one channels-last image
     var_s, mean_s = var_and_wide_mean(slabs, (1,), acc)  # [splits, C]
-    spread, mean_c = torch.var_mean(mean_s.to(acc), dim=0, correction=0)
-    return (var_s.to(acc).mean(dim=0) + spread).unsqueeze(0), mean_c.unsqueeze(0)
+    spread, mean_c = torch.var_mean(mean_s, dim=0, correction=0)
+    return (var_s.mean(dim=0) + spread).unsqueeze(0), mean_c.unsqueeze(0)
 
 
 def var_and_wide_mean(x: torch.Tensor, dims: tuple, acc: torch.dtype) -> tuple:
