@@ -95,7 +95,7 @@ def parallel_stats_group_norm(x: torch.Tensor, groups: int, weight: Optional[tor
 
 
 def channel_var_mean(x: torch.Tensor, acc: torch.dtype) -> tuple:
-    """Biased per-(sample, channel) variance and mean of ``x`` [N, C, *] over its spatial dims, as ``[N, C]`` in ``acc``.
+    """Biased per-(sample, channel) variance and mean of ``x`` [N, C, *] over its spatial dims as ``[N, C]`` in ``acc``.
 
     Contiguous inputs: one ``torch.var_mean`` (PyTorch splits long rows across blocks). A channels-last image is
     reduced in two levels, because PyTorch's kernel for a spatial reduction of that layout is ~3x slower than the
