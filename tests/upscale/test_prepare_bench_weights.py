@@ -4,8 +4,6 @@ Guards (session-14 coverage audit: the CLI had never run): it writes the two ben
 load as the published architectures, and without the package it says what to install and exits 2.
 """
 
-import pytest
-
 from leandiffusion.tests.kit.faults import refuse_import
 from leandiffusion.tests.upscale.conftest import PUBLISHED_PARAMS
 from leandiffusion.upscale import prepare_bench_weights as cli

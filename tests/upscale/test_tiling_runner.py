@@ -20,7 +20,7 @@ from leandiffusion.tests.upscale import helpers as H
 from leandiffusion.upscale import runner
 from leandiffusion.upscale.descriptor import Upscaler
 from leandiffusion.upscale.loader import build_upscaler
-from leandiffusion.upscale.tiling import axis_weights, largest_keep, largest_window, plan, plan_axis
+from leandiffusion.upscale.tiling import Span, axis_weights, largest_keep, largest_window, plan, plan_axis
 from leandiffusion.upscale.runner import upscale_images
 
 
@@ -541,22 +541,44 @@ def test_cudnn_benchmark_scope_changes_only_benchmark(user_setting, error):
         assert process_state.changes(before, process_state.snapshot()) == {}
 
 
-class _NearestX4(torch.nn.Module):
-    """A pointwise x4 model (receptive field 0): every tile of it computes exactly what the whole image does."""
-
-    def forward(self, x):
-        return F.interpolate(x, scale_factor=4, mode="nearest")
-
-
 @pytest.mark.parametrize("precision,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_half_precision_seams_blend_in_fp32(precision, dtype):
     """Session 23: the seam weights were applied on the device in the model's dtype (``y.mul_(weight.to(y.dtype))``),
     so the rounded weights and products of neighbouring tiles no longer summed to one: with a pointwise model on a
     bright image the seams were up to 1.2 8-bit levels off in bf16 (0.15 in fp16), 4.5% of the 8-bit values changed.
-    Weighted in fp32 on the host, the blend gives back the model's output up to fp32 rounding. Reference: the nearest
-    upsampling of the image rounded to the model's dtype, as one piece (independent of the runner)."""
-    up = Upscaler(_NearestX4(), "generic", 4, context=None)
+    Weighted in fp32, the blend gives back the model's output up to fp32 rounding. Reference: the nearest
+    upsampling of the image rounded to the model's dtype, as one piece (independent of the runner). The GPU path's
+    twin: ``tests/upscale/test_gpu.py::test_half_precision_seams_blend_in_fp32_on_the_gpu``."""
+    up = Upscaler(H.NearestX4(), "generic", 4, context=None)
     img = 0.75 + 0.25 * _img(1, 96, 80)
     out = upscale_images(up, img, device="cpu", tile_size=32, tile_overlap=16, precision=precision, quiet=True)
-    ref = F.interpolate(img.permute(0, 3, 1, 2).to(dtype), scale_factor=4, mode="nearest").float().permute(0, 2, 3, 1)
-    torch.testing.assert_close(out, ref, atol=3e-7, rtol=0)
+    torch.testing.assert_close(out, H.nearest_x4_reference(img, dtype), atol=3e-7, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_weighted_fp32_widens_then_multiplies_once_in_fp32(dtype, weighted):
+    """What the CUDA stager downloads (``runner.weighted_fp32``): a new contiguous fp32 tensor, each element the
+    tile's value times its seam weight rounded once to fp32 (fp64 reference), from a permuted, cropped view as
+    ``_upscale_one`` passes it. A product taken in the model's dtype misses by ~1e-3 (fp16) / ~1e-2 (bf16)."""
+    r, c = plan_axis(200, 36, 16)[1], plan_axis(200, 26, 16)[1]
+    assert r.band_lo and r.band_hi and c.band_lo and c.band_hi  # inner spans: seams on all four sides
+    h, w = (r.keep1 - r.keep0) * 2, (c.keep1 - c.keep0) * 2
+    y = (0.5 + torch.rand(3, h + 4, w + 6, generator=torch.Generator().manual_seed(1))).to(dtype)
+    tile = y[:, 2:2 + h, 4:4 + w].permute(1, 2, 0)
+    weight = runner.seam_weight(r, c, 2, torch.device("cpu")) if weighted else None
+    if weighted:
+        assert weight.shape == (h, w, 1) and weight.dtype == torch.float32 and float(weight.min()) < 0.05
+    got = runner.weighted_fp32(tile, weight)
+    assert got.dtype == torch.float32 and got.is_contiguous() and got.data_ptr() != tile.data_ptr()
+    want = tile.double() * (weight.double() if weighted else 1.0)
+    assert torch.equal(got, want.float())
+
+
+def test_seam_weight_is_none_without_seams_and_separable_with():
+    spans = plan_axis(120, 48, 8)
+    first, inner = spans[0], spans[1]
+    assert runner.seam_weight(Span(0, 10, 0, 10, 0, 0), Span(0, 12, 0, 12, 0, 0), 4, torch.device("cpu")) is None
+    w = runner.seam_weight(first, inner, 2, torch.device("cpu"))
+    torch.testing.assert_close(w[..., 0], axis_weights(first, 2)[:, None] * axis_weights(inner, 2)[None, :],
+                               atol=0, rtol=0)
