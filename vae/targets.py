@@ -26,7 +26,6 @@ class VaeTarget:
     enter: Callable[[], Any] = field(default=contextlib.nullcontext)  # context manager factory
     # what the loader's hard VRAM budget leaves now for the call's working memory (bytes; None: no budget)
     room: Optional[Callable[[], Optional[int]]] = None
-    latent_channels: Optional[int] = None
 
     @property
     def decode_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -53,8 +52,7 @@ def from_engine(engine) -> VaeTarget:
     """The engine's VAE, run inside ``engine.session("vae")`` on the stage device in ``engine.vae_dtype``."""
     vae = engine.parts.vae
     room = (lambda: room_bytes(engine)) if budgeted_plan(engine) is not None else None
-    return VaeTarget(vae, engine.stage_device("vae"), engine.vae_dtype, lambda: engine.session("vae"),
-                     room, int(vae.config.latent_channels))
+    return VaeTarget(vae, engine.stage_device("vae"), engine.vae_dtype, lambda: engine.session("vae"), room)
 
 
 def from_comfy(vae) -> VaeTarget:
@@ -71,7 +69,7 @@ def from_comfy(vae) -> VaeTarget:
         bridge.load_comfy_model(patcher)
         yield
 
-    return VaeTarget(ae, device, dtype, enter, None, getattr(vae, "latent_channels", None))
+    return VaeTarget(ae, device, dtype, enter)
 
 
 def from_module(ae: torch.nn.Module, device=None, dtype=None) -> VaeTarget:
