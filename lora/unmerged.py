@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
 from ..kernels.geglu_lora import geglu_lora
+from ..memory.fast_unet import is_fused_geglu
 from .binding import RefCountedBinding
 from .dora_forward import DoraForward
 from .formats import LoraLayer
@@ -198,23 +199,29 @@ class _GegluForward:
     term on its ``proj``: ``GEGLU.forward`` with those terms fused into the gating (``kernels.geglu_lora``).
 
     Installed with the first term, removed with the last; a ``forward`` that another library put in the module's
-    ``__dict__`` is never replaced (that binding hooks the ``proj`` instead) nor removed."""
+    ``__dict__`` is never replaced (that binding hooks the ``proj`` instead) nor removed. The engine's own one-pass
+    GEGLU (``memory.fast_unet``, inside a UNet session) is the exception: this override takes its place and the
+    last term puts it back (the same epilogue, now with the delta)."""
 
-    __slots__ = ("module", "terms", "attrs", "__weakref__")
+    __slots__ = ("module", "terms", "attrs", "replaced", "__weakref__")
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.terms: list[_LinearTerm] = []
         self.attrs = module.__dict__  # the module's instance dict
+        self.replaced = None  # the engine's fused forward this override stands in for, put back with the last term
 
     def add(self, term: _LinearTerm) -> bool:
         """Append ``term``, installing the override with the first one; False (nothing changed) when another
-        ``forward`` sits in the module's ``__dict__`` (the caller hooks the ``proj`` instead)."""
+        ``forward`` (not the engine's fused one) sits in the module's ``__dict__`` (the caller hooks the ``proj``
+        instead)."""
         attrs = self.attrs
         if not self.terms:
-            if "forward" in attrs:
+            current = attrs.get("forward")
+            if current is not None and not is_fused_geglu(current):
                 return False
             attrs["forward"] = self  # first, so a failing write leaves the term list empty
+            self.replaced = current
         elif attrs.get("forward") is not self:
             return False
         self.terms.append(term)
@@ -222,14 +229,18 @@ class _GegluForward:
 
     def remove(self, term: _LinearTerm) -> None:
         """Drop ``term`` (by identity, last match first; absent = no-op); the last one removes the override from
-        the module."""
+        the module, putting back the forward it replaced."""
         terms = self.terms
         for i in range(len(terms) - 1, -1, -1):
             if terms[i] is term:
                 del terms[i]
                 break
         if not terms and self.attrs.get("forward") is self:
-            del self.attrs["forward"]
+            if self.replaced is not None:
+                self.attrs["forward"] = self.replaced
+            else:
+                del self.attrs["forward"]
+            self.replaced = None
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         m = self.module

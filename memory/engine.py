@@ -6,8 +6,9 @@ Invariants
   node outputs, GUIDE convention 2).
 - Every model call of every node runs inside ``with engine.session(stage):`` (the text encoders through
   ``sampling/prompt_encoder.py``; ``unet``, ``vae_decode``, ``vae_encode`` here). The session is where the VRAM
-  policy places weights (``placement``) and where the view's adapters (unmerged LoRAs) are attached to the shared
-  modules; both are undone on exit, so a view's LoRA never leaks into another view's run.
+  policy places weights (``placement``), where the UNet's GEGLUs run in one pass (``fast_unet``) and where the
+  view's adapters (unmerged LoRAs) are attached to the shared modules; all are undone on exit, so a view's LoRA
+  never leaks into another view's run.
 - Latents handed to ``unet`` are in the model's *scaled* latent space (``raw * scaling_factor``); ``vae_decode``
   takes raw latents (ComfyUI's LATENT convention) and returns images in 0..1 as ``[B, H, W, C]`` float32 on the
   CPU (ComfyUI's IMAGE convention).
@@ -23,6 +24,7 @@ from typing import Any, Iterator, Optional, Protocol
 import torch
 
 from ..vae import untiled
+from .fast_unet import fast_unet
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +203,10 @@ class LeanEngine:
             raise ValueError(f"stage={stage!r}: expected one of {STAGES}")
         self.placement.enter(self, stage)
         attached = []
+        fast = contextlib.ExitStack()  # the one-pass GEGLUs: entered before the adapters, closed after them
         try:
+            if stage == "unet":
+                fast.enter_context(fast_unet(self.parts.unet))
             for adapter in self.adapters:
                 _attach_adapter(adapter, self.parts, stage)
                 attached.append(adapter)
@@ -212,6 +217,7 @@ class LeanEngine:
         finally:
             for adapter in reversed(attached):
                 _detach_adapter(adapter, self.parts, stage)
+            fast.close()
             self.placement.exit(self, stage)
 
     # ----------------------------------------------------------------- model calls
