@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -235,19 +236,19 @@ def run(ctx) -> None:
         same_key = other.adapters[0].graph_key == unmerged.adapters[0].graph_key
         views = [other, unmerged]
 
-        def switch_ms() -> float:
-            """Wall time of a session with the other strength (attach rewrites the buffers, detach), synchronized:
-            everything a strength change adds before the unchanged graph replays."""
+        def switch_ms(alternate: bool = True) -> float:
+            """Median wall time of a session with the other strength (attach rewrites the buffers, detach),
+            synchronized: everything a strength change adds before the unchanged graph replays. With
+            ``alternate=False`` the same view each time (no rewrite: what any session costs)."""
             times = []
-            for i in range(2 + repeat * 2):
+            for i in range(4 + repeat * 4):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                with views[i % 2].session("unet"):
+                with views[i % 2 if alternate else 0].session("unet"):
                     pass
                 torch.cuda.synchronize()
                 times.append((time.perf_counter() - t0) * 1e3)
-            times = sorted(times[2:])
-            return times[len(times) // 2]
+            return statistics.median(times[4:])
 
         def replay_in(view):
             with view.session("unet"):
@@ -255,6 +256,7 @@ def run(ctx) -> None:
 
         plain = time_ms(graph.replay, warmup=3, repeat=repeat * 2, device=dev)
         switch = switch_ms()
+        same_ms = switch_ms(alternate=False)
         after = replay_in(other)
         t0 = time.perf_counter()
         with other.session("unet"):
@@ -263,6 +265,8 @@ def run(ctx) -> None:
         ctx.record("strength_change", "extra_ms", switch, recapture_ms, "recapture", target=1.0, target_kind="ours<=",
                    unit="ms", notes=f"session with a new strength (rewrite {n_layers} scaled up-buffers, attach, "
                                     f"detach), synchronized wall time; the same graph then replays (no recapture)")
+        ctx.record("strength_change", "session_ms_same_strength", same_ms, unit="ms",
+                   notes="the same session without a strength change (attach, detach; no rewrite), synchronized")
         ctx.record("strength_change", "same_graph_key", float(same_key), target=1.0, target_kind="ours>=",
                    notes="1 if views of strengths 1.0 and 0.6 have one graph_key (the sampler replays, never recaptures)")
         ctx.record("strength_change", "replay_ms_after_change", after, plain, "replay before the change", unit="ms",

@@ -176,6 +176,27 @@ def test_strength_change_moves_no_weight_and_keeps_graph_key(tmp_path, mode, str
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
 
 
+def test_strength_buffers_are_one_flat_tensor_holding_strength_times_up(tmp_path):
+    """The plain layers' buffers are disjoint views of one flat tensor per component (zeroed in one kernel), and
+    every strength write leaves exactly ``strength * up`` in each, also after other strengths and strength 0."""
+    engine, _, path = _setup(tmp_path)
+    strengths = (0.6, -1.7, 0.0, 1.0)
+    views = [inject_lora(engine, path, s, s) for s in strengths]
+    binding = views[0].adapters[-1].binding
+    assert binding.components == ["text_encoder", "unet"]
+    for comp in binding.components:
+        bufs, (flat,) = binding._up_s[comp], binding._arenas[comp].flats.values()
+        assert binding._loose[comp] == [] and len(bufs) > 4
+        spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in bufs)
+        assert spans[0][0] == flat.data_ptr() and spans[-1][1] == flat.data_ptr() + flat.numel() * flat.element_size()
+        assert all(end == nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # back to back, no overlap
+    for view, s in zip(views + views[:1], strengths + strengths[:1]):
+        with view.session("unet"), view.session("text"):
+            for comp in binding.components:
+                for buf, up in zip(binding._up_s[comp], binding._up[comp]):
+                    assert torch.equal(buf, up * s), (comp, s)
+
+
 def test_stacking_two_files_and_the_same_file_twice(tmp_path, strategy):
     engine, sd_a, path_a = _setup(tmp_path, seed=1)
     _, sd_b, path_b = _setup(tmp_path, seed=2)
