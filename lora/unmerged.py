@@ -351,7 +351,7 @@ class _BufferArena:
     """The plain LoRA layers' ``up_s`` buffers of one component as consecutive views of one zeroed flat tensor per
     (device, dtype): ``zero_`` clears them all in one kernel per flat tensor instead of one per buffer."""
 
-    __slots__ = ("flats", "used", "taken")
+    __slots__ = ("flats", "used")
 
     def __init__(self, factors: Iterable[torch.Tensor]):
         sizes: dict[tuple, int] = {}
@@ -359,15 +359,17 @@ class _BufferArena:
             sizes[(f.device, f.dtype)] = sizes.get((f.device, f.dtype), 0) + f.numel()
         self.flats = {key: torch.zeros(n, device=key[0], dtype=key[1]) for key, n in sizes.items()}
         self.used = dict.fromkeys(sizes, 0)
-        self.taken: list[torch.Tensor] = []
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A zeroed contiguous buffer shaped like ``like`` (whose device, dtype and size the arena was built with)."""
         key = (like.device, like.dtype)
         start = self.used[key]
         self.used[key] = start + like.numel()
-        self.taken.append(self.flats[key][start:start + like.numel()].view(like.shape))
-        return self.taken[-1]
+        return self.flats[key][start:start + like.numel()].view(like.shape)
+
+    def holds(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` is one of this arena's views."""
+        return any(buf.untyped_storage().data_ptr() == f.data_ptr() for f in self.flats.values())
 
     def zero_(self) -> None:
         for flat in self.flats.values():
@@ -442,8 +444,7 @@ class UnmergedBinding(RefCountedBinding):
             self._up[t.component].append(up)
             self._up_s[t.component].append(up_s)
         for c in self.components:  # fullrank and DoRA buffers: zeroed one by one
-            taken = {id(b) for b in self._arenas[c].taken}
-            self._loose[c] = [b for b in self._up_s[c] if id(b) not in taken]
+            self._loose[c] = [b for b in self._up_s[c] if not self._arenas[c].holds(b)]
         # buffers start zeroed: strength 0 is written, unless a buffer holds strength * source + 1
         self._written: dict[str, "float | None"] = {c: None if self._plus_one[c] else 0.0 for c in self.components}
         self._init_refcounts(self.components)
