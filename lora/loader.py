@@ -5,6 +5,10 @@ device and dtype with the file's scale folded into one factor (LoRA: ``up_loaded
 ``hada_w1_a``; LoKr: ``W1``; computed in fp32 and rounded once; each loaded layer's ``scale`` is 1.0; a DoRA
 magnitude stays fp32). Views and bindings share it; nothing writes to it.
 
+Layout: the ``up`` factors of a component's plain LoRA layers (no DoRA magnitude) are consecutive views of one flat
+tensor, in layer order (``to_device``), so a binding rewrites their strength-scaled copies in one pass over
+one span instead of one per layer (``unmerged._BufferArena``).
+
 Cache: a bounded strong LRU (``MAX_CACHED`` most recent) plus a weak map, so a LoRA stays loaded as long as any
 engine view uses it and a re-run of an unchanged workflow does not re-read the file. A file changed on disk
 (mtime, size, inode or ctime: also a copy that kept the old size and mtime) is a new key.
@@ -15,13 +19,13 @@ import collections
 import logging
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 
-from .formats import ParsedLora, parse_lora, read_state_dict
+from .formats import LoraLayer, ParsedLora, parse_lora, read_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +56,28 @@ def _file_key(path: Path) -> tuple:
 def to_device(parsed: ParsedLora, device: torch.device, dtype: torch.dtype,
               components: Optional[Iterable[str]] = None) -> ParsedLora:
     """A copy of ``parsed`` (only ``components`` if given) on ``device``/``dtype`` with each layer's scale folded
-    into one factor (``layer.placed``)."""
+    into one factor (``layer.placed``) and the plain layers' ``up`` factors packed (module docstring: Layout)."""
     keep = set(components) if components is not None else None
-    layers = tuple(layer.placed(device, dtype) for layer in parsed.layers if keep is None or layer.component in keep)
-    return ParsedLora(parsed.format, layers, parsed.source)
+    layers = [layer for layer in parsed.layers if keep is None or layer.component in keep]
+    flats, starts = {}, {}  # component -> one flat tensor for its plain layers' ups, next free element
+    for comp in {layer.component for layer in layers}:
+        n = sum(layer.up.numel() for layer in layers if layer.component == comp and _plain(layer))
+        flats[comp], starts[comp] = torch.empty(n, device=device, dtype=dtype), 0
+    placed = []
+    for layer in layers:  # one placed layer at a time: the packing holds no second copy of the ups
+        moved = layer.placed(device, dtype)
+        if _plain(layer):
+            start, n = starts[layer.component], moved.up.numel()
+            view = flats[layer.component][start:start + n].view(moved.up.shape)
+            view.copy_(moved.up)
+            moved, starts[layer.component] = replace(moved, up=view), start + n
+        placed.append(moved)
+    return ParsedLora(parsed.format, tuple(placed), parsed.source)
+
+
+def _plain(layer) -> bool:
+    """A plain LoRA layer: low-rank factors without a DoRA magnitude (``fullrank.lowrank_factors``)."""
+    return isinstance(layer, LoraLayer) and layer.magnitude is None
 
 
 def load_lora(path: str | Path, device: torch.device | str, dtype: torch.dtype,

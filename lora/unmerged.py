@@ -47,8 +47,10 @@ Invariants
   those buffers in place only when the strength changed: zero them, then ``buf += strength * up`` in one
   multi-tensor kernel (``_foreach_add_``; ``0 + s * up`` rounds exactly as ``s * up``), no allocation. The plain
   layers' buffers of a component are consecutive views of one flat tensor per device and dtype (``_BufferArena``),
-  so zeroing them is one kernel: H100, rank-32 SDXL LoRA (700 buffers, 86 MB), session 25,
-  ``scripts/diag/lora_switch_cost.py``: the rewrite took 0.59 ms as copy + multiply over the 700 buffers. A CUDA
+  so zeroing them is one kernel, and since the loader packs their sources the same way (``loader.to_device``) the
+  add runs over a few long spans, not one entry per layer. H100, rank-32 SDXL LoRA (700 buffers, 86 MB),
+  ``scripts/diag/lora_switch_cost.py``: the rewrite took 0.59 ms as copy + multiply over the 700 buffers (session
+  25), 0.42-0.44 ms as zero + add over them. A CUDA
   graph captured while the binding was attached reads ``up_s`` on replay, so a strength change costs the rewrite,
   never a recapture, recompile or base-weight copy.
 - No Python-side tensor creation in any forward (nothing host->device: capture safe). Siblings reading one input
@@ -349,9 +351,13 @@ def _share_downs(targets: list[Target], downs: dict[int, torch.Tensor]) -> dict[
 
 class _BufferArena:
     """The plain LoRA layers' ``up_s`` buffers of one component as consecutive views of one zeroed flat tensor per
-    (device, dtype): ``zero_`` clears them all in one kernel per flat tensor instead of one per buffer."""
+    (device, dtype), handed out in ``take`` order with their sources.
 
-    __slots__ = ("flats", "used")
+    ``spans()`` merges each maximal run of buffers whose sources also lie back to back in one storage (the loader
+    packs a component's plain ``up`` factors so: ``loader.to_device``) into one pair of 1-D views; every buffer lies
+    in exactly one span, paired element for element with its own source."""
+
+    __slots__ = ("flats", "used", "_pairs")
 
     def __init__(self, factors: Iterable[torch.Tensor]):
         sizes: dict[tuple, int] = {}
@@ -359,21 +365,49 @@ class _BufferArena:
             sizes[(f.device, f.dtype)] = sizes.get((f.device, f.dtype), 0) + f.numel()
         self.flats = {key: torch.zeros(n, device=key[0], dtype=key[1]) for key, n in sizes.items()}
         self.used = dict.fromkeys(sizes, 0)
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """A zeroed contiguous buffer shaped like ``like`` (whose device, dtype and size the arena was built with)."""
-        key = (like.device, like.dtype)
+    def take(self, source: torch.Tensor) -> torch.Tensor:
+        """A zeroed contiguous buffer shaped like ``source`` (whose device, dtype and size the arena was built
+        with), to hold ``strength * source``."""
+        key = (source.device, source.dtype)
         start = self.used[key]
-        self.used[key] = start + like.numel()
-        return self.flats[key][start:start + like.numel()].view(like.shape)
+        self.used[key] = start + source.numel()
+        buf = self.flats[key][start:start + source.numel()].view(source.shape)
+        self._pairs.append((source, buf))
+        return buf
 
     def holds(self, buf: torch.Tensor) -> bool:
         """Whether ``buf`` is one of this arena's views."""
         return any(buf.untyped_storage().data_ptr() == f.data_ptr() for f in self.flats.values())
 
+    def spans(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(buffer spans, source spans)``: equal-shaped pairs covering every buffer taken (class docstring)."""
+        runs: list[list] = []  # [first source, first buffer, element count]
+        for src, buf in self._pairs:
+            if runs and src.is_contiguous() and _follows(runs[-1][0], runs[-1][2], src) \
+                    and _follows(runs[-1][1], runs[-1][2], buf):
+                runs[-1][2] += src.numel()
+            else:
+                runs.append([src, buf, src.numel()])
+        dst, srcs = [], []
+        for src, buf, n in runs:
+            if src.is_contiguous():
+                src, buf = (torch.as_strided(t, (n,), (1,), t.storage_offset()) for t in (src, buf))
+            dst.append(buf)
+            srcs.append(src)
+        return dst, srcs
+
     def zero_(self) -> None:
         for flat in self.flats.values():
             flat.zero_()
+
+
+def _follows(first: torch.Tensor, count: int, t: torch.Tensor) -> bool:
+    """Whether contiguous ``t`` starts right after ``count`` elements from ``first`` in the same storage."""
+    return (t.is_contiguous() and first.is_contiguous() and t.dtype == first.dtype and t.device == first.device
+            and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and t.storage_offset() == first.storage_offset() + count)
 
 
 class UnmergedBinding(RefCountedBinding):
@@ -443,8 +477,12 @@ class UnmergedBinding(RefCountedBinding):
             self._slots[t.component].append((t.module._forward_hooks, slot.id, term, override))
             self._up[t.component].append(up)
             self._up_s[t.component].append(up_s)
-        for c in self.components:  # fullrank and DoRA buffers: zeroed one by one
-            self._loose[c] = [b for b in self._up_s[c] if not self._arenas[c].holds(b)]
+        self._rewrite: dict[str, tuple[list, list]] = {}  # component -> (buffers, sources) of one multi-tensor add
+        for c in self.components:  # fullrank and DoRA buffers: zeroed one by one, added one by one
+            loose = [(b, u) for b, u in zip(self._up_s[c], self._up[c]) if not self._arenas[c].holds(b)]
+            self._loose[c] = [b for b, _ in loose]
+            dst, src = self._arenas[c].spans()
+            self._rewrite[c] = (dst + self._loose[c], src + [u for _, u in loose])
         # buffers start zeroed: strength 0 is written, unless a buffer holds strength * source + 1
         self._written: dict[str, "float | None"] = {c: None if self._plus_one[c] else 0.0 for c in self.components}
         self._init_refcounts(self.components)
@@ -458,7 +496,7 @@ class UnmergedBinding(RefCountedBinding):
         if self._loose[component]:
             torch._foreach_zero_(self._loose[component])
         if strength != 0.0:
-            torch._foreach_add_(self._up_s[component], self._up[component], alpha=float(strength))
+            torch._foreach_add_(*self._rewrite[component], alpha=float(strength))
         if self._plus_one.get(component):
             torch._foreach_add_(self._plus_one[component], 1.0)
         self._written[component] = strength

@@ -6,9 +6,11 @@ rounds each, after 4 warm-up rounds:
 - ``switch``: a session alternating the two views (what the bench times: attach with the buffer rewrite, detach);
 - ``same``: a session of one view again and again (attach without a rewrite, detach);
 - ``engine``: a session of the engine without a LoRA;
-- ``write``: ``write_strength`` alone, alternating 1.0 / 0.6 (since session 25: the flat buffer zeroed, then one
-  ``_foreach_add_``); ``write_copy_mul``: the way before session 25, ``_foreach_copy_`` + ``_foreach_mul_`` over the
-  700 buffers;
+- ``write``: ``write_strength`` alone, alternating 1.0 / 0.6 (since session 26: the flat buffer zeroed, then one
+  ``_foreach_add_`` over the spans where buffers and the loader's packed sources lie back to back, ``spans`` of
+  them); ``write_per_layer``: session 25's way, the same zero then one ``_foreach_add_`` over the 700
+  (buffer, source) pairs; ``write_copy_mul``: the way before session 25, ``_foreach_copy_`` + ``_foreach_mul_`` over
+  the 700 buffers;
 - ``flat_mul``: one ``torch.mul(..., out=...)`` over a flat tensor of the buffers' total size (one pass);
 - ``switch_host``: the alternating session without the final synchronize (the host's share);
 and ``profile``: cProfile's top functions over 40 switches on this host.
@@ -68,6 +70,13 @@ def main():
                "write": median_ms(lambda i: binding.write_strength("unet", (1.0, 0.6)[i % 2])),
                "switch_host": median_ms(lambda i: session(views[i % 2]), sync=False)}
         bufs, ups = binding._up_s["unet"], binding._up["unet"]
+        res["spans"] = len(binding._rewrite["unet"][0])
+
+        def per_layer(i):
+            binding._arenas["unet"].zero_()
+            torch._foreach_add_(bufs, ups, alpha=(1.0, 0.6)[i % 2])
+
+        res["write_per_layer"] = median_ms(per_layer)
 
         def copy_mul(i):
             torch._foreach_copy_(bufs, ups)

@@ -96,6 +96,39 @@ def test_cache_per_file_identity(tmp_path):
     assert b is not a and not torch.equal(b.parsed.layers[0].down, a.parsed.layers[0].down)
 
 
+def test_to_device_packs_plain_ups_per_component_in_layer_order():
+    """Each component's plain LoRA ``up`` factors become back-to-back views of one flat tensor, in layer order, with
+    the values ``placed`` gives; DoRA and LoHa layers are placed as before (the strength rewrite's layout)."""
+    from leandiffusion.lora.loader import to_device
+    from leandiffusion.lora.lycoris import LohaLayer
+
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float16)
+
+    def lora(comp, name, out, r=4, magnitude=None):
+        return formats.LoraLayer(comp, name, "dotted", rnd(r, 8), rnd(out, r), 0.5, name, magnitude)
+
+    layers = (lora("unet", "a", 6), lora("text_encoder", "t0", 5), lora("unet", "dora", 7, magnitude=torch.ones(1, 8)),
+              lora("unet", "b", 3, r=2), LohaLayer("unet", "h", "dotted", rnd(4, 2), rnd(2, 8), rnd(4, 2), rnd(2, 8),
+                                                    0.5, "h"), lora("unet", "c", 9), lora("text_encoder", "t1", 2))
+    placed = to_device(formats.ParsedLora("peft", layers), torch.device("cpu"), torch.float32).layers
+    for before, after in zip(layers, placed):
+        want = before.placed(torch.device("cpu"), torch.float32)
+        for f in ("down", "up", "w1a", "w1b", "w2a", "w2b"):
+            if hasattr(want, f):
+                assert torch.equal(getattr(after, f), getattr(want, f)), (before.name, f)
+    for comp, names in (("unet", ("a", "b", "c")), ("text_encoder", ("t0", "t1"))):
+        ups = [layer.up for layer in placed if layer.name in names]
+        base = ups[0].untyped_storage().data_ptr()
+        assert all(u.untyped_storage().data_ptr() == base for u in ups)
+        offsets = [u.storage_offset() for u in ups]
+        assert offsets == [0] + [sum(u.numel() for u in ups[:i]) for i in range(1, len(ups))], comp
+        assert ups[0].untyped_storage().nbytes() == sum(u.nbytes for u in ups)
+    dora = placed[2]
+    assert dora.up.untyped_storage().data_ptr() not in {placed[0].up.untyped_storage().data_ptr(),
+                                                        placed[1].up.untyped_storage().data_ptr()}
+
+
 def test_cache_keeps_the_most_recently_used_files(tmp_path, monkeypatch):
     """The strong cache holds the ``MAX_CACHED`` most recently *used* files: a hit refreshes a file, and the file
     used least recently is the one dropped (with no view holding it, it is read again; the others are not)."""

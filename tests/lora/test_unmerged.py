@@ -176,9 +176,18 @@ def test_strength_change_moves_no_weight_and_keeps_graph_key(tmp_path, mode, str
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
 
 
+def _spans_back_to_back(tensors, flat=None):
+    """Whether ``tensors`` tile one memory span without gaps or overlap (exactly ``flat``'s, when given)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    whole = flat is None or (spans[0][0] == flat.data_ptr()
+                             and spans[-1][1] == flat.data_ptr() + flat.numel() * flat.element_size())
+    return whole and all(end == nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
 def test_strength_buffers_are_one_flat_tensor_holding_strength_times_up(tmp_path):
-    """The plain layers' buffers are disjoint views of one flat tensor per component (zeroed in one kernel), and
-    every strength write leaves exactly ``strength * up`` in each, also after other strengths and strength 0."""
+    """The plain layers' buffers are disjoint views of one flat tensor per component (zeroed in one kernel), their
+    packed sources make one span, so the rewrite adds over one pair per component, and every strength write leaves
+    exactly ``strength * up`` in each buffer, also after other strengths and strength 0."""
     engine, _, path = _setup(tmp_path)
     strengths = (0.6, -1.7, 0.0, 1.0)
     views = [inject_lora(engine, path, s, s) for s in strengths]
@@ -187,14 +196,29 @@ def test_strength_buffers_are_one_flat_tensor_holding_strength_times_up(tmp_path
     for comp in binding.components:
         bufs, (flat,) = binding._up_s[comp], binding._arenas[comp].flats.values()
         assert binding._loose[comp] == [] and len(bufs) > 4
-        spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in bufs)
-        assert spans[0][0] == flat.data_ptr() and spans[-1][1] == flat.data_ptr() + flat.numel() * flat.element_size()
-        assert all(end == nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # back to back, no overlap
+        assert _spans_back_to_back(bufs, flat)
+        assert _spans_back_to_back(binding._up[comp])  # the loader packed the sources in the same order
+        (dst,), (src,) = binding._rewrite[comp]
+        assert dst.data_ptr() == flat.data_ptr() and dst.numel() == flat.numel() == src.numel()
     for view, s in zip(views + views[:1], strengths + strengths[:1]):
         with view.session("unet"), view.session("text"):
             for comp in binding.components:
                 for buf, up in zip(binding._up_s[comp], binding._up[comp]):
                     assert torch.equal(buf, up * s), (comp, s)
+
+
+def test_strength_rewrite_of_a_block_subset_pairs_each_buffer_with_its_own_source(tmp_path):
+    """With ``target_blocks`` the sources are a gappy subset of the packed ups: the rewrite takes several spans,
+    and each buffer still holds exactly ``strength * its up``; the result matches plain math on the subset."""
+    engine, sd, path = _setup(tmp_path)
+    view = inject_lora(engine, path, 0.8, 0.0, target_blocks="down_blocks.0, up_blocks.1")
+    binding = view.adapters[-1].binding
+    dst, src = binding._rewrite["unet"]
+    assert 1 < len(dst) < len(binding._up_s["unet"])
+    assert sum(d.numel() for d in dst) == sum(b.numel() for b in binding._up_s["unet"])
+    with view.session("unet"):
+        for buf, up in zip(binding._up_s["unet"], binding._up["unet"]):
+            assert torch.equal(buf, up * 0.8)
 
 
 def test_stacking_two_files_and_the_same_file_twice(tmp_path, strategy):
