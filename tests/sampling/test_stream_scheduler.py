@@ -113,6 +113,16 @@ def test_noise_is_drawn_per_image_not_per_batch():
     assert not torch.equal(noise, batch_draw)
 
 
+def test_noise_rows_are_each_images_own_draw_for_every_row():
+    s = _settings(images_per_prompt=3).validated()
+    jobs = s.jobs()
+    noise = initial_noise(jobs, (4, 8, 8))
+    assert noise.shape == (len(jobs), 4, 8, 8) and noise.dtype == torch.float32 and noise.is_contiguous()
+    for row, job in enumerate(jobs):
+        want = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(job.seed))
+        assert torch.equal(noise[row:row + 1], want), row
+
+
 def test_image_is_the_vae_decode_of_the_latent(engine):
     s = _settings(max_batch=2)
     result = run_stream(engine, s, quiet=True)
