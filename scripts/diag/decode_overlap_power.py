@@ -9,7 +9,8 @@ For the engine's SDXL UNet (fp16, one-pass GEGLU, CUDA graph of one call at 1, 4
 16) and its fp32 untiled decode of one 1024 px latent, each measured with the board power and SM clock
 (``bench.gpu_clocks``): ms per image-step and per decode alone; then ``R`` UNet replays at 8 images with ``D``
 decodes on a side stream (normal and high priority), against the two run back to back. ``hidden`` is the share
-of the decodes' time that the overlap saved. Usage (device, pack importable):
+of the decodes' time that the overlap saved. (``stream_sdxl_bounds.py conc``, session 4, made the same overlap
+test with diffusers' decode, no stream priority and no power readings.) Usage (device, pack importable):
 ``python scripts/diag/decode_overlap_power.py``; writes ``$OUT/decode_overlap.json``.
 """
 import time

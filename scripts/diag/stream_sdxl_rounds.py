@@ -5,8 +5,10 @@ within 1% of its threshold for many sessions, so one pair of runs cannot say whi
 contenders are warmed up (each keeps its CUDA graphs), then timed in ``ROUNDS`` rounds whose order alternates
 (ours, peer / peer, ours, ...) so that a drift of the GPU's temperature or clock over the run falls on both; each
 run is sampled for board power and SM clock (``bench.gpu_clocks``). The ratio of each round and the median over
-rounds are recorded. The workload is the suite's: SDXL 1024x1024, 8 prompts x 30 steps, cfg 7.5, fp16 UNet, fp32
-VAE, ``cuda_graph``, automatic batch. Usage (device, pack importable):
+rounds are recorded. ``stream_sdxl_gap.py`` runs alternating rounds too, but times phases (the peer's sampling
+and decode, the stage timeline, bare graph replays) with its own nvidia-smi log; this script keeps only the
+end-to-end ratio the issue's line is about. The workload is the suite's: SDXL 1024x1024, 8 prompts x 30 steps,
+cfg 7.5, fp16 UNet, fp32 VAE, ``cuda_graph``, automatic batch. Usage (device, pack importable):
 ``python scripts/diag/stream_sdxl_rounds.py [ROUNDS]``; writes ``$OUT/stream_sdxl_rounds.json``.
 """
 import statistics
