@@ -4,7 +4,9 @@
 Discovers ``bench/suite_*.py`` and runs each selected suite in its own Python process (so suites never share CUDA
 state and a crash or a hang in one is recorded as failed with its error while the others still run), then writes
 ``DIR/bench.json``, ``DIR/BENCHMARKS.md``, ``DIR/bench.log`` and the PNG charts (see ``report.py``), rewriting
-bench.json and BENCHMARKS.md after every suite so a killed run keeps what it measured.
+bench.json and BENCHMARKS.md after every suite so a killed run keeps what it measured. ``schedule.py`` deals the
+suites into parts and shares the time, ``process.py`` runs one suite in its own process, ``worker.py`` is that
+process, ``report.py`` writes the files.
 
 Time budget (the device tool allows 10 minutes a command): the whole invocation gets ``--budget`` seconds
 (default: smoke 100, quick 575, full 540). Suites run one after another; before each, the time still left is
@@ -20,319 +22,32 @@ Module-level constants are read from the source with ``ast`` (the parent never i
 Smoke mode (``--smoke``) hides every GPU from the suites (``CUDA_VISIBLE_DEVICES=""``): tiny models on the CPU,
 numbers meaningless, records well-formed; CI checks them (tests/bench).
 
-The last lines of the output are a compact summary table (``report.summary_lines``), because the device tool
+The last lines of the output are a compact summary table (``summary.summary_lines``), because the device tool
 returns only the tail of a command's output. Exit status: 0 when every suite ended ok or skipped, 1 when one
 failed, crashed or timed out, 2 with ``--strict`` when a target failed.
 """
 from __future__ import annotations
 
-import argparse
-import ast
 import datetime
-import io
-import json
 import logging
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
-PKG = __package__ or "leandiffusion.bench"
-BENCH_DIR = Path(__file__).parent
-DEFAULT_BUDGET_S = {"smoke": 100.0, "quick": 575.0, "full": 540.0}
-DEFAULT_WEIGHT_S = {"smoke": 10.0, "quick": 60.0, "full": 240.0}
-WEIGHT_CONST = {"smoke": "SMOKE_BUDGET_S", "quick": "QUICK_BUDGET_S", "full": "FULL_BUDGET_S"}
-SOFT_FRACTION = 0.85  # the suite's own budget (ctx.time_budget_s), as a fraction of its share
-OVERRUN_FRACTION = 0.5  # a suite is killed once it has also used this fraction of the time left to the others
-MIN_SHARE_S = {"smoke": 5.0, "quick": 20.0, "full": 20.0}  # below this (or half its weight) a suite is skipped
-KILL_GRACE_S = 5.0
+from .arguments import parse_args
+from .process import Tee, run_suite
+from .report import write_all
+from .schedule import DEFAULT_BUDGET_S, MIN_SHARE_S, PKG, SuiteInfo, discover, kill_after_s, parse_part, share_s, \
+    split_parts
+from .schema import SCHEMA_VERSION, normalise_record
+from .summary import summary_lines
+from .worker import worker_main
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SuiteInfo:
-    name: str
-    path: Path
-    module: Optional[str]  # dotted module name for suites inside the package, None for --suite-dir files
-    constants: dict
-
-    def weight(self, mode: str) -> float:
-        value = self.constants.get(WEIGHT_CONST[mode], DEFAULT_WEIGHT_S[mode])
-        return float(value) if isinstance(value, (int, float)) and value > 0 else DEFAULT_WEIGHT_S[mode]
-
-    @property
-    def requires_comfyui(self) -> bool:
-        return bool(self.constants.get("REQUIRES_COMFYUI", False))
-
-
-def read_constants(path: Path) -> dict:
-    """Module-level ``NAME = <literal>`` assignments of a suite file, read without importing it."""
-    out = {}
-    try:
-        tree = ast.parse(path.read_text(), filename=str(path))
-    except SyntaxError:  # the worker will report the real error when it imports the suite
-        return out
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            try:
-                out[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
-                continue
-    return out
-
-
-def discover(suite_dir: Optional[Path] = None) -> dict[str, SuiteInfo]:
-    """``{name: SuiteInfo}`` for every ``suite_<name>.py`` in the package (or in ``suite_dir``), sorted by name."""
-    folder = BENCH_DIR if suite_dir is None else Path(suite_dir)
-    found = {}
-    for path in sorted(folder.glob("suite_*.py")):
-        name = path.stem[len("suite_"):]
-        module = f"{PKG}.{path.stem}" if suite_dir is None else None
-        found[name] = SuiteInfo(name, path, module, read_constants(path))
-    return found
-
-
-def parse_part(text: Optional[str]) -> Optional[tuple[int, int]]:
-    if text is None:
-        return None
-    pieces = text.split("/")
-    if len(pieces) != 2 or not all(p.strip().isdigit() for p in pieces):
-        raise ValueError(f"--part={text!r}: expected K/N such as 1/4")
-    k, n = (int(p) for p in pieces)
-    if not (1 <= k <= n):
-        raise ValueError(f"--part={text!r}: K must be between 1 and N")
-    return k, n
-
-
-def split_parts(suites: list[SuiteInfo], n: int, mode: str) -> list[list[SuiteInfo]]:
-    """Deal suites into ``n`` parts balancing the weights (longest first, ties by name); each part sorted by name."""
-    parts: list[list[SuiteInfo]] = [[] for _ in range(n)]
-    loads = [0.0] * n
-    for s in sorted(suites, key=lambda s: (-s.weight(mode), s.name)):
-        i = min(range(n), key=lambda j: (loads[j], j))
-        parts[i].append(s)
-        loads[i] += s.weight(mode)
-    return [sorted(p, key=lambda s: s.name) for p in parts]
-
-
-def share_s(remaining_s: float, weights: list[float]) -> float:
-    """The share of ``remaining_s`` of the first suite in ``weights`` (the suites still to run)."""
-    total = sum(weights)
-    return remaining_s * weights[0] / total if total > 0 else 0.0
-
-
-def kill_after_s(remaining_s: float, share: float) -> float:
-    """When a suite's process is killed: its share plus ``OVERRUN_FRACTION`` of what the later suites would get
-    (so a slow suite eats into the others' time, but never all of it; the last suite may use all that is left)."""
-    return share + OVERRUN_FRACTION * max(remaining_s - share, 0.0)
-
-
-# --------------------------------------------------------------------------------------------- worker
-def worker_main(args) -> int:
-    """Child process: run one suite, flushing its result document to ``args.result`` after every record."""
-    import importlib
-    import importlib.util
-
-    from .harness import BenchContext
-    from .report import format_row
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
-    mode = args.mode
-    ctx = BenchContext(args.worker, Path(args.out), smoke=mode == "smoke", quick=mode == "quick",
-                       comfyui=None if args.comfyui is None else Path(args.comfyui), time_budget_s=args.budget_s,
-                       deadline=args.deadline, sink=Path(args.result),
-                       on_record=lambda rec: print("ROW " + format_row(rec.__dict__), flush=True))
-    ctx.flush()
-    try:
-        if args.module:
-            module = importlib.import_module(args.module)
-        else:
-            spec = importlib.util.spec_from_file_location(f"leandiffusion_bench_ext_suite_{args.worker}", args.path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        declared = getattr(module, "SUITE", None)
-        if declared != args.worker:
-            raise ValueError(f"{args.path}: SUITE={declared!r}, expected {args.worker!r} (the file name after suite_)")
-        run = getattr(module, "run", None)
-        if not callable(run):
-            raise TypeError(f"{args.path}: defines no run(ctx) function")
-        run(ctx)
-    except Exception:  # a suite's failure is a result to record, never a reason to lose its records
-        ctx.flush("failed", traceback.format_exc())
-        traceback.print_exc(file=sys.stdout)
-        return 1
-    ctx.flush("ok")
-    return 0
-
-
-# --------------------------------------------------------------------------------------------- parent
-class Tee:
-    """Writes lines to stdout and to bench.log."""
-
-    def __init__(self, log_path: Path):
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "a", encoding="utf-8")
-        self._lock = threading.Lock()
-
-    def line(self, text: str) -> None:
-        with self._lock:
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-            self._log.write(text + "\n")
-            self._log.flush()
-
-    def close(self) -> None:
-        self._log.close()
-
-
-def _child_env(mode: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    if mode == "smoke":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    # Make the package importable in the child the way it is here (a symlinked or PYTHONPATH checkout).
-    root = Path(sys.modules[PKG.rsplit(".", 1)[0]].__file__).parent.parent if PKG.count(".") == 1 else None
-    if root is not None and (root / PKG.split(".")[0]).exists():
-        env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH", "")] if p])
-    return env
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the suite process we started (its own process group, so its children go with it)."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-
-
-class _ForkedWorker:
-    """A forked child running ``worker_main``; the subset of ``subprocess.Popen`` that ``run_suite`` uses."""
-
-    def __init__(self, args):
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: own session (so a kill takes its children too), output into the pipe
-            code = 1
-            try:
-                os.close(read_fd)
-                os.setsid()
-                os.dup2(write_fd, 1)
-                os.dup2(write_fd, 2)
-                os.close(write_fd)
-                sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
-                sys.stderr = sys.stdout
-                logging.getLogger().handlers.clear()
-                code = worker_main(args)
-            except BaseException:  # the child must never return into the parent's code path
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                os._exit(code)
-        os.close(write_fd)
-        self.pid = pid
-        self.returncode: Optional[int] = None
-        self.stdout = io.TextIOWrapper(io.FileIO(read_fd, "r"), errors="replace")
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        end = None if timeout is None else time.time() + timeout
-        while self.poll() is None:
-            if end is not None and time.time() > end:
-                raise subprocess.TimeoutExpired(f"fork:{self.pid}", timeout)
-            time.sleep(0.05)
-        return self.returncode
-
-
-def run_suite(info: SuiteInfo, mode: str, out_dir: Path, tmp_dir: Path, share: float, comfyui: Optional[str],
-              tee: Tee, isolation: str = "spawn", kill_after: Optional[float] = None) -> dict:
-    """Run one suite in a child process: ``SOFT_FRACTION * share`` seconds of budget, killed after
-    ``kill_after`` seconds (default ``share``); return its result document.
-
-    ``isolation``: "spawn" starts a fresh interpreter (always on a GPU: no CUDA state crosses a fork); "fork"
-    forks this process, which has already imported torch and diffusers (smoke mode: saves the several seconds
-    each fresh interpreter spends importing them, which decides whether CI's smoke run fits two minutes).
-    """
-    result_path = tmp_dir / f"{info.name}.json"
-    budget = round(share * SOFT_FRACTION, 1)
-    deadline = time.time() + budget
-    cmd = [sys.executable, "-m", PKG, "--worker", info.name, "--mode", mode, "--out", str(out_dir),
-           "--result", str(result_path), "--budget-s", str(budget), "--deadline", repr(deadline),
-           "--path", str(info.path)]
-    if info.module:
-        cmd += ["--module", info.module]
-    if comfyui:
-        cmd += ["--comfyui", comfyui]
-    kill_after = share if kill_after is None else max(kill_after, share)
-    tee.line(f"--- suite {info.name}: budget {budget:.0f}s (killed at {kill_after:.0f}s), mode {mode}, {isolation}")
-    start = time.time()
-    tail: list[str] = []
-
-    def pump(stream):
-        for line in stream:
-            line = line.rstrip("\n")
-            tail.append(line)
-            del tail[:-40]
-            tee.line(f"[{info.name}] {line}")
-
-    if isolation == "fork":
-        proc = _ForkedWorker(parse_args(cmd[3:]))
-        stream = proc.stdout
-    else:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=_child_env(mode), start_new_session=True, errors="replace")
-        stream = proc.stdout
-    reader = threading.Thread(target=pump, args=(stream,), daemon=True)
-    reader.start()
-    timed_out = False
-    try:
-        proc.wait(timeout=max(kill_after, 1.0))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc)
-    reader.join(timeout=10)
-    stream.close()
-    seconds = time.time() - start
-    result = None
-    if result_path.exists():
-        try:
-            result = json.loads(result_path.read_text())
-        except json.JSONDecodeError:
-            result = None
-    if result is None:
-        result = {"suite": info.name, "status": "running", "error": "", "skipped": [], "records": []}
-    last = "\n".join(tail[-15:])
-    if timed_out:
-        result["status"] = "timeout"
-        result["error"] = (f"killed after {seconds:.0f}s (suite budget {budget:.0f}s, share {share:.0f}s); "
-                           f"last output:\n{last}")
-    elif result.get("status") == "running" or proc.returncode not in (0, 1):
-        result["status"] = "crashed"
-        result["error"] = f"exit code {proc.returncode} without a result; last output:\n{last}"
-    result["seconds"] = round(seconds, 1)
-    result["budget_s"] = budget
-    return result
 
 
 def _skipped(info: SuiteInfo, reason: str) -> dict:
@@ -341,8 +56,6 @@ def _skipped(info: SuiteInfo, reason: str) -> dict:
 
 
 def build_doc(meta: dict, results: list[dict]) -> dict:
-    from .report import SCHEMA_VERSION, normalise_record
-
     suites, records = [], []
     for r in results:
         recs = r.get("records", [])
@@ -376,8 +89,6 @@ def _preimport() -> None:
 
 
 def main_parent(args) -> int:
-    from .report import summary_lines, write_all
-
     mode = "smoke" if args.smoke else ("quick" if args.quick else "full")
     available = discover(args.suite_dir)
     if args.list:
@@ -451,42 +162,6 @@ def main_parent(args) -> int:
     if args.strict and any(r.get("passed") is False for r in doc["records"]):
         return 2
     return 0
-
-
-def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m leandiffusion.bench",
-                                 description="Run LeanDiffusion's benchmark suites against their peers.")
-    ap.add_argument("--suite", action="extend", nargs="+", help="suite name(s) to run (default: all)")
-    ap.add_argument("--skip", action="extend", nargs="+", help="suite name(s) to leave out")
-    ap.add_argument("--quick", action="store_true", help="GPU subset: every suite in one 10-minute device call")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny models: plumbing and record-shape check (CI)")
-    ap.add_argument("--part", help="K/N: run the K-th of N balanced groups of suites (full suite in N calls)")
-    ap.add_argument("--comfyui", help="path of a ComfyUI checkout: its KSampler/VAEDecodeTiled/... join as peers")
-    ap.add_argument("--budget", type=float, help="seconds for the whole invocation (default smoke 100, quick 575, full 540)")
-    ap.add_argument("--out", help="output folder for bench.json, BENCHMARKS.md, bench.log and charts")
-    ap.add_argument("--suite-dir", type=Path, help=argparse.SUPPRESS)  # suites outside the package (tests)
-    ap.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
-    ap.add_argument("--strict", action="store_true", help="exit 2 when any target fails")
-    ap.add_argument("--list", action="store_true", help="list the suites found and their weights")
-    ap.add_argument("--isolation", choices=("auto", "spawn", "fork"), default="auto",
-                    help="how suites get their process: auto = fork for --smoke (fast), spawn otherwise")
-    # worker (internal): one suite in this process
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", choices=("smoke", "quick", "full"), help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
-    ap.add_argument("--budget-s", type=float, help=argparse.SUPPRESS)
-    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    ap.add_argument("--module", help=argparse.SUPPRESS)
-    ap.add_argument("--path", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.quick and args.smoke:
-        ap.error("--quick and --smoke exclude each other: smoke is the CPU check, quick the short GPU run")
-    try:
-        parse_part(args.part)
-    except ValueError as exc:
-        ap.error(str(exc))
-    args.argv = list(argv)
-    return args
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,8 @@
 """The GPU's SM clock and board power while a block of benchmark work runs, sampled by ``nvidia-smi``.
 
-Why a benchmark needs it: a full H100 / H200 at 700 W lowers its SM clock when a workload draws more than the
-power limit allows. A batch of eight SDXL images draws more than one image does, so the two run at different
-clocks (H100, 2026-11-22: 1746 MHz at 690 W vs 1980 MHz at 658 W), and a throughput ratio between them includes
-that. Recording the clocks next to the ratio keeps the report honest about where the time went.
+Why a benchmark needs it: a GPU lowers its SM clock when a workload draws more than its power limit allows. A
+batch of eight SDXL images draws more than one image does, so the two can run at different clocks, and a
+throughput ratio between them includes that. Recording the clocks next to the ratio keeps the report honest about where the time went.
 
 ``clock_sampler(device)`` yields a dict that, on exit, holds the means (and the SM clock's minimum) of the samples
 taken during the block, or stays empty where there is nothing to sample (no CUDA device, no ``nvidia-smi``, or a

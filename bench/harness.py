@@ -16,9 +16,9 @@ Extra files (a profiler trace, say): write them to ``ctx.artifact_path(name)``. 
 files per call, and the report itself writes 5 (bench.json, BENCHMARKS.md, bench.log, time.png, vram.png), so at
 most one small artifact per suite, and only in full mode.
 
-Timing rules (GUIDE section 5, METHOD.md): warm up first; time GPU work with CUDA events; take the median of
-several repeats; memory is ``torch.cuda.max_memory_reserved()`` after ``reset_peak_memory_stats()`` (the CUDA
-context is excluded by construction, since it is not allocator memory).
+Timing rules: warm up first; time GPU work with CUDA events; take the median of several repeats; memory is
+``torch.cuda.max_memory_reserved()`` after ``reset_peak_memory_stats()`` (the CUDA context is excluded by
+construction, since it is not allocator memory).
 """
 from __future__ import annotations
 

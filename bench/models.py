@@ -1,4 +1,4 @@
-"""Full-size SD1.5 / SDXL architectures with random weights, for GPU benchmarks (GUIDE section 5).
+"""Full-size SD1.5 / SDXL architectures with random weights, for GPU benchmarks.
 
 The configs are the real models' diffusers configs written in code (no hub access). Weights are created on the
 meta device (buffers such as CLIP's ``position_ids`` keep their real values) and materialised directly on the

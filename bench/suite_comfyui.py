@@ -10,36 +10,27 @@
 - low-VRAM partial loading: SDXL step (1024x1024, CFG batch 2) with ComfyUI behaving as on a card of 4 GiB and of
   1.5 GiB; against the pack's ``stream`` policy at the same budgets.
 
-How ComfyUI is driven. Only ComfyUI's library modules are imported (``comfy.sd``, ``comfy.sample``,
-``comfy.model_management``, ``comfy.utils``), from ``ctx.comfyui`` prepended to ``sys.path`` in this suite's own
-process. Its ``nodes`` / ``comfy_extras`` modules import PyAV (video types) through ``comfy_api``, which the GPU
-machine lacks, so each node's body is called directly: ``KSampler`` -> ``comfy.sample.sample`` with
-``prepare_noise`` (``nodes.common_ksampler``), ``VAEDecodeTiled`` -> ``VAE.decode_tiled(tile_x=tile//8,
-tile_y=tile//8, overlap=overlap//8)``, ``ImageUpscaleWithModel`` -> ``comfy.utils.tiled_scale(tile 512, overlap 32)``.
-A smaller card is emulated by replacing ``comfy.model_management.get_free_memory`` (in this process only) with
-"budget minus what torch has reserved, plus torch's own free cache", which is the formula ComfyUI applies to the
-driver's free memory; ComfyUI then decides its partial load exactly as on that card.
-
-Our side goes through the pack's node classes (the public contract: node IDs and input names); a node or the
-loader's ``build_engine`` that this build lacks turns its cases into ``ctx.skip`` records, and ComfyUI's number
-is still recorded (metric ``comfyui_*``, ours = ComfyUI's number, no peer). Random weights are valid for time
-and memory only. Memory: ``max_memory_allocated`` / ``max_memory_reserved`` peaks of one run after warm-up
-(weights resident by then count; the CUDA context does not).
+How ComfyUI is driven (its library modules, each node's body called directly, a smaller card emulated):
+``comfyui_peer.py``. Our side goes through the pack's node classes (the public contract: node IDs and input names;
+``comfyui_ours.py``); a node or the loader's ``build_engine`` that this build lacks turns its cases into
+``ctx.skip`` records, and ComfyUI's number is still recorded (metric ``comfyui_*``, ours = ComfyUI's number, no
+peer). Random weights are valid for time and memory only. Memory: ``max_memory_allocated`` /
+``max_memory_reserved`` peaks of one run after warm-up (weights resident by then count; the CUDA context does not).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from .comfyui_ours import drop_engine, free_cuda, make_engine, make_parts, node_fn, park_on_cpu, vae_only_parts
+from .comfyui_peer import Comfy, sd_cond
 from .harness import peak_memory, time_ms
-from .models import full_text_encoder, full_unet, full_vae, randomize_
+from .models import full_vae, randomize_
 
 SUITE = "comfyui"
 REQUIRES_COMFYUI = True
@@ -49,205 +40,6 @@ FULL_BUDGET_S = 420
 
 logger = logging.getLogger(__name__)
 GiB = 2**30
-
-
-# --------------------------------------------------------------------------------------------- ComfyUI side
-class Comfy:
-    """ComfyUI's library modules, imported from a checkout (see the module docstring)."""
-
-    def __init__(self, path: Path, cpu: bool):
-        path = Path(path)
-        if not (path / "comfy" / "sd.py").is_file():
-            raise ValueError(f"--comfyui={str(path)!r} is not a ComfyUI checkout (no comfy/sd.py there)")
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
-        from comfy.cli_args import args
-
-        if cpu:
-            args.cpu = True  # smoke mode: GPUs are hidden, ComfyUI must not ask CUDA for a device
-        import comfy.model_management as mm
-        import comfy.sample
-        import comfy.samplers
-        import comfy.sd
-        import comfy.utils
-
-        self.path, self.mm, self.sd, self.sample, self.utils = path, mm, comfy.sd, comfy.sample, comfy.utils
-        try:
-            from comfyui_version import __version__ as version
-        except ImportError:
-            version = "unknown"
-        self.version = version
-
-    def unet_patcher(self, unet: torch.nn.Module, dtype: torch.dtype):
-        """A ComfyUI ModelPatcher over a copy of ``unet``'s weights (diffusers keys; ComfyUI converts them)."""
-        sd = {k: v.detach().to("cpu", copy=True) for k, v in unet.state_dict().items()}
-        with quiet_root_logger():  # ComfyUI warns once per optional diffusers key the UNet does not have
-            patcher = self.sd.load_diffusion_model_state_dict(sd, model_options={"dtype": dtype})
-        if patcher is None:
-            raise RuntimeError("ComfyUI did not recognise the UNet state dict (load_diffusion_model_state_dict)")
-        return patcher
-
-    def vae(self, vae: torch.nn.Module, dtype: torch.dtype):
-        sd = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in vae.state_dict().items()}
-        return self.sd.VAE(sd=sd, dtype=dtype)
-
-    def ksampler(self, patcher, positive, negative, latent: torch.Tensor, steps: int, cfg: float, seed: int):
-        """``nodes.common_ksampler`` for sampler ``ddim`` / scheduler ``ddim_uniform``, progress bar off."""
-        latent = self.sample.fix_empty_latent_channels(patcher, latent)
-        noise = self.sample.prepare_noise(latent, seed, None)
-        return self.sample.sample(patcher, noise, steps, cfg, "ddim", "ddim_uniform", positive, negative, latent,
-                                  denoise=1.0, disable_pbar=True, seed=seed)
-
-    def vae_decode_tiled(self, vae, latent: torch.Tensor, tile_size: int = 512, overlap: int = 64):
-        """``VAEDecodeTiled.decode`` for an image VAE (the node's own overlap clamp included)."""
-        if tile_size < overlap * 4:
-            overlap = tile_size // 4
-        c = vae.spacial_compression_decode()
-        return vae.decode_tiled(latent, tile_x=tile_size // c, tile_y=tile_size // c, overlap=overlap // c)
-
-    def upscale_with_model(self, model, image: torch.Tensor, device: torch.device, tile: int = 512, overlap: int = 32):
-        """``ImageUpscaleWithModel.execute``: free memory for the model, move it to the device, tiled_scale with the
-        node's tile/overlap (OOM halving included), and move the model back to the CPU, as the node does every call
-        (the weights' upload and download are part of ComfyUI's time, as ours' are of LeanESRGANUpscale's)."""
-        required = self.mm.module_size(model.model)
-        required += (512 * 512 * 3) * image.element_size() * max(model.scale, 1.0) * 384.0  # the node's estimate
-        required += image.nelement() * image.element_size()
-        self.mm.free_memory(required, device)
-        model.to(device)
-        in_img = image.movedim(-1, -3).to(device)
-        while True:
-            try:
-                out = self.utils.tiled_scale(in_img, lambda a: model(a), tile_x=tile, tile_y=tile, overlap=overlap,
-                                             upscale_amount=model.scale)
-                break
-            except self.mm.OOM_EXCEPTION:
-                tile //= 2
-                if tile < 128:
-                    raise
-        model.to("cpu")
-        return torch.clamp(out.movedim(-3, -1), min=0, max=1.0)
-
-    def unload_all(self) -> None:
-        self.mm.unload_all_models()
-        self.mm.soft_empty_cache()
-
-    @contextlib.contextmanager
-    def card_of(self, budget_bytes: int, device: torch.device):
-        """Make ComfyUI plan its loads as on a card of ``budget_bytes`` (see the module docstring)."""
-        real = self.mm.get_free_memory
-
-        def free_on_budget(dev=None, torch_free_too=False):
-            dev = self.mm.get_torch_device() if dev is None else dev
-            if getattr(dev, "type", None) != "cuda":
-                return real(dev, torch_free_too)
-            stats = torch.cuda.memory_stats(dev)
-            reserved = stats["reserved_bytes.all.current"]
-            torch_free = reserved - stats["active_bytes.all.current"]
-            total = max(budget_bytes - reserved, 0) + torch_free
-            return (total, torch_free) if torch_free_too else total
-
-        self.mm.get_free_memory = free_on_budget
-        try:
-            yield
-        finally:
-            self.mm.get_free_memory = real
-
-
-@contextlib.contextmanager
-def quiet_root_logger(level: int = logging.ERROR):
-    """Raise the root logger's level for a block (ComfyUI logs through the root logger); restored on exit."""
-    root = logging.getLogger()
-    old = root.level
-    root.setLevel(level)
-    try:
-        yield
-    finally:
-        root.setLevel(old)
-
-
-def sd_cond(kind: str, context: torch.Tensor, pooled: Optional[torch.Tensor], hw: int) -> list:
-    """ComfyUI CONDITIONING for a prompt embedding (SDXL: pooled output and size conditioning)."""
-    if kind == "sdxl":
-        return [[context, {"pooled_output": pooled, "width": hw, "height": hw, "crop_w": 0, "crop_h": 0,
-                           "target_width": hw, "target_height": hw}]]
-    return [[context, {}]]
-
-
-# --------------------------------------------------------------------------------------------- our side
-def node_fn(node_id: str) -> Optional[Callable]:
-    """Our node's FUNCTION as a callable taking the node's inputs, or None when this build lacks the node."""
-    from ..nodes import NODE_CLASS_MAPPINGS
-
-    cls = NODE_CLASS_MAPPINGS.get(node_id)
-    if cls is None:
-        return None
-    return lambda **kw: getattr(cls(), cls.FUNCTION)(**kw)
-
-
-def make_parts(kind: str, comfy: Comfy, device, dtype, unet: Optional[torch.nn.Module] = None):
-    """Full-size random ModelParts (UNet, SD VAE, CLIP-L [+ CLIP-G]) with ComfyUI's bundled CLIP tokenizer."""
-    from transformers import CLIPTokenizer
-
-    from ..memory.engine import ModelParts
-    from .models import SCHEDULER
-
-    tok_dir = str(comfy.path / "comfy" / "sd1_tokenizer")  # its config says 8192 tokens: CLIP takes 77
-    tokenizer = CLIPTokenizer.from_pretrained(tok_dir, local_files_only=True, model_max_length=77)
-    tokenizer_2 = CLIPTokenizer.from_pretrained(tok_dir, local_files_only=True, model_max_length=77, pad_token="!")
-    unet = full_unet(kind, device=device, dtype=dtype) if unet is None else unet
-    vae = full_vae(device=device, dtype=dtype)
-    te = full_text_encoder("clip_l", device=device, dtype=dtype)
-    te2 = full_text_encoder("clip_g", device=device, dtype=dtype) if kind == "sdxl" else None
-    family = "sdxl" if kind == "sdxl" else "sd1"
-    return ModelParts(family=family, unet=unet, vae=vae, text_encoder=te, tokenizer=tokenizer,
-                      scheduler_config=dict(SCHEDULER), text_encoder_2=te2, tokenizer_2=tokenizer_2 if te2 else None,
-                      name=f"random-{kind}")
-
-
-def make_engine(parts, policy: str, budget_gb: float, device, dtype):
-    """Our engine over ``parts``: the loader's ``build_engine`` when this build has it, else a resident engine
-    (``full`` only; other policies return None)."""
-    try:
-        from ..memory.load import build_engine
-    except ImportError:
-        build_engine = None
-    if build_engine is not None:
-        name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-        return build_engine(parts, policy, budget_gb, name, name, device=device)
-    if policy != "full":
-        return None
-    from ..memory.engine import LeanEngine
-
-    for m in (parts.unet, parts.vae, parts.text_encoder, parts.text_encoder_2):
-        if m is not None:
-            m.to(device=device, dtype=dtype)
-    return LeanEngine(parts=parts, device=torch.device(device), dtype=dtype, vae_dtype=dtype)
-
-
-def drop_engine(engine) -> None:
-    """Undo an engine's placement for good (the loader's ``remove``: hooks off, modules back on the CPU)."""
-    remove = getattr(getattr(engine, "placement", None), "remove", None)
-    if callable(remove):
-        remove()
-
-
-def park_on_cpu(*modules) -> None:
-    """Move our modules off the GPU (then ``free_cuda``) before ComfyUI runs: ComfyUI's peaks are read from the
-    same process's allocator, so weights of ours left resident would count in ComfyUI's numbers."""
-    for m in modules:
-        if m is not None:
-            m.to("cpu")
-    free_cuda()
-
-
-def free_cuda() -> None:
-    """Collect dropped objects and return the CUDA cache (call after ``del`` of the last references)."""
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------------------------- cases
@@ -346,7 +138,7 @@ def case_vae(ctx, comfy: Comfy) -> None:
     if decode is not None:
         from ..memory.engine import LeanEngine
 
-        parts = _vae_only_parts(vae)
+        parts = vae_only_parts(vae)
         engine = LeanEngine(parts=parts, device=dev, dtype=dtype, vae_dtype=dtype)
     notes = f"{dtype}; ComfyUI VAEDecodeTiled tile {tile} overlap {overlap} (3 tilings averaged)"
     for source in ("ours_vae", "comfy_vae"):
@@ -377,15 +169,6 @@ def case_vae(ctx, comfy: Comfy) -> None:
     comfy.unload_all()
     del engine, cvae, vae
     free_cuda()
-
-
-def _vae_only_parts(vae):
-    """ModelParts whose VAE is ``vae`` (the decode node only touches the VAE; the rest are tiny stand-ins)."""
-    from ..memory.engine import ModelParts
-    from .models import SCHEDULER
-
-    return ModelParts(family="sd1", unet=torch.nn.Identity(), vae=vae, text_encoder=torch.nn.Identity(),
-                      tokenizer=None, scheduler_config=dict(SCHEDULER), name="random-sd-vae")
 
 
 def rrdb_x4_state_dict(seed: int = 0) -> dict:

@@ -1,10 +1,9 @@
 """Device ceilings measured in the same run as the other suites: host->device copy (pinned vs pageable), the
 device's own copy bandwidth and fp16 matrix throughput.
 
-These are the "two numbers" of METHOD.md: weight streaming cannot beat the pinned host->device rate (every
+These are the two ceilings of the other suites: weight streaming cannot beat the pinned host->device rate (every
 streamed byte crosses PCIe/NVLink-C2C once per step), and a UNet step cannot beat the matmul rate. Recording them
-next to the suites' results makes a run on another card interpretable (GUIDE section 5 anchors: H200 pinned
-55.5 GB/s, pageable 9.4 GB/s). Bandwidth counts bytes read plus bytes written for device copies, bytes moved for
+next to the suites' results makes a run on another card interpretable. Bandwidth counts bytes read plus bytes written for device copies, bytes moved for
 host copies; matmul counts 2*M*N*K flops. No targets: these are facts about the machine, not claims.
 """
 from __future__ import annotations
@@ -15,7 +14,7 @@ from .harness import time_ms
 
 SUITE = "device"
 SMOKE_BUDGET_S = 3
-QUICK_BUDGET_S = 30  # measured 30 s as the first suite of a fresh machine (cold imports, CUDA start)
+QUICK_BUDGET_S = 30  # often the first suite of a fresh machine: cold imports and CUDA start count here
 FULL_BUDGET_S = 20
 
 

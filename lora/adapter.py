@@ -104,8 +104,7 @@ def _check_strength(name: str, value) -> float:
 
 def _streams_unet(engine) -> bool:
     """True when the engine's placement streams UNet blocks from host memory (the loader's ``stream`` policy)."""
-    plan = getattr(engine.placement, "plan", None)
-    return getattr(plan, "unet_mode", None) == "stream"
+    return engine.placement.budget.streams_unet
 
 
 def _targets_digest(targets: list[Target]) -> str:

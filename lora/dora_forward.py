@@ -16,19 +16,19 @@ the output axis), so the term costs what a plain LoRA's does and the DoRA itself
 the layer's input or output. Other kinds (LoHa, LoKr) run their own term (``fullrank``) on ``g * x`` or scale its
 result by ``g``.
 
-The earlier path (``fullrank._DenseTerm`` over ``_DoraDelta``), which builds ``s * ((W + dW) * g - W)`` in fp32 every
-forward and applies it as a second dense GEMM/conv, measured +198-210% per SDXL step (H100, session 15); it stays as
-the fallback wherever this forward cannot sit (another ``forward`` already in the module's ``__dict__``: a second
-DoRA on the same layer, another library). On a GEGLU's ``proj`` (the ``geglu`` strategy) the low-rank term goes into
-the GEGLU's fused gating like a plain LoRA's (``fuse_into``); this forward keeps the per-channel part.
+The dense path (``fullrank._DenseTerm`` over ``_DoraDelta``) builds ``s * ((W + dW) * g - W)`` in fp32 every forward
+and applies it as a second dense GEMM/conv, about the layer's own cost again; it is the fallback wherever this forward
+cannot sit (another ``forward`` already in the module's ``__dict__``: a second DoRA on the same layer, another
+library). On a GEGLU's ``proj`` (the ``geglu`` strategy) the low-rank term goes into the GEGLU's fused gating like
+a plain LoRA's (``fuse_into``); this forward keeps the per-channel part.
 
 Invariants
-- Installed as the module's instance ``forward`` (as ``unmerged._GegluForward``): the base op is the class's own
+- Installed as the module's instance ``forward`` (as a GEGLU's override is): the base op is the class's own
   ``forward``, so hooks of other bindings on the same module see the original input and add their terms to this
   output; removed with its term, leaving ``module.__dict__`` as it was.
 - The gain is refreshed at attach, never in a forward: it is recomputed only when the weight it was computed from
   changed (another storage or an in-place write, e.g. a merged LoRA earlier in the chain; ``weight_key``). A
-  streamed weight (``memory.streaming.host_copy``) is read from its pinned host copy, since its device slot holds
+  streamed weight (``memory.unet_patches.host_copy``) is read from its pinned host copy, since its device slot holds
   another block's weights outside the block's forward. Refreshing inside a CUDA-graph capture is refused.
 - Strength is data: ``cm1 = s * (g - 1)`` (input axis), ``c = 1 + s * (g - 1)`` and ``nbc = -s * (g - 1) * b``
   (output axis) and the strength-scaled factor (``up_s``) are persistent buffers the binding rewrites in place at
@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from ..memory.streaming import host_copy
+from ..memory.unet_patches import host_copy
 from .dora import dora_gain, on_input_axis
 from .fullrank import can_add_in_place
 from .formats import LoraLayer
@@ -112,7 +112,7 @@ class DoraForward:
     # --------------------------------------------------------------------- install / remove (binding)
     def fuse_into(self, geglu) -> None:
         """For the ``proj`` of a GEGLU (the ``geglu`` strategy): hand the low-rank term (``inner``, a plain LoRA
-        term over ``down`` / ``up_s``) to the GEGLU's override (``unmerged._GegluForward``), which fuses it into the
+        term over ``down`` / ``up_s``) to the GEGLU's override (``memory.unet_patches``), which fuses it into the
         gating as it does a plain LoRA's; this forward then keeps only the per-channel part."""
         self.geglu = geglu
 

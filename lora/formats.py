@@ -282,8 +282,8 @@ def _tucker_down(down: torch.Tensor, mid: torch.Tensor, name: str, source: str) 
         raise ValueError(f"lora {source}: layer {name} has lora_mid {tuple(mid.shape)} ({mid.dtype}) and lora_down "
                          f"{tuple(down.shape)} ({down.dtype}); expected float lora_mid [r, r, kh, kw] after a 1x1 "
                          f"lora_down [r, in(, 1, 1)]; the file is corrupt or not a LoCon")
-    # kept fp32: rounding it to the file's dtype (bf16 in most files) added a rounding ComfyUI does not make (~3e-3 of
-    # the tiny UNet's output); ``placed`` rounds it once, to the model's dtype
+    # kept fp32: rounding it to the file's dtype (bf16 in most files) would add a rounding ComfyUI does not make;
+    # ``placed`` rounds it once, to the model's dtype
     return torch.einsum("abkl,bc->ackl", mid.float(), down.flatten(1).float())
 
 

@@ -7,7 +7,7 @@ magnitude stays fp32). Views and bindings share it; nothing writes to it.
 
 Layout: the ``up`` factors of a component's plain LoRA layers (no DoRA magnitude) are consecutive views of one flat
 tensor, in layer order (``to_device``), so a binding rewrites their strength-scaled copies in one pass over
-one span instead of one per layer (``unmerged._BufferArena``).
+one span instead of one per layer (``strength_buffers.BufferArena``).
 
 Cache: a bounded strong LRU (``MAX_CACHED`` most recent) plus a weak map, so a LoRA stays loaded as long as any
 engine view uses it and a re-run of an unchanged workflow does not re-read the file. A file changed on disk

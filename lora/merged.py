@@ -10,9 +10,9 @@ Design (the view does not own a merged copy; it merges on attach and restores on
   subtraction), so the upstream engine and every other view see the model exactly as before.
 - Cost per session: one extra copy of the touched weights (on their device; on OOM the copy falls back to
   pinned CPU memory), one GEMM ``up @ down`` per layer at attach and one copy back at detach. A LoRA on every
-  attention/feed-forward Linear of SDXL touches 700 layers holding 4.37 GB of fp16 weights (1.7 of the UNet's
-  2.57 G parameters): 4.37 GB of extra VRAM during the session and ~4 copies of it (a few ms at HBM speed) per
-  session. Cheap next to a sampling loop in time, expensive in memory: use ``unmerged`` when VRAM is tight.
+  attention/feed-forward Linear of SDXL touches 1.7 of the UNet's 2.57 G parameters, so the backup is about two
+  thirds of the UNet's size. Cheap next to a sampling loop in time, expensive in memory: use ``unmerged`` when
+  VRAM is tight.
 - Strength 0 merges nothing. An error during attach restores what was merged before re-raising.
 
 Why hand-written: diffusers' ``fuse_lora``/``unfuse_lora`` (PEFT's ``merge``/``unmerge``) restore by subtracting the
@@ -29,7 +29,7 @@ import torch
 from .binding import RefCountedBinding
 from .fullrank import weight_delta
 from .keymap import Target
-from .unmerged import refuse_inside_capture
+from .strength_buffers import refuse_inside_capture
 
 logger = logging.getLogger(__name__)
 

@@ -15,15 +15,9 @@ Invariants (an engine whose plan is budgeted -- policy ``stream`` -- on a CUDA d
 - ``room_bytes``: what the cap leaves now for the running stage's working memory (after the loader's headroom);
   the Tiled VAE Decode / Encode size their tiles from it (``vae.targets``).
 
-Why: measured on an H100 (2026-11-22, SDXL 1024 px, full-size random weights, ``stream`` policy, the nodes called
-one after another as a workflow does, ``scripts/diag/budget_node_paths.py``): the Fused DDIM Sampler stayed within
-the budget (1.22 GB reserved at 1.5 GB, its 0.6 GB captured graph included), but the Tiled VAE Decode never saw
-the budget (it sized its tiles from the free VRAM) and held 11.5 GB at a 4 GB budget and 9.2 GB at 1.5 GB; with
-its tiles sized by the budget, the sampler's graph pool still left no room for the VAE's weights.
-
-Cost (H100, ``scripts/diag/budget_overheads.py``, medians of three alternating runs): a budgeted Stream Scheduler
-run of SD1.5 @ 3 GB, 4 images x 10 steps, 0.676 s against 0.644 s with the stage scopes switched off (the device
-syncs and cache releases of each decode's room check); SDXL @ 4 GB, 2 x 10, 2.85 vs 2.78 s (within the spread).
+Why: a budget kept by the plan's estimates alone bounds what the UNet allocates, while every other stage (the
+tiled VAE sizing its tiles from the free VRAM, a sampler's captured graph pools beside the VAE's weights) would go
+over it; holding the allocator and releasing caches per stage makes the budget a limit on the whole process.
 """
 from __future__ import annotations
 
@@ -41,7 +35,7 @@ logger = logging.getLogger(__name__)
 NO_CAP = 1 << 62
 MiB = 2 ** 20
 # Allocated memory outside the engine that still counts against its budget: small buffers and library workspaces
-# (the Stream Scheduler first releases cuBLAS's; measured before that: 0.1-0.43 GiB after earlier runs, H100).
+# (the Stream Scheduler first releases cuBLAS's).
 SMALL_OTHERS_BYTES = 256 * MiB
 # The least working memory a stage must find under the cap beside its weights before cached graphs are released:
 # VAE: an exact tiled decode of 256 px tiles in fp32 with the reserved/estimate factor (vae.tiled); text: one
@@ -51,32 +45,19 @@ STAGE_FLOOR_BYTES = {"text": 128 * MiB, "vae": 512 * MiB}
 _device_caches: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def budgeted_plan(engine) -> Optional[Any]:
-    """The loader's memory plan when it sets a hard VRAM budget (policy ``stream``), else ``None``."""
-    return hard_budget_plan(getattr(engine, "placement", None))
-
-
-def hard_budget_plan(placement) -> Optional[Any]:
-    plan = getattr(placement, "plan", None)
-    if plan is None or getattr(plan, "policy", "") != "stream" or not getattr(plan, "budget_bytes", None):
-        return None
-    return plan
-
-
 def _capped_device(placement) -> Optional[torch.device]:
-    device = getattr(placement, "device", None)
-    if hard_budget_plan(placement) is None or device is None or torch.device(device).type != "cuda":
+    """The CUDA device a hard budget caps, else ``None`` (no hard budget, or not on CUDA)."""
+    if not placement.budget.hard or placement.device.type != "cuda":
         return None
-    return torch.device(device)
+    return torch.device(placement.device)
 
 
 def engine_device_bytes(placement, device: torch.device) -> int:
     """Bytes of the engine's own storages on ``device``: its modules' weights and the block streamer's buffers."""
-    parts = placement.parts
-    streamer = getattr(placement, "streamer", None)
-    modules = (parts.unet, parts.vae, parts.text_encoder, getattr(parts, "text_encoder_2", None))
-    return device_storage_bytes(modules, (getattr(streamer, "arena", None), getattr(streamer, "resident", None)),
-                                device)
+    parts, streamer = placement.parts, placement.streamer
+    modules = (parts.unet, parts.vae, parts.text_encoder, parts.text_encoder_2)
+    buffers = (streamer.arena, streamer.resident) if streamer is not None else ()
+    return device_storage_bytes(modules, buffers, device)
 
 
 def cap_bytes(placement) -> int:
@@ -87,25 +68,19 @@ def cap_bytes(placement) -> int:
     if device is None:
         return NO_CAP
     others = max(0, torch.cuda.memory_allocated(device) - engine_device_bytes(placement, device) - SMALL_OTHERS_BYTES)
-    return hard_budget_plan(placement).budget_bytes + others
+    return placement.budget.limit_bytes + others
 
 
 def run_cap_bytes(engine) -> int:
     """``cap_bytes`` of the engine's placement (``NO_CAP`` without a budget or off CUDA)."""
-    return cap_bytes(getattr(engine, "placement", None))
-
-
-def _headroom(plan) -> int:
-    from .policies import HEADROOM
-
-    return int(HEADROOM * plan.budget_bytes)
+    return cap_bytes(engine.placement)
 
 
 def room_bytes(engine, cap: Optional[int] = None) -> Optional[int]:
     """What the budget leaves now for the running stage's working memory: the cap less the loader's headroom less
     what the process holds once cached blocks are returned (weights, live tensors, graph pools); ``None`` without
     a hard budget on a CUDA device. May be negative when the process already holds more."""
-    placement = getattr(engine, "placement", None)
+    placement = engine.placement
     if _capped_device(placement) is None:
         return None
     return _room(placement, cap_bytes(placement) if cap is None else cap)
@@ -115,7 +90,7 @@ def _room(placement, cap: int) -> int:
     device = _capped_device(placement)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # what stays reserved is what the process really holds
-    return cap - _headroom(hard_budget_plan(placement)) - torch.cuda.memory_reserved(device)
+    return cap - placement.budget.headroom_bytes - torch.cuda.memory_reserved(device)
 
 
 # --------------------------------------------------------------------------------------------- device caches
@@ -133,30 +108,20 @@ def release_device_caches(parts) -> None:
         torch.cuda.empty_cache()
 
 
-def stage_weight_bytes(placement, stage: str) -> int:
-    """Bytes the stage brings onto the device when it is entered (its weights when placed only while used)."""
-    plan = hard_budget_plan(placement)
-    if stage == "vae" and getattr(plan, "vae_mode", "") == "while used":
-        return int(plan.vae_bytes)
-    if stage == "text" and getattr(plan, "text_mode", "") == "while used":
-        return int(plan.text_bytes)
-    return 0
-
-
 def make_room(placement, stage: str, cap: int) -> bool:
     """Release the registered device caches of the engine's model when the stage's weights and working floor would
     not fit under ``cap`` (less headroom) beside what the process holds; True if they were released."""
     if stage not in STAGE_FLOOR_BYTES:
         return False
-    return _release_if_short(placement, stage_weight_bytes(placement, stage) + STAGE_FLOOR_BYTES[stage], cap,
-                             f"{stage} stage")
+    need = placement.budget.entering_bytes(stage) + STAGE_FLOOR_BYTES[stage]
+    return _release_if_short(placement, need, cap, f"{stage} stage")
 
 
 def ensure_room(engine, need_bytes: int, what: str) -> bool:
     """Inside a running stage: release the model's registered device caches when ``need_bytes`` more would not fit
     under the budget beside what the process holds (an eager UNet run does not use the cached graphs; under a
     tight budget their pools would leave its activations no room); True if they were released."""
-    placement = getattr(engine, "placement", None)
+    placement = engine.placement
     if _capped_device(placement) is None:
         return False
     return _release_if_short(placement, need_bytes, cap_bytes(placement), what)
@@ -168,11 +133,11 @@ def _release_if_short(placement, need: int, cap: int, what: str) -> bool:
     room = _room(placement, cap)
     if need <= room:
         return False
-    held = cap - _headroom(hard_budget_plan(placement)) - room
+    held = cap - placement.budget.headroom_bytes - room
     release_device_caches(placement.parts)
     logger.info("%s: released cached CUDA graphs of %s to fit under the %.2f GiB VRAM budget (held %.2f GiB, now "
-                "%.2f GiB; the next CUDA-graph run captures again)", what, getattr(placement.parts, "name", "model"),
-                hard_budget_plan(placement).budget_bytes / 2 ** 30, held / 2 ** 30,
+                "%.2f GiB; the next CUDA-graph run captures again)", what, placement.parts.name or "model",
+                placement.budget.limit_bytes / 2 ** 30, held / 2 ** 30,
                 torch.cuda.memory_reserved(placement.device) / 2 ** 30)
     return True
 

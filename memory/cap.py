@@ -5,18 +5,18 @@ Invariant: inside ``allocator_cap(device, cap_bytes)`` the caching allocator of 
 process had before is back, also after an error.
 
 Why: a budget kept by estimates alone bounds what is *allocated*, while what the process *holds* also has the
-allocator's cached blocks, sized for earlier requests. Measured on an H100 (2026-11-22, SDXL stream sampler at
-a 4 GiB budget): the exact tiled decode allocated 0.38 GiB above its base but held 0.85 GiB more. PyTorch's own
-``torch.cuda.set_per_process_memory_fraction`` makes the allocator return cached blocks to the driver and retry
-before it goes over the cap (an out-of-memory error only when the live tensors do not fit), which is exactly the
-budget's meaning; this module only scopes it to a run and computes the fraction. Only the native allocator
-honours it the same way, so under another backend (``cudaMallocAsync``) the cap is a no-op.
+allocator's cached blocks, sized for earlier requests (an exact tiled decode holds about twice what it allocates
+above its base). PyTorch's own ``torch.cuda.set_per_process_memory_fraction`` makes the allocator return cached
+blocks to the driver and retry before it goes over the cap (an out-of-memory error only when the live tensors do
+not fit), which is exactly the budget's meaning; this module only scopes it to a run and computes the fraction.
+Only the native allocator honours it the same way, so under another backend (``cudaMallocAsync``) the cap is a
+no-op.
 
 ``release_library_workspaces``: cuBLAS keeps one workspace per (handle, stream) it has run on, allocated from the
-caching allocator and never given back (measured on an H100: 0.33 GiB held after a benchmark process's earlier
-cases, which pushed a later 4 GiB run to 4.14 GiB). A budgeted run starts by releasing them; cuBLAS allocates
-what the run's own streams need again. The call is PyTorch's private ``torch._C._cuda_clearCublasWorkspaces``, the
-one its inductor CUDA-graph trees use for the same reason; where it is missing nothing is released.
+caching allocator and never given back (after earlier runs in the same process they can push a budgeted run over
+its budget). A budgeted run starts by releasing them; cuBLAS allocates what the run's own streams need again. The
+call is PyTorch's private ``torch._C._cuda_clearCublasWorkspaces``, the one its inductor CUDA-graph trees use for
+the same reason; where it is missing nothing is released.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def forget_library_workspaces(device: torch.device) -> bool:
     A workspace first used inside a CUDA-graph capture is allocated from that graph's private pool and its address
     is baked into the graph; cuBLAS keeps handing the same workspace to later work on that stream. So a capture
     must start with none cached (else it bakes in a workspace that lives in another graph's pool, and replays read
-    freed memory once that graph is dropped: seen on an H100, 2026-11-22, as an illegal memory access), and a
+    freed memory once that graph is dropped: an illegal memory access), and a
     dropped graph's pool can only go back to the driver once cuBLAS no longer references it. A workspace dropped
     here stays reserved while the graph that owns its pool lives; eager work allocates a new one from the
     ordinary pool. Waits for the device first: no kernel may still be using one."""

@@ -5,13 +5,14 @@ Invariants
   module and weight with its parent; nothing a downstream node does changes an upstream engine (ComfyUI caches
   node outputs, GUIDE convention 2).
 - Every model call of every node runs inside ``with engine.session(stage):`` (the text encoders through
-  ``sampling/prompt_encoder.py``; ``unet``, ``vae_decode``, ``vae_encode`` here). The session is where the VRAM
-  policy places weights (``placement``), where the UNet's GEGLUs run in one pass (``fast_unet``) and where the
+  ``sampling/prompt_encoder.py``, the VAE through ``vae/``; ``unet`` here). The session is where the VRAM
+  policy places weights (``placement``), where the UNet's GEGLUs run in one pass (``unet_patches``) and where the
   view's adapters (unmerged LoRAs) are attached to the shared modules; all are undone on exit, so a view's LoRA
   never leaks into another view's run.
-- Latents handed to ``unet`` are in the model's *scaled* latent space (``raw * scaling_factor``); ``vae_decode``
-  takes raw latents (ComfyUI's LATENT convention) and returns images in 0..1 as ``[B, H, W, C]`` float32 on the
-  CPU (ComfyUI's IMAGE convention).
+- Latents handed to ``unet`` are in the model's *scaled* latent space (``raw * scaling_factor``); a LATENT is raw
+  (ComfyUI's convention).
+- ``placement.budget`` (``memory/vram_budget.py``) says where the weights live and which hard limit holds; callers
+  read it instead of asking which policy the placement implements.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from typing import Any, Iterator, Optional, Protocol
 
 import torch
 
-from ..vae import untiled
-from .fast_unet import fast_unet
+from .unet_patches import fused_geglus
+from .vram_budget import UNBUDGETED, VramBudget
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,11 @@ class ModelParts:
 
 
 class Placement(Protocol):
-    """Where weights live while a stage runs (a VRAM policy's runtime side; see ``memory/policies.py``)."""
+    """Where weights live while a stage runs (a VRAM policy's runtime side; see ``memory/placement.py``)."""
 
     name: str
+    budget: VramBudget  # where the weights live and the hard limit, if any
+    epoch: int  # bumped whenever the weights move to new device addresses (a captured graph must be recaptured)
 
     def enter(self, engine: "LeanEngine", stage: str) -> None: ...
 
@@ -111,6 +114,8 @@ class ResidentPlacement:
     """Every module on ``engine.device`` for the whole life of the engine (the ``full`` policy, and the CPU)."""
 
     name = "full"
+    budget = UNBUDGETED
+    epoch = 0
 
     def enter(self, engine: "LeanEngine", stage: str) -> None:
         module_for_stage(engine.parts, stage, engine.device, engine.dtype_for(stage))
@@ -206,7 +211,7 @@ class LeanEngine:
         fast = contextlib.ExitStack()  # the one-pass GEGLUs: entered before the adapters, closed after them
         try:
             if stage == "unet":
-                fast.enter_context(fast_unet(self.parts.unet))
+                fast.enter_context(fused_geglus(self.parts.unet))
             for adapter in self.adapters:
                 _attach_adapter(adapter, self.parts, stage)
                 attached.append(adapter)
@@ -231,23 +236,6 @@ class LeanEngine:
         """The UNet's raw prediction (epsilon or v). Call inside ``session("unet")``."""
         kwargs = {"added_cond_kwargs": added_cond_kwargs} if added_cond_kwargs else {}
         return self.parts.unet(latents, timestep, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
-
-    @torch.no_grad()
-    def vae_decode(self, raw_latents: torch.Tensor) -> torch.Tensor:
-        """Raw latents [B,C,h,w] -> IMAGE [B,H,W,3] float32 0..1 on the CPU. Call inside ``session("vae")``."""
-        vae = self.parts.vae
-        z = raw_latents.to(self.stage_device("vae"), self.vae_dtype)
-        with untiled.fast_vae(vae):
-            image = untiled.decode(vae, z)
-        return (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
-
-    @torch.no_grad()
-    def vae_encode(self, image: torch.Tensor) -> torch.Tensor:
-        """IMAGE [B,H,W,3] 0..1 -> raw latents (the distribution's mean). Call inside ``session("vae")``."""
-        vae = self.parts.vae
-        x = image.permute(0, 3, 1, 2).to(self.stage_device("vae"), self.vae_dtype) * 2 - 1
-        with untiled.fast_vae(vae):
-            return untiled.encode(vae, x).float().cpu()
 
     def time_ids(self, height: int, width: int, batch: int) -> torch.Tensor:
         """SDXL added time ids: original size, crop top-left (0, 0), target size, as diffusers' pipeline does

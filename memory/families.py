@@ -1,4 +1,4 @@
-"""Checkpoint families, detected by a declarative registry of key and shape conditions (GUIDE convention 6).
+"""Checkpoint families, detected by a declarative registry of key and shape conditions (``keyrules``).
 
 Invariant: a family is decided from tensor *names and shapes only* (the safetensors header), never from class
 names, file names or tensor values, except for the one thing SD2 checkpoints do not record, SD2's prediction type
@@ -16,12 +16,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional
+
+from .keyrules import AllOf, AnyOf, Has, Lacks, Shapes, all_of, any_of, first_match
 
 if TYPE_CHECKING:
     import torch
-
-Shapes = Mapping[str, Sequence[int]]
 
 UNET = "model.diffusion_model."
 UNET_IN = UNET + "input_blocks.0.0.weight"
@@ -33,87 +33,53 @@ VAE_IN = "first_stage_model.encoder.conv_in.weight"
 
 
 @dataclass(frozen=True)
-class Has:
-    """The key is present (and, when ``ndim``/``axis`` are given, its shape matches)."""
-
-    key: str
-    ndim: Optional[int] = None
-    axis: Optional[int] = None
-    size: Optional[int] = None
-
-    def holds(self, shapes: Shapes) -> bool:
-        shape = shapes.get(self.key)
-        if shape is None:
-            return False
-        if self.ndim is not None and len(shape) != self.ndim:
-            return False
-        if self.axis is not None and (len(shape) <= self.axis or shape[self.axis] != self.size):
-            return False
-        return True
-
-
-@dataclass(frozen=True)
-class AnyOf:
-    conditions: tuple
-
-    def holds(self, shapes: Shapes) -> bool:
-        return any(c.holds(shapes) for c in self.conditions)
-
-
-@dataclass(frozen=True)
-class Lacks:
-    key: str
-
-    def holds(self, shapes: Shapes) -> bool:
-        return self.key not in shapes
-
-
-@dataclass(frozen=True)
 class Family:
     """One registry row: ``name`` is what the engine stores (``sd1``, ``sd2``, ``sdxl``) or the refused family."""
 
     name: str
     display: str
     supported: bool
-    conditions: tuple
-
-    def matches(self, shapes: Shapes) -> bool:
-        return all(c.holds(shapes) for c in self.conditions)
+    rule: AllOf
 
 
 def _both(key: str) -> AnyOf:
     """A key that appears with or without ComfyUI's ``model.diffusion_model.`` prefix."""
-    return AnyOf((Has(key), Has(UNET + key)))
+    return any_of(key, UNET + key)
+
+
+def _unet_in(channels: int) -> Has:
+    """The UNet's first convolution takes ``channels`` input channels."""
+    return Has(UNET_IN, ndim=4, axis=1, size=channels)
 
 
 REGISTRY: tuple[Family, ...] = (
     # Refused families first: their keys can coexist with SD-like keys (an SD3 file has a VAE, say).
     Family("sd3", "Stable Diffusion 3 / 3.5 (MMDiT)", False,
-           (_both("joint_blocks.0.context_block.adaLN_modulation.1.bias"),)),
-    Family("flux", "Flux (double/single-stream DiT)", False, (_both("double_blocks.0.img_attn.norm.key_norm.scale"),)),
+           all_of(_both("joint_blocks.0.context_block.adaLN_modulation.1.bias"))),
+    Family("flux", "Flux (double/single-stream DiT)", False,
+           all_of(_both("double_blocks.0.img_attn.norm.key_norm.scale"))),
     Family("sdxl-refiner", "SDXL refiner (OpenCLIP-G only, no CLIP-L)", False,
-           (Has("conditioner.embedders.0.model.text_projection"),)),
-    Family("inpaint", "inpainting UNet (9 input channels)", False, (Has(UNET_IN, ndim=4, axis=1, size=9),)),
-    Family("instruct-pix2pix", "InstructPix2Pix UNet (8 input channels)", False,
-           (Has(UNET_IN, ndim=4, axis=1, size=8),)),
-    Family("sd-upscale", "Stable Diffusion x4 upscaler (7 input channels)", False, (Has(UNET_IN, ndim=4, axis=1, size=7),)),
-    Family("stable-cascade", "Stable Cascade", False, (AnyOf((Has("clip_txt_mapper.weight"),
-                                                              Has("down_blocks.1.0.channelwise.0.weight"))),)),
+           all_of("conditioner.embedders.0.model.text_projection")),
+    Family("inpaint", "inpainting UNet (9 input channels)", False, all_of(_unet_in(9))),
+    Family("instruct-pix2pix", "InstructPix2Pix UNet (8 input channels)", False, all_of(_unet_in(8))),
+    Family("sd-upscale", "Stable Diffusion x4 upscaler (7 input channels)", False, all_of(_unet_in(7))),
+    Family("stable-cascade", "Stable Cascade", False,
+           all_of(any_of("clip_txt_mapper.weight", "down_blocks.1.0.channelwise.0.weight"))),
     # SDXL-architecture files that sample on a different schedule (ComfyUI's ``SDXL.model_type`` keys): loading them
     # as SDXL base would run them on the DDPM epsilon schedule and give noise, so they are refused by name.
     Family("playground-v2.5", "Playground v2.5 (SDXL UNet with EDM sampling and its own latent scaling)", False,
-           (Has("edm_mean"), Has("edm_std"))),
+           all_of("edm_mean", "edm_std")),
     Family("sdxl-edm-v", "EDM v-prediction SDXL (CosXL and similar; 'edm_vpred.sigma_max' key)", False,
-           (Has("edm_vpred.sigma_max"),)),
+           all_of("edm_vpred.sigma_max")),
     Family("controlnet", "ControlNet (not a full checkpoint)", False,
-           (AnyOf((Has("control_model.time_embed.0.weight"), Has("controlnet_cond_embedding.conv_in.weight"))),)),
+           all_of(any_of("control_model.time_embed.0.weight", "controlnet_cond_embedding.conv_in.weight"))),
     # Supported families.
-    Family("sdxl", "SDXL base", True, (Has(UNET_IN, ndim=4, axis=1, size=4), Has(UNET + "label_emb.0.0.weight"),
-                                       Has(CLIP_L_SDXL), Has(OPENCLIP_SDXL), Has(VAE_IN))),
-    Family("sd2", "Stable Diffusion 2.x", True, (Has(UNET_IN, ndim=4, axis=1, size=4), Has(OPENCLIP_SD2), Has(VAE_IN),
-                                                  Lacks(UNET + "label_emb.0.0.weight"))),
-    Family("sd1", "Stable Diffusion 1.x", True, (Has(UNET_IN, ndim=4, axis=1, size=4), Has(CLIP_L_SD1), Has(VAE_IN),
-                                                  Lacks(UNET + "label_emb.0.0.weight"))),
+    Family("sdxl", "SDXL base", True, all_of(_unet_in(4), UNET + "label_emb.0.0.weight", CLIP_L_SDXL, OPENCLIP_SDXL,
+                                             VAE_IN)),
+    Family("sd2", "Stable Diffusion 2.x", True, all_of(_unet_in(4), OPENCLIP_SD2, VAE_IN,
+                                                       Lacks(UNET + "label_emb.0.0.weight"))),
+    Family("sd1", "Stable Diffusion 1.x", True, all_of(_unet_in(4), CLIP_L_SD1, VAE_IN,
+                                                      Lacks(UNET + "label_emb.0.0.weight"))),
 )
 
 SUPPORTED = tuple(f.name for f in REGISTRY if f.supported)
@@ -125,14 +91,14 @@ class UnsupportedFamilyError(ValueError):
 
 def detect_family(shapes: Shapes, source: str = "checkpoint") -> Family:
     """The first registry family whose conditions all hold; raises :class:`UnsupportedFamilyError` otherwise."""
-    for family in REGISTRY:
-        if family.matches(shapes):
-            if not family.supported:
-                raise UnsupportedFamilyError(
-                    f"{source}: detected family '{family.name}' ({family.display}), which LeanDiffusion does not "
-                    f"run; supported families are SD1.x, SD2.x (epsilon and v) and SDXL base (epsilon and v)")
-            return family
-    raise UnsupportedFamilyError(f"{source}: {_describe_unknown(shapes)}")
+    family = first_match(REGISTRY, shapes)
+    if family is None:
+        raise UnsupportedFamilyError(f"{source}: {_describe_unknown(shapes)}")
+    if not family.supported:
+        raise UnsupportedFamilyError(
+            f"{source}: detected family '{family.name}' ({family.display}), which LeanDiffusion does not "
+            f"run; supported families are SD1.x, SD2.x (epsilon and v) and SDXL base (epsilon and v)")
+    return family
 
 
 def _describe_unknown(shapes: Shapes) -> str:

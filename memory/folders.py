@@ -76,19 +76,7 @@ def load_diffusers_folder(folder: Path) -> dict:
     else:
         components["text_encoder"] = _component(folder, "text_encoder", CLIPTextModel, kw)
         family = "sd2" if unet.config.use_linear_projection else "sd1"
-    sched_file = folder / "scheduler" / "scheduler_config.json"
-    try:
-        scheduler = json.loads(sched_file.read_text()) if sched_file.is_file() else {}
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"model={folder.name!r}: scheduler/scheduler_config.json is not readable JSON "
-                         f"({load_error_reason(exc)}); re-download or re-save the folder") from exc
-    if family == "sd2" and scheduler.get("prediction_type") == "v_prediction":
-        family = "sd2-v"
-    # the family's defaults, overridden by every key of the folder's own config (as diffusers'
-    # DDIMScheduler.from_pretrained(folder) takes them: rescale_betas_zero_snr, trained_betas, thresholding ...)
-    defaults = dict(family_defaults(family)["scheduler"])
-    defaults.update({k: v for k, v in scheduler.items() if not k.startswith("_")})
-    components["scheduler_config"] = defaults
+    family, components["scheduler_config"] = _scheduler_config(folder, family)
     components["family"] = family
     for module in ("unet", "vae", "text_encoder", "text_encoder_2"):
         if module in components:
@@ -98,6 +86,23 @@ def load_diffusers_folder(folder: Path) -> dict:
     if kind == "sdxl":
         components["tokenizer_2"] = _tokenizer(folder, "tokenizer_2", OPENCLIP_PAD)
     return components
+
+
+def _scheduler_config(folder: Path, family: str) -> tuple[str, dict]:
+    """(family, scheduler config): SD2 whose scheduler predicts ``v_prediction`` is ``sd2-v``; the config is the
+    family's defaults overridden by every key of the folder's own (as diffusers' ``DDIMScheduler.from_pretrained``
+    takes them: rescale_betas_zero_snr, trained_betas, thresholding ...)."""
+    sched_file = folder / "scheduler" / "scheduler_config.json"
+    try:
+        scheduler = json.loads(sched_file.read_text()) if sched_file.is_file() else {}
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"model={folder.name!r}: scheduler/scheduler_config.json is not readable JSON "
+                         f"({load_error_reason(exc)}); re-download or re-save the folder") from exc
+    if family == "sd2" and scheduler.get("prediction_type") == "v_prediction":
+        family = "sd2-v"
+    config = dict(family_defaults(family)["scheduler"])
+    config.update({k: v for k, v in scheduler.items() if not k.startswith("_")})
+    return family, config
 
 
 def _component(folder: Path, part: str, cls, kw: dict):

@@ -5,15 +5,10 @@ Estimates (bytes, in the run dtype):
 - UNet activations at the working shape (default: batch 2 for classifier-free guidance, the family's native
   latent size), from the ``meta`` trace of the UNet's blocks: the skip tensors the down path keeps
   (every down-path block output) plus the largest transient inside one block (a transformer block peaks in its
-  GEGLU feed-forward at ~18x its output, a resnet at ~6x with the skip concatenation), times 1.3 for allocator
-  fragmentation, plus a fixed 576 MiB on CUDA (0 on the CPU) for cuBLAS/cuDNN workspaces and the caching
-  allocator's reserved-over-allocated slack. Calibration (H200, torch 2.11, SDXL fp16, latent 128x128, batch 2):
-  the measured ``max_memory_reserved`` above the weights was 0.85 GB under ``full`` and 0.69-0.77 GB under
-  ``stream`` (eager / CUDA graph), while 1.3 x (skips + transient) is 0.33 GB; with the former 256 MiB the
-  estimate (0.58 GB) let the 1.5 GB stream budget overrun to 1.57-1.61 GB. 576 MiB gives 0.89 GB (GB = 2^30 bytes),
-  and ``stream`` kept a further 5% of the budget free (``policies.HEADROOM``): stream peak reserved 1.25 / 1.29 GB
-  at a 1.5 GB budget and 3.59 / 3.63 GB at 4 GB (eager / CUDA graph). Since 2026-11-23 the headroom is 0 (the
-  estimate's own margin suffices under the allocator cap; see ``policies.HEADROOM``): 3.72 / 3.75-3.77 GB at 4 GB;
+  GEGLU feed-forward at ~18x its output, a resnet at ~6x with the skip concatenation), times ``FRAGMENTATION``
+  for the allocator, plus ``WORKSPACE_CUDA`` on CUDA (0 on the CPU) for cuBLAS/cuDNN workspaces and the caching
+  allocator's reserved-over-allocated slack. The sum errs high of the reserved memory a UNet step takes above its
+  weights, so a ``stream`` plan keeps no further headroom (``vram_budget.HEADROOM``);
 - text and VAE activations are small next to their weights for a prompt batch / a decode tile; the VAE stage's
   working memory belongs to the decode node (tiling), so the plan counts VAE weights only.
 
@@ -30,7 +25,7 @@ import torch
 from .hostmem import FlatLayout
 
 GiB = 2 ** 30
-WORKSPACE_CUDA = 576 * 2 ** 20  # see the module docstring (calibrated on an H200)
+WORKSPACE_CUDA = 576 * 2 ** 20  # library workspaces + reserved-over-allocated slack of one UNet step (docstring)
 FRAGMENTATION = 1.3
 TRANSIENT_FACTOR = {"transformer": 18, "resnet": 6, "downsample": 2, "upsample": 3}
 

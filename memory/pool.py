@@ -5,8 +5,8 @@ Invariants
   a repeated run with the same shapes allocates no new device memory and keeps the same addresses (which is what a
   replayed CUDA graph needs). A role is a slot: two buffers alive at once need two roles ("cond", "uncond").
 - Bounded: each role keeps its ``max_per_role`` most recently used keys (default ``DEFAULT_MAX_PER_ROLE``); a new
-  shape beyond that drops the role's least recently used buffer from the pool. Without the bound every image size,
-  batch and prompt length a session ever used stayed allocated for the life of the model. A dropped buffer stays
+  shape beyond that drops the role's least recently used buffer from the pool (without the bound every image size,
+  batch and prompt length ever used would stay allocated for the life of the model). A dropped buffer stays
   valid for whoever still holds it (a cached CUDA graph's program holds its own buffers).
 - Contents are not cleared between uses unless ``zero=True``; callers overwrite what they take.
 - ``stats()`` counts allocations; a test asserts that a second identical run adds none.

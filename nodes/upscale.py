@@ -1,9 +1,10 @@
-"""ESRGAN Upscale node: argument plumbing over ``upscale.loader`` and ``upscale.runner``."""
+"""ESRGAN Upscale node: argument plumbing over ``upscale.loader``, ``upscale.options`` and ``upscale.runner``."""
 from __future__ import annotations
 
 from ..bridge import list_models, model_fingerprint, resolve_model
 from ..upscale.loader import EXTENSIONS, load_upscaler
-from ..upscale.runner import DEVICES, MAX_OVERLAP, MAX_TILE, PRECISIONS, check_options, upscale_images
+from ..upscale.options import DEVICES, MAX_OVERLAP, MAX_TILE, PRECISIONS, check_options
+from ..upscale.runner import upscale_images
 
 
 class LeanESRGANUpscale:

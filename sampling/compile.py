@@ -24,15 +24,12 @@ Invariants
   blocks of the same modules. Blocks of one class share dynamo's cache, so the recompile limit is raised for the
   call (one entry per distinct block shape and batch size).
 - ``auto`` compiles the whole UNet unless it has more than ``REGIONAL_ABOVE_BLOCKS`` transformer blocks, and then
-  ``blocks+resnets``: its first run is 15 s (30%) shorter than ``transformers+resnets``'s for a loop 1.5% slower,
-  and a user pays the compile at every server start and new shape. Measured on an H200 (fp16, 2026-11-22, `.carry/diag/regional.py`-style runs, first run
-  = compile + capture; loop = 20/30 CUDA-graph-replayed steps):
-  SD1.5 (16 blocks): full 54 s / 146 ms, blocks+resnets 51 s / 171 ms, blocks 24 s / 230 ms -> full;
-  SDXL (70 blocks): full ~105 s / 1007 ms (earlier run), transformers+resnets 50 s / 1015 ms,
-  blocks+resnets 35 s / 1030 ms, blocks 11 s / 1165 ms (CUDA graphs without compile: 1270 ms) -> regional,
-  blocks+resnets.
-  A large UNet's whole graph takes long to compile and gains little over its blocks compiled alone; a small
-  UNet's whole graph compiles about as fast as its regions and fuses across block boundaries.
+  ``blocks+resnets``. Why: a large UNet's whole graph takes long to compile and gains little over its blocks
+  compiled alone (SDXL: the regional first run is about a third of the full one, for a loop ~2% slower), and a user
+  pays the compile at every server start and new shape; a small UNet's whole graph compiles about as fast as its
+  regions and fuses across block boundaries (SD1.5: ``full`` gives the fastest loop). Among regional scopes,
+  ``blocks+resnets`` compiles faster than ``transformers+resnets`` for a loop about as fast, while ``blocks`` alone
+  leaves too much eager.
 """
 from __future__ import annotations
 

@@ -6,9 +6,8 @@ Invariants
   changing ``cfg``, ``eta``'s value, the step count or the seed never recaptures.
 - The key holds everything the captured kernels depend on: latent shape, dtypes, device, the CFG layout (calls x
   copies, context and pooled shapes), whether eta noise is read, whether the UNet is compiled, the placement's
-  name (plus its ``epoch`` - bumped when it re-placed the weights - and ``graph_key`` when it has them), every
-  adapter's ``graph_key`` (LoRA strengths are *not* part of it: they live in persistent device tensors the adapter
-  writes at attach time) and a fingerprint of the UNet's parameter/buffer addresses (moved weights invalidate the
+  name and ``epoch`` (bumped when it re-placed the weights), every adapter's ``graph_key`` (LoRA strengths are
+  *not* part of it: they live in persistent device tensors the adapter writes at attach time) and a fingerprint of the UNet's parameter/buffer addresses (moved weights invalidate the
   graph instead of replaying reads of freed memory). A different key captures again; the same key replays. A
   cached graph keeps its view's adapters alive, so a LoRA binding (whose buffers the graph reads) is the one any
   later view with the same key gets, never a new one at other addresses.
@@ -50,7 +49,7 @@ class CudaGraphBackend:
     A warm-up or capture that raises (out of memory, say) leaves nothing behind for the caller's next work (the
     sampler's retry or eager fallback, which reuses the same buffers): the caller's stream is ordered after every
     warm-up kernel already enqueued, and cuBLAS holds no workspace from the failed graph's pool (it would keep
-    that pool reserved: 32 MiB measured on an H100, 2026-11-22).
+    that pool reserved).
     """
 
     name = "cuda"
@@ -94,8 +93,7 @@ def weights_fingerprint(module: torch.nn.Module) -> int:
 
 def graph_key(engine: LeanEngine, program_key: Hashable, compiled: bool) -> Hashable:
     placement = engine.placement
-    return (program_key, compiled, str(engine.device), getattr(placement, "name", type(placement).__name__),
-            getattr(placement, "epoch", None), getattr(placement, "graph_key", None),
+    return (program_key, compiled, str(engine.device), placement.name, placement.epoch,
             tuple(adapter_key(a) for a in engine.adapters), weights_fingerprint(engine.parts.unet))
 
 

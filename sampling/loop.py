@@ -37,7 +37,7 @@ import torch
 
 from .. import bridge
 from ..kernels.dispatch import triton_unusable_reason
-from ..memory.budget import budgeted_plan, ensure_room
+from ..memory.budget import ensure_room
 from ..memory.engine import LeanEngine
 from . import ddim
 from .cfg import Conditioning, encode_conditioning, unet_calls
@@ -168,9 +168,9 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
 
 
 def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional[GraphRunner]) -> str:
-    """The acceleration that can run here: CUDA graphs need a CUDA device (or a test backend) and a capture-safe
-    placement; compile needs a placement that allows it and, on a CUDA device, a usable Triton (installed, compute
-    capability 7.0+). Fallbacks are logged."""
+    """The acceleration that can run here: CUDA graphs need a CUDA device (or a test backend); compile needs a
+    placement whose budget allows it (``VramBudget.supports_compile``) and, on a CUDA device, a usable Triton
+    (installed, compute capability 7.0+). Fallbacks are logged."""
     if acceleration == Acceleration.NONE.value:
         return acceleration
     cuda_backend = runner is None or getattr(runner.backend, "name", "") == "cuda"
@@ -178,16 +178,9 @@ def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional
         logger.info("acceleration=%r needs a CUDA device; running eagerly on %s", acceleration, engine.device)
         return Acceleration.NONE.value
     placement = engine.placement
-    if not getattr(placement, "supports_cuda_graph", True):
-        logger.info("the %r VRAM policy cannot be captured in a CUDA graph; running eagerly",
-                    getattr(placement, "name", placement))
-        return Acceleration.NONE.value
-    # the stream policy's hooks fork side-stream copies per block: capturable, but not something to trace through
-    # dynamo unless the placement says so
-    compile_ok = getattr(placement, "supports_compile", getattr(placement, "name", "") != "stream")
-    if acceleration == Acceleration.COMPILE.value and not compile_ok:
+    if acceleration == Acceleration.COMPILE.value and not placement.budget.supports_compile:
         logger.info("the %r VRAM policy does not support torch.compile; using cuda_graph without compile",
-                    getattr(placement, "name", placement))
+                    placement.name)
         return Acceleration.CUDA_GRAPH.value
     if acceleration == Acceleration.COMPILE.value and engine.device.type == "cuda":
         reason = triton_unusable_reason(engine.device)
@@ -281,46 +274,53 @@ def prepare_steps(engine: LeanEngine, conditioning: Conditioning, x_init: torch.
         program.set_step(t_table[0], table[0], torch.zeros(shape) if has_noise else None)
 
     mode = resolve_acceleration(engine, acceleration, runner)
-    plan = budgeted_plan(engine)
-    if mode == Acceleration.NONE.value and plan is not None:  # cached graphs of other runs must not crowd it out
-        ensure_room(engine, plan.unet_activation_bytes, "eager UNet run")
+    budget = engine.placement.budget
+    if mode == Acceleration.NONE.value and budget.hard:  # cached graphs of other runs must not crowd it out
+        ensure_room(engine, budget.activation_bytes, "eager UNet run")
     program = None
     advance = None
     unet_fn = eager_unet_fn(engine)
     if mode != Acceleration.NONE.value:
-        runner = runner if runner is not None else default_runner()
-        compiled = mode == Acceleration.COMPILE.value
-        graph_fn = compiled_unet_fn(engine) if compiled else unet_fn
         key = program_key(shape, model_dtype, copies, conditioning, has_noise, schedule.prediction_type, calls)
-        captured, error = None, None
-        for attempt in range(2):
-            had_others = bool(runner.cached_keys(engine))
-            try:
-                captured = runner.step_for(engine, key, lambda: build(graph_fn), prepare, compiled=compiled)
-            except torch.cuda.OutOfMemoryError as exc:
-                error = str(exc)
-            except _compile_errors() as exc:
-                if not compiled:
-                    raise
-                raise RuntimeError(
-                    f"acceleration={mode!r}: torch.compile could not compile the UNet ({compile_failure(exc)}); use "
-                    f"acceleration='cuda_graph' (the same CUDA-graph replay without compiling), or install what "
-                    f"torch's inductor needs (a Triton matching torch and a C++ compiler)") from exc
-            if captured is not None:
-                break
-            runner.clear(engine)  # outside the except block: the failed capture's tensors are released
-            if not had_others:  # nothing else was holding memory: a second try would fail the same way
-                break
+        captured = _capture(engine, mode, key, build, prepare, unet_fn, runner, shape[0])
         if captured is not None:
-            program, advance, unet_fn = captured.program, captured.replay, graph_fn
-        else:
-            logger.warning("capturing the %s step (batch %d) ran out of GPU memory (%s); dropped this model's "
-                           "cached graphs and running eagerly", mode, shape[0], error)
+            program, advance, unet_fn = captured
     if program is None:
         program = build(unet_fn)
         prepare(program)
         advance = program.step
     return PreparedSteps(program, advance, unet_fn, t_table, table, has_noise, shape)
+
+
+def _capture(engine: LeanEngine, mode: str, key: tuple, build: Callable, prepare: Callable, unet_fn: Callable,
+             runner: Optional[GraphRunner], batch: int) -> Optional[tuple]:
+    """(program, replay, unet_fn) of the captured (or cached) step; ``None`` when capturing ran out of GPU memory
+    (this model's cached graphs dropped; one more try when other graphs were holding memory)."""
+    runner = runner if runner is not None else default_runner()
+    compiled = mode == Acceleration.COMPILE.value
+    graph_fn = compiled_unet_fn(engine) if compiled else unet_fn
+    captured, error = None, None
+    for _ in range(2):
+        had_others = bool(runner.cached_keys(engine))
+        try:
+            captured = runner.step_for(engine, key, lambda: build(graph_fn), prepare, compiled=compiled)
+        except torch.cuda.OutOfMemoryError as exc:
+            error = str(exc)
+        except _compile_errors() as exc:
+            if not compiled:
+                raise
+            raise RuntimeError(
+                f"acceleration={mode!r}: torch.compile could not compile the UNet ({compile_failure(exc)}); use "
+                f"acceleration='cuda_graph' (the same CUDA-graph replay without compiling), or install what "
+                f"torch's inductor needs (a Triton matching torch and a C++ compiler)") from exc
+        if captured is not None:
+            return captured.program, captured.replay, graph_fn
+        runner.clear(engine)  # outside the except block: the failed capture's tensors are released
+        if not had_others:  # nothing else was holding memory: a second try would fail the same way
+            break
+    logger.warning("capturing the %s step (batch %d) ran out of GPU memory (%s); dropped this model's cached "
+                   "graphs and running eagerly", mode, batch, error)
+    return None
 
 
 def run_steps(prepared: PreparedSteps, generator: Optional[torch.Generator],

@@ -1,7 +1,9 @@
-"""The Fused DDIM Sampler's settings: one frozen value, validated once at the public entry point.
+"""The samplers' settings: one frozen value per run, validated once at the public entry point.
 
-Invariant: a ``SamplerSettings`` that passed ``validated()`` describes a run that can start (every number in its
-range, every choice known); the errors name the argument, the bad value and the fix.
+Invariant: a settings value that passed ``validated()`` describes a run that can start (every number in its
+range, every choice known); the errors name the argument, the bad value and the fix. ``SamplerSettingsBase``
+holds the inputs both samplers share and their rules, so a value one sampler node accepts the other accepts too;
+``SamplerSettings`` (the Fused DDIM Sampler) and ``stream.settings.StreamSettings`` extend it.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 def check_int(name: str, value, lo: int, hi: int, fix: str = "") -> int:
     """``value`` if it is an int (not a bool) in ``lo..hi``; else ``TypeError``/``ValueError`` naming ``name``, the
-    value, the range and ``fix`` (a hint in parentheses, when given). Shared by both samplers' settings."""
+    value, the range and ``fix`` (a hint in parentheses, when given)."""
     hint = f" ({fix})" if fix else ""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}={value!r}: expected an int{hint}")
@@ -40,7 +42,8 @@ def check_int(name: str, value, lo: int, hi: int, fix: str = "") -> int:
     return value
 
 
-def _float(name: str, value, lo: float, hi: float) -> float:
+def check_float(name: str, value, lo: float, hi: float) -> float:
+    """``float(value)`` if it is a finite number (not a bool) in ``lo..hi``; else ``TypeError``/``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TypeError(f"{name}={value!r}: expected a finite number")
     if not lo <= value <= hi:
@@ -48,23 +51,24 @@ def _float(name: str, value, lo: float, hi: float) -> float:
     return float(value)
 
 
-@dataclass(frozen=True)
-class SamplerSettings:
-    """What one run of the Fused DDIM Sampler does (the node's inputs, minus the model and the latent)."""
+def check_choice(name: str, value, choices: tuple) -> None:
+    """``ValueError`` naming ``name`` and the known ``choices`` unless ``value`` is one of them."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {choices}")
 
-    positive: str
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerSettingsBase:
+    """The inputs both sampler nodes share (keyword-only, so each sampler's own first field stays positional)."""
+
     negative: str = ""
     seed: int = 0
     steps: int = 30
     cfg: float = 7.5
-    eta: float = 0.0
     width: int = 512
     height: int = 512
-    batch_size: int = 1
     timestep_spacing: str = "leading"
-    cfg_mode: str = "batched"
     acceleration: str = "cuda_graph"
-    denoise: float = 1.0
     # how the prompt strings are read: "extended" (ComfyUI's rules + [x] and BREAK) or "comfyui" (docs/prompts.md)
     prompt_syntax: str = "extended"
 
@@ -73,10 +77,10 @@ class SamplerSettings:
         """Classifier-free guidance runs unless ``cfg == 1`` (where u + 1 (c - u) = c and the uncond pass is moot)."""
         return self.cfg != 1.0
 
-    def validated(self) -> "SamplerSettings":
-        for name in ("positive", "negative"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name}: expected a prompt string, got {type(getattr(self, name)).__name__}")
+    def _validated_shared(self) -> float:
+        """Check the shared inputs; return ``cfg`` as a float."""
+        if not isinstance(self.negative, str):
+            raise TypeError(f"negative: expected a prompt string, got {type(self.negative).__name__}")
         check_int("seed", self.seed, 0, MAX_SEED)
         check_int("steps", self.steps, 1, 1000)
         for name in ("width", "height"):
@@ -84,20 +88,33 @@ class SamplerSettings:
             if value % 8:
                 raise ValueError(f"{name}={value} is not a multiple of 8 (the VAE downsamples by 8); use "
                                  f"{value // 8 * 8} or {value // 8 * 8 + 8}")
+        cfg = check_float("cfg", self.cfg, 0.0, 30.0)
+        check_choice("timestep_spacing", self.timestep_spacing, SPACINGS)
+        check_choice("acceleration", self.acceleration, ACCELERATIONS)
+        check_choice("prompt_syntax", self.prompt_syntax, SYNTAXES)
+        return cfg
+
+
+@dataclass(frozen=True)
+class SamplerSettings(SamplerSettingsBase):
+    """What one run of the Fused DDIM Sampler does (the node's inputs, minus the model and the latent)."""
+
+    positive: str
+    eta: float = 0.0
+    batch_size: int = 1
+    cfg_mode: str = "batched"
+    denoise: float = 1.0
+
+    def validated(self) -> "SamplerSettings":
+        if not isinstance(self.positive, str):
+            raise TypeError(f"positive: expected a prompt string, got {type(self.positive).__name__}")
+        cfg = self._validated_shared()
         check_int("batch_size", self.batch_size, 1, 64)
-        cfg = _float("cfg", self.cfg, 0.0, 30.0)
-        eta = _float("eta", self.eta, 0.0, 1.0)
-        denoise = _float("denoise", self.denoise, 0.0, 1.0)
+        eta = check_float("eta", self.eta, 0.0, 1.0)
+        denoise = check_float("denoise", self.denoise, 0.0, 1.0)
         if int(self.steps * denoise) < 1:
             raise ValueError(f"steps * denoise = {self.steps} * {denoise:g} = {self.steps * denoise:g} leaves no step "
                              f"to run (int(steps * denoise) steps run); raise steps or denoise so the product is "
                              f"at least 1")
-        if self.timestep_spacing not in SPACINGS:
-            raise ValueError(f"timestep_spacing={self.timestep_spacing!r}: expected one of {SPACINGS}")
-        if self.cfg_mode not in CFG_MODES:
-            raise ValueError(f"cfg_mode={self.cfg_mode!r}: expected one of {CFG_MODES}")
-        if self.acceleration not in ACCELERATIONS:
-            raise ValueError(f"acceleration={self.acceleration!r}: expected one of {ACCELERATIONS}")
-        if self.prompt_syntax not in SYNTAXES:
-            raise ValueError(f"prompt_syntax={self.prompt_syntax!r}: expected one of {SYNTAXES}")
+        check_choice("cfg_mode", self.cfg_mode, CFG_MODES)
         return replace(self, cfg=cfg, eta=eta, denoise=denoise)

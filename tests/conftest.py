@@ -38,9 +38,9 @@ def _torch_compiler_initialised():
 
     The CUDA compile multiplies by a constant unique to this process, so it is always compiled afresh: a graph
     served from Inductor's on-disk cache skips code generation, and with it the recursion limit and the Triton
-    environment, so on a machine whose cache already held the tiny graph (any earlier test process) every compiling
-    test failed that check while a fresh machine passed (session 22, H100: the five compile tests of one run).
-    Turning the caches off for the compile is not enough: Inductor then sets TRITON_CACHE_DIR only inside it."""
+    environment, so on a machine whose cache already holds the tiny graph (any earlier test process) every compiling
+    test would fail that check while a fresh machine passes. Turning the caches off for the compile is not enough:
+    Inductor then sets TRITON_CACHE_DIR only inside it."""
     torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(8))
     if torch.cuda.is_available():
         unique = float(os.getpid()) + time.time_ns() % 10**9 / 1e9

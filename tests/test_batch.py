@@ -1,6 +1,6 @@
 """``batch.py`` alone: the bar over a batch through several out-of-memory restarts, and ``release_frames`` along an
-exception's implicit context (session-20 mutation audit: neither mutant -- ``restart`` not recording the new units,
-``release_frames`` following only ``__cause__`` -- failed any test of the loops that use them)."""
+exception's implicit context (the tests of the loops that use them would pass with ``restart`` not recording the new
+units, or ``release_frames`` following only ``__cause__``)."""
 import gc
 import weakref
 
@@ -78,9 +78,9 @@ def _raise_from_an_earlier_error_while_handling_another(refs):
 
 
 def test_release_frames_follows_both_the_cause_and_the_context():
-    """Session-22 mutation audit: ``raise X from saved`` inside another handler gives X a cause and a different
-    context; ``release_frames`` walked one chain (``__cause__ or __context__``), so the context's finished frames
-    kept their locals alive although the docstring promises none does."""
+    """``raise X from saved`` inside another handler gives X a cause and a different context; ``release_frames`` walks
+    both chains (walking one, ``__cause__ or __context__``, the context's finished frames keep their locals alive
+    although the docstring promises none does)."""
     refs = []
     try:
         _raise_from_an_earlier_error_while_handling_another(refs)

@@ -98,13 +98,13 @@ def test_resolve_missing_names_folder(models_dir):
 
 @pytest.mark.parametrize("name", ["", "   ", None])
 def test_resolve_refuses_an_empty_name(models_dir, name):
-    """Session-14 coverage audit: never run."""
+    """An empty or missing model name is refused naming the input and the folder."""
     with pytest.raises(ValueError, match=rf"lora_name: expected a model name from the 'loras' folder, got {name!r}"):
         bridge.resolve_model("loras", name, "lora_name")
 
 
 def test_resolve_without_a_models_folder_says_how_to_configure_one(monkeypatch):
-    """Outside ComfyUI without LEANDIFFUSION_MODELS (session-14 coverage audit: never run)."""
+    """Outside ComfyUI without LEANDIFFUSION_MODELS."""
     monkeypatch.delenv(bridge.MODELS_ENV, raising=False)
     with pytest.raises(ValueError, match=r"model='m.safetensors': no 'checkpoints' model folder is configured; inside "
                                          r"ComfyUI put the file in models/checkpoints/, outside ComfyUI set "
@@ -196,7 +196,7 @@ def test_loader_and_upscaler_follow_comfyuis_cpu_mode(monkeypatch):
     import torch
 
     from leandiffusion.memory.load import load_engine
-    from leandiffusion.upscale.runner import choose_device
+    from leandiffusion.upscale.options import choose_device
 
     fake = _FakeModelManagement(torch.device("cpu"))
     monkeypatch.setattr(bridge, "_comfy_module", lambda name: fake if name == "comfy.model_management" else None)
@@ -207,7 +207,7 @@ def test_loader_and_upscaler_follow_comfyuis_cpu_mode(monkeypatch):
     assert engine.device == torch.device("cpu")
 
 
-# ------------------------------------------------------------------ session-22 mutation audit: ComfyUI hooks
+# ------------------------------------------------------------------ ComfyUI hooks, each call recorded
 class _RecordingModelManagement(_FakeModelManagement):
     """ComfyUI's model_management as the bridge calls it: every call recorded."""
 
@@ -335,9 +335,9 @@ def test_an_importable_but_unloaded_comfyui_is_left_alone(monkeypatch, tmp_path)
 
 
 def test_fingerprint_tells_apart_files_that_differ_only_in_inode(models_dir, monkeypatch):
-    """A replacement that lands within one tick of the kernel's coarse clock keeps ctime as well as size and mtime;
-    only the inode then tells the files apart (session-22 mutation audit: the inode could be dropped from the digest
-    with every test passing, as any real replacement in a test also changes ctime). The stat is faked here."""
+    """A replacement that lands within one tick of the kernel's coarse clock keeps ctime as well as size and mtime; only
+    the inode then tells the files apart (any real replacement in a test also changes ctime, so only a faked stat sees a
+    digest without the inode). The stat is faked here."""
     import os
     from pathlib import Path
 

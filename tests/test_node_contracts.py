@@ -33,15 +33,15 @@ def test_node_declaration(node_id, cls):
 
 @pytest.mark.parametrize("node_id,cls", NODES, ids=[n for n, _ in NODES])
 def test_every_output_has_a_tooltip(node_id, cls):
-    """ComfyUI shows OUTPUT_TOOLTIPS on hover over an output slot; the Fused DDIM Sampler, ESRGAN Upscale and both
-    Tiled VAE nodes had none (found by the UX audit in a real ComfyUI's /object_info)."""
+    """ComfyUI shows OUTPUT_TOOLTIPS on hover over an output slot (a real ComfyUI's /object_info lists them): every
+    node has one per output."""
     tips = getattr(cls, "OUTPUT_TOOLTIPS", None)
     assert isinstance(tips, tuple) and len(tips) == len(cls.RETURN_TYPES), f"{node_id}: OUTPUT_TOOLTIPS"
     assert all(isinstance(t, str) and t.strip() for t in tips), f"{node_id}: empty output tooltip"
 
 
 # Node -> (file-backed input, model folder, a file name in it). ComfyUI caches node outputs by their inputs alone, so
-# a model replaced on disk under the same name was never picked up before the server restarted (UX audit).
+# a model replaced on disk under the same name would not be picked up before the server restarted.
 FILE_INPUTS = {"LeanLoraInjector": ("lora_name", "loras", "style.safetensors"),
                "LeanESRGANUpscale": ("model_name", "upscale_models", "x4.pth"),
                "LeanModelLoader": ("model", "checkpoints", "sd15.safetensors")}
@@ -80,8 +80,8 @@ def test_loader_fingerprint_of_tiny_model_and_diffusers_folder(tmp_path, monkeyp
 
 
 def test_stream_decode_tile_size_error_names_the_input():
-    """The Stream Scheduler Sampler reported a too-small decode_tile_size as 'tile_size=64', an input it does not
-    have (UX audit)."""
+    """The Stream Scheduler Sampler names a too-small decode_tile_size by its own input name, not as 'tile_size=64',
+    an input it does not have."""
     from leandiffusion.sampling.stream.settings import StreamSettings
 
     with pytest.raises(ValueError, match=r"^decode_tile_size=64 is below the minimum 128 px; use 0 \(auto\)"):
@@ -117,8 +117,8 @@ def test_number_inputs_fit_the_editor_widgets(where, kind, opts):
 
 def test_a_node_id_declared_by_two_modules_fails_the_import(monkeypatch):
     """Node IDs are what saved workflows reference, so a second module declaring one is an import-time error, not a
-    silent override (session-22 mutation audit: the check could be dropped with every test passing). The registry
-    is re-run with one stand-in module that re-declares ``LeanModelLoader``, then restored."""
+    silent override. The registry is re-run with one stand-in module that re-declares ``LeanModelLoader``, then
+    restored."""
     import importlib
     import pkgutil
     import sys

@@ -1,6 +1,6 @@
 """``runner/client.py`` against answers ComfyUI (or something in front of it) can give, one case at a time.
 
-Guards (session-14 coverage audit: none of these paths had run in any test):
+Guards:
 - every refusal kind ComfyUI 0.3.64's ``validate_inputs``/``validate_prompt`` writes (``execution.py``) becomes one
   plain sentence naming the input and the value (bodies shaped as that file builds them);
 - a non-JSON answer to ``POST /prompt`` (a proxy's 502 page, another service) was reported as a refused workflow

@@ -156,8 +156,7 @@ def test_out_under_a_file_is_refused_before_running(fake, tmp_path, capsys):
 
 
 def test_out_in_a_folder_without_write_permission_is_refused_before_running(fake, tmp_path, capsys, monkeypatch):
-    """Session-14 coverage audit (never run: the suite runs as root, who may write anywhere): os.access stands in
-    for a read-only folder."""
+    """The suite may run as root, who may write anywhere: os.access stands in for a read-only folder."""
     import os
 
     real_access = os.access

@@ -219,7 +219,7 @@ def test_a_refusal_unrelated_to_unknown_nodes_is_not_blamed_on_the_pack(fake_com
 
 def test_a_node_failing_on_the_started_comfyui_brings_its_log(fake_comfyui_dir, tmp_path, monkeypatch, capsys):
     """The started server's traceback is in its log, which goes away with the server: the error lines end with the
-    log's tail (session-14 coverage audit: this path had never run)."""
+    log's tail."""
     from leandiffusion.runner.cli import main
     from leandiffusion.runner.errors import EXIT_EXECUTION
 
@@ -234,7 +234,7 @@ def test_a_node_failing_on_the_started_comfyui_brings_its_log(fake_comfyui_dir, 
     assert not _alive(_server_pid(fake_comfyui_dir)) and not (tmp_path / "out").exists()
 
 
-# --------------------------------------------------------------------------------------------- mutation audit, s23
+# ------------------------------------------------------------------------------ options reaching ComfyUI's command line
 def test_options_reach_the_command_line_and_the_model_paths_config(fake_comfyui_dir, tmp_path):
     """Every model sub-folder is mapped under ``models_dir``; ``input_dir`` and ``extra_args`` reach ComfyUI's
     command line (the fake prints its arguments and the config into the log)."""

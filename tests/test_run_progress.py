@@ -1,8 +1,8 @@
 """``runner/progress.py``: the node bar counts every node once, cached ones included, and never raises.
 
-Guards (session-14 coverage audit: these paths had never run): nodes ComfyUI reports as cached
-(``execution_cached``, every run after the first) advance the bar; a node reported twice or not in the prompt is
-not counted; without tqdm each node is one plain line on stderr, and stdout stays empty.
+Guards: nodes ComfyUI reports as cached (``execution_cached``, every run after the first) advance the bar; a node
+reported twice or not in the prompt is not counted; without tqdm each node is one plain line on stderr, and stdout stays
+empty.
 """
 import io
 

@@ -46,7 +46,7 @@ def test_cut_short_or_garbage_is_one_named_line(tmp_path, content):
         load_tensors(path, "lora file")
     message = str(err.value)
     assert "\n" not in message and message.endswith("Re-download it if it is cut short, or convert it to .safetensors")
-    if content in ("half", b""):  # b"": torch raises a bare EOFError (session-22 mutation audit: its branch untested)
+    if content in ("half", b""):  # b"": torch raises a bare EOFError, a branch of its own
         assert "cut short or corrupt" in message
     if content == b"\x80\x04garbage":
         assert "not a torch weights file, or corrupt" in message
@@ -85,10 +85,10 @@ def test_safetensors_tensors_survive_the_file_being_overwritten_in_place(tmp_pat
 
 
 def test_large_finite_values_are_not_refused_as_non_finite():
-    """Session 20 mutation audit: ``refuse_non_finite`` screens each tensor by its fp32 sum, which overflows for large
-    finite values; dropping the exact ``isfinite`` check behind the screen passed every test, all of whose non-finite
-    tensors held NaN or inf. Finite values whose sum overflows fp32 (an fp32 tensor near its maximum, an fp64 one
-    beyond it) pass; a NaN or inf beside them is still named."""
+    """``refuse_non_finite`` screens each tensor by its fp32 sum, which overflows for large finite values, so the exact
+    ``isfinite`` check behind the screen decides (tests whose non-finite tensors hold NaN or inf would pass without it).
+    Finite values whose sum overflows fp32 (an fp32 tensor near its maximum, an fp64 one beyond it) pass; a NaN or inf
+    beside them is still named."""
     big = {"f32": torch.full((4,), 3e38), "f64": torch.tensor([1e300, -1e300, 1e300], dtype=torch.float64),
            "f16": torch.full((8,), 65504.0, dtype=torch.float16)}
     assert not torch.isfinite(big["f32"].sum(dtype=torch.float32))  # the screen alone would refuse it
@@ -100,8 +100,8 @@ def test_large_finite_values_are_not_refused_as_non_finite():
 
 
 def test_refuse_non_finite_names_ten_tensors_then_elides():
-    """The docstring's "up to ten": twelve bad tensors give the first ten in key order, then `` ...`` (session-22
-    mutation audit: naming only the first one passed every test, which had at most one bad tensor)."""
+    """The docstring's "up to ten": twelve bad tensors give the first ten in key order, then `` ...`` (tests with at
+    most one bad tensor would pass naming only the first one)."""
     bad = {f"k{i:02d}": torch.tensor([float("nan")]) for i in range(12)}
     with pytest.raises(ValueError) as err:
         refuse_non_finite(bad, "test file", "outputs bad", "re-export it")
@@ -111,8 +111,8 @@ def test_refuse_non_finite_names_ten_tensors_then_elides():
 
 
 def test_a_long_reason_is_cut_to_one_short_line():
-    """A reason is its first line, at most 200 characters (197 and ``...``), whitespace folded (session-22 mutation
-    audit: the cut could be dropped with every test passing: their reasons were short)."""
+    """A reason is its first line, at most 200 characters (197 and ``...``), whitespace folded (short reasons would pass
+    without the cut)."""
     from leandiffusion.torchfile import load_error_reason
 
     reason = load_error_reason(OSError("x" * 150 + " \t " + "y" * 150 + "\nsecond line"))
@@ -121,8 +121,7 @@ def test_a_long_reason_is_cut_to_one_short_line():
 
 def test_a_legacy_protocol_4_pickle_is_refused_without_torchs_warning(tmp_path):
     """A legacy (non-zip) torch file pickled with protocol 4 is refused by the safe unpickler; torch first warns
-    "Detected pickle protocol 4", noise beside the one-line refusal, which the loader silences (session-22 mutation
-    audit: no test saw the warning)."""
+    "Detected pickle protocol 4", noise beside the one-line refusal, which the loader silences."""
     import warnings
 
     path = tmp_path / "old.pt"

@@ -1,11 +1,11 @@
 """Declarative architecture detection: a state dict's keys pick an entry, its tensor shapes give the hyperparameters.
 
-Invariant: detection never looks at file names or class names. Each ``ArchEntry`` holds a ``KeyCondition`` tree
-(all-of / any-of / none-of over key names) and a builder that renames the keys to the canonical naming of
-``arch_rrdb`` / ``arch_compact``, reads every hyperparameter from tensor shapes and loads the weights strictly
-(a key too many or too few is an error, never a silently random layer). Modules are built on the meta device, so
-building one never touches torch's global random generator. The first matching entry wins, so
-entries are ordered from most to least specific.
+Invariant: detection never looks at file names or class names. Each ``ArchEntry`` holds a key rule (the
+``memory.keyrules`` language: all-of / none-of over key names) and a builder that renames the keys to the canonical
+naming of ``arch_rrdb`` / ``arch_compact``, reads every hyperparameter from tensor shapes and loads the weights
+strictly (a key too many or too few is an error, never a silently random layer). Modules are built on the meta
+device, so building one never touches torch's global random generator. The first matching entry wins, so entries
+are ordered from most to least specific.
 
 Key namings handled for RRDBNet:
 - Real-ESRGAN / BasicSR: ``conv_first``, ``body.{i}.rdb{j}.conv{k}``, ``conv_body``, ``conv_up{n}``, ``conv_hr``,
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Mapping, Union
+from typing import Callable, Mapping
 
 import torch
 
+from ..memory.keyrules import AllOf, all_of, first_match, none_of, shapes_of
 from .arch_compact import SRVGGNetCompact
 from .arch_rrdb import TAIL_HALO, RRDBNet
 from .descriptor import Upscaler
@@ -32,34 +33,10 @@ from .descriptor import Upscaler
 StateDict = Mapping[str, torch.Tensor]
 
 
-# --------------------------------------------------------------------------------------------- conditions
-@dataclass(frozen=True)
-class KeyCondition:
-    """``kind`` is "all" or "none" over ``items`` (key names or nested conditions)."""
-
-    kind: str
-    items: tuple
-
-    def matches(self, keys) -> bool:
-        hits = (item.matches(keys) if isinstance(item, KeyCondition) else item in keys for item in self.items)
-        return all(hits) if self.kind == "all" else not any(hits)
-
-
-Item = Union[str, KeyCondition]
-
-
-def has_all(*items: Item) -> KeyCondition:
-    return KeyCondition("all", items)
-
-
-def has_none(*items: Item) -> KeyCondition:
-    return KeyCondition("none", items)
-
-
 @dataclass(frozen=True)
 class ArchEntry:
     name: str
-    detect: KeyCondition
+    rule: AllOf
     build: Callable[[StateDict], Upscaler]
 
 
@@ -193,27 +170,23 @@ def build_compact(sd: StateDict) -> Upscaler:
 
 REGISTRY: tuple[ArchEntry, ...] = (
     ArchEntry("ESRGAN (Real-ESRGAN keys)",
-              has_all("conv_first.weight", "body.0.rdb1.conv1.weight", "conv_body.weight", "conv_hr.weight",
-                      "conv_last.weight"),
+              all_of("conv_first.weight", "body.0.rdb1.conv1.weight", "conv_body.weight", "conv_hr.weight",
+                     "conv_last.weight"),
               build_rrdb),
     ArchEntry("ESRGAN (BSRGAN/RealSR keys)",
-              has_all("conv_first.weight", "RRDB_trunk.0.RDB1.conv1.weight", "trunk_conv.weight", "HRconv.weight",
-                      "conv_last.weight"),
+              all_of("conv_first.weight", "RRDB_trunk.0.RDB1.conv1.weight", "trunk_conv.weight", "HRconv.weight",
+                     "conv_last.weight"),
               lambda sd: build_rrdb(_rename_bsrgan(sd))),
     ArchEntry("ESRGAN (original keys)",
-              has_all("model.0.weight", "model.1.sub.0.RDB1.conv1.0.weight",
-                      has_none("model.1.sub.0.RDB1.conv1x1.weight")),  # ESRGAN+ has extra 1x1 convs
+              all_of("model.0.weight", "model.1.sub.0.RDB1.conv1.0.weight",
+                     none_of("model.1.sub.0.RDB1.conv1x1.weight")),  # ESRGAN+ has extra 1x1 convs
               lambda sd: build_rrdb(_rename_original(sd))),
     ArchEntry("SRVGGNetCompact",
-              has_all("body.0.weight", "body.1.weight", has_none("body.0.rdb1.conv1.weight")),
+              all_of("body.0.weight", "body.1.weight", none_of("body.0.rdb1.conv1.weight")),
               build_compact),
 )
 
 
 def detect(sd: StateDict) -> ArchEntry | None:
-    """The first registry entry whose condition the keys of ``sd`` satisfy, else ``None``."""
-    keys = set(sd.keys())
-    for entry in REGISTRY:
-        if entry.detect.matches(keys):
-            return entry
-    return None
+    """The first registry entry whose rule the keys of ``sd`` satisfy, else ``None``."""
+    return first_match(REGISTRY, shapes_of(sd))

@@ -11,11 +11,10 @@ Schemes (``plan_bands`` picks one by its byte estimates, and for the online form
   (``2 N C`` elements); then each band of queries attends to them and its output, residual included, goes to
   ``sink``. Attention through ``scaled_dot_product_attention`` (PyTorch's O(N)-memory kernels on CUDA), or
   (``online``, where ``prefers_online`` says so) through the online softmax below over chunks of the resident keys
-  with TF32 matmuls: for an fp32 map on CUDA whose convolutions run in TF32, since PyTorch's fp32 attention kernels
-  have no TF32 path (the SD VAE's mid block at 4096 px took 4.2 s in them, 1.1 s online; H100; the untiled decode
-  takes TF32 score matmuls for the same reason, ``attention.tf32_like_convolutions``), and for a large
-  half-precision map, whose 512-channel head only PyTorch's memory-efficient kernel takes (2.2 s at 4096 px, 1.1 s
-  online).
+  with TF32 matmuls: for an fp32 map on CUDA whose convolutions run in TF32, since PyTorch's fp32 attention kernels have
+  no TF32 path (at 4096 px the SD VAE's mid block runs about four times faster online; the untiled decode takes TF32
+  score matmuls for the same reason, ``attention.tf32_like_convolutions``), and for a large half-precision map, whose
+  512-channel head only PyTorch's memory-efficient kernel takes (about twice as slow as the online form at 4096 px).
 - ``streamed``: nothing of the map's size stays on the device. For each band of queries the keys and values are
   recomputed chunk by chunk from the input store. Device memory is one query band, one key chunk and one score
   block, whatever the image size; it pays the key/value projections once per query band.
@@ -25,8 +24,8 @@ maximum ``m``, normaliser ``l`` and weighted sum ``acc``; per chunk ``s = q k^T 
 ``m' = max(m, rowmax s)``, ``l = l e^(m - m') + rowsum e^(s - m')``, ``acc = acc e^(m - m') + e^(s - m') v``; the
 output is ``acc / l``.
 
-The previous executor ran the block on the whole map: its five map-sized tensors (normalised input, q, k, v,
-output) set a floor under any budget (about 0.9 GiB at 2048 px and 3.0 GiB at 4096 px in fp32).
+Why bands: run on the whole map, the block's five map-sized tensors (normalised input, q, k, v, output) would set a
+floor under any budget (about 0.9 GiB at 2048 px and 3.0 GiB at 4096 px in fp32).
 
 Precision of the online form: the score blocks and the weighted sums are fp32 tensors. Their matmuls run in TF32
 when ``tf32`` is set: the caller sets it on CUDA for fp16 / bf16 maps (whose 8-11 significant bits TF32 keeps, as
@@ -164,12 +163,11 @@ def prefers_online(cost: MapCost, cuda: bool, tf32_convolutions: bool) -> bool:
     - fp32 maps on CUDA whose convolutions run in TF32: always (PyTorch's fp32 attention kernels have no TF32 path).
     - fp16 / bf16 maps on CUDA with heads wider than ``FLASH_MAX_HEAD_DIM``: above ``HALF_ONLINE_MIN_TOKENS``
       pixels of the map. The SD VAE's 512-channel head is past the flash / cuDNN kernels' head-size limit, so SDPA
-      runs its memory-efficient kernel, which loses to TF32 matmuls on large maps only (H100, fp16, the block
-      alone, ``scripts/diag/vae_attention_bands.py``; docs/bench/vae-attention-s18/): 1024 px (16k pixels) SDPA
-      5.1 ms vs online 15.3; 2048 px (64k) 82 vs 83; 4096 px (256k) 2220 vs 1131 (resident keys), 1480 (SDPA in
-      bands) vs 1194 (streamed) under 0.75 GiB. Narrower heads (a multi-head VAE) keep SDPA, whose flash kernels
-      take them and win by far: 8 heads of 64 channels, fp16, H100 (``--heads 8``, docs/bench/gpu-checks-s20/):
-      4096 px SDPA whole 484 ms, SDPA in bands 548 (0.63 GiB) vs online over resident keys 6548 (1.5 GiB).
+      runs its memory-efficient kernel, which loses to TF32 matmuls on large maps only (fp16, the block alone: SDPA is
+      three times faster at 1024 px (16k pixels), even at 2048 px (64k), about twice as slow at 4096 px (256k) against
+      resident keys, a quarter slower against streamed ones). Narrower heads (a multi-head VAE) keep SDPA, whose flash
+      kernels take them and win by far (8 heads of 64 channels at 4096 px: over ten times faster than the online form,
+      in less memory).
     - elsewhere (the CPU, strict fp32): never."""
     if not cuda:
         return False
@@ -253,7 +251,7 @@ def _online_attention(q: torch.Tensor, chunks, tf32: bool) -> torch.Tensor:
     The scale multiplies the fp32 scores in the GEMM's epilogue (``baddbmm``'s ``alpha``), never ``q``: a scaled
     fp16 / bf16 ``q`` no longer fits TF32's mantissa, and its rounding grows with the scores' size (with scores in
     the hundreds and a spread of ~10 per row, 10x the error of exact products: 1.6e-2 vs 1.5e-3 at outputs ~3,
-    TF32 emulated on the CPU, session 23)."""
+    TF32 emulated on the CPU)."""
     scale = q.shape[-1] ** -0.5
     q = q.float()[0]  # [h, n, d]
     m = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)

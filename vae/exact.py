@@ -43,16 +43,11 @@ from .stores import BandThrottle, DeviceStore, HostStore, Streams
 logger = logging.getLogger(__name__)
 
 # Share of what the stores leave that a CUDA band's estimate may fill. The convolutions allocate beyond the
-# estimate (cuDNN's implicit-GEMM workspaces and layout copies, proportional to the band): measured on an H100
-# (2026-11-23, scripts/diag/vae_budget_fp32.py, docs/bench/vae-budget-s15/), with the whole remainder the 2048 px
-# exact decode held 1.18 / 1.17x its 1.0 / 1.5 GiB budget in fp32 and 1.09 / 1.06x in fp16, worst in the stages
-# that fuse an upsampler into the next resnet; at 0.8 still 1.05x (fp32, 1.5 GiB); at 0.7 every case whose budget
-# is above the mid-block attention's floor stayed within it (fp32 0.93 / 1.38 GiB, fp16 0.83 / 1.25 GiB at 2048 px,
-# encode too) at the same speed (1.02 vs 1.03 s for the fp32 2048 px decode at 1.5 GiB). Since session 17 the
-# mid-block attention runs in bands under the same share (``attention_bands``; it used to run on the whole map, a
-# floor of ~0.89 GiB fp32 at 2048 px and 3.0 / 2.0 GiB fp32 / fp16 at 4096 px): every case of
-# scripts/diag/vae_attention_bands.py, 0.5-3.0 GiB at 2048 / 4096 px, stays within its budget
-# (docs/bench/vae-attention-s17/).
+# estimate (cuDNN's implicit-GEMM workspaces and layout copies, proportional to the band): with the whole remainder
+# a 2048 px exact decode overran its activation budget by up to ~18% in fp32 (~9% in fp16), worst in the stages that
+# fuse an upsampler into the next resnet, and 0.8 still overran it; at 0.7 every case whose budget is above the
+# mid-block attention's floor stays within it, decode and encode, at the same speed. The mid-block attention runs in
+# bands under the same share (``attention_bands``).
 CUDA_WORK_SHARE = 0.7
 
 
@@ -233,8 +228,8 @@ def _run_chain(ps: PlannedStage, store, out_store, in_stats: Optional[GroupStats
                work_budget: int, out_hw: tuple, head: Optional[Callable],
                chunk_out_stats: bool = False) -> Optional[GroupStats]:
     """One chain stage; ``chunk_out_stats``: gather its output's statistics in bounded chunks (``GroupStats.add``;
-    the stage before an attention, whose statistics gathering session 17 added and CUDA_WORK_SHARE was never
-    calibrated with: a whole-map band's one ``var_mean`` took 0.64 GiB at 2048 px in fp16)."""
+    the stage before an attention, whose statistics gathering CUDA_WORK_SHARE is not calibrated with: a whole-map
+    band's one ``var_mean`` takes 0.64 GiB at 2048 px in fp16)."""
     ops = ps.stage.ops
     norms = {}
     in_dtype = store.data.dtype

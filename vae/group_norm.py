@@ -1,14 +1,13 @@
 """GroupNorm with grid-wide statistics for wide activations, swapped into a VAE for the length of one call.
 
-Why this exists: PyTorch's CUDA GroupNorm reduces each (sample, group) row of the input in a single thread block.
-A VAE decode has few rows and very long ones (at 1024 px: 32 groups of 4 M elements per image, i.e. 32 blocks on
-a 132-SM H100), so that moments kernel took 46.6 of the 124 ms of an SDXL fp32 decode (H100, torch 2.11;
-``scripts/diag/vae_decode_profile.py``). ``torch.var_mean`` over the spatial dims splits a long reduction across
-many blocks (per channel, in NCHW or channels-last), the channels of each group are merged exactly, and the
-normalisation is one inference-mode ``F.batch_norm`` with per-(sample, channel) statistics -- the same one-kernel
-``(x - mean) / sqrt(var + eps) * weight + bias`` that ``stats.apply_group_norm`` uses for tiled decoding -- in the
-input's own layout. Measured: SDXL fp32 1024 px decode 124 -> 86 ms, SD1.5 fp16 512 px 22 -> 15 ms (H100).
-No library offers a GroupNorm that parallelises this way (diffusers and ComfyUI call ``F.group_norm``), hence this
+Why this exists: PyTorch's CUDA GroupNorm reduces each (sample, group) row of the input in a single thread block. A VAE
+decode has few rows and very long ones (at 1024 px: 32 groups of 4 M elements per image, i.e. 32 blocks on a GPU of 100+
+SMs), so that moments kernel takes over a third of an SDXL fp32 decode. ``torch.var_mean`` over the spatial dims splits
+a long reduction across many blocks (per channel, in NCHW or channels-last), the channels of each group are merged
+exactly, and the normalisation is one inference-mode ``F.batch_norm`` with per-(sample, channel) statistics -- the same
+one-kernel ``(x - mean) / sqrt(var + eps) * weight + bias`` that ``stats.apply_group_norm`` uses for tiled decoding --
+in the input's own layout. An SDXL fp32 1024 px decode takes about 30% less time, an SD1.5 fp16 512 px one about a third
+less. No library offers a GroupNorm that parallelises this way (diffusers and ComfyUI call ``F.group_norm``), hence this
 module.
 
 Invariants
@@ -35,11 +34,9 @@ import torch
 import torch.nn.functional as F
 
 # Below this many elements per (sample, group) row the native kernel's one block per row costs no more than the
-# parallel path's extra small launches (~8 per GroupNorm). Measured (H100, one image, three alternating rounds,
-# ``scripts/diag/vae_decode_profile.py``), native -> threshold 64 K / 256 K / 1 M / 2 M:
-#   SDXL fp32 1024 px  124.0 -> 86.0 / 86.0 / 87.5 / 92.1 ms
-#   SD1.5 fp16 512 px   22.2 -> 20.9 / 14.4-16.5 / 16.4 / 21.0 ms  (64 K: the 64x64 level's rows only add launches)
-#   SD1.5 fp16 1024 px  90.5 -> 52.7 / 52.7 / 53.3 / 58.1 ms
+# parallel path's extra small launches (~8 per GroupNorm). Of the thresholds 64 K / 256 K / 1 M / 2 M, 256 K is the
+# fastest decode at SDXL fp32 1024 px and SD1.5 fp16 512 / 1024 px alike (at 64 K an SD1.5 512 px decode's 64x64
+# level only adds launches; above 256 K the large levels of every decode lose part of the gain).
 MIN_GROUP_ELEMENTS = 1 << 18
 # Slabs of a channels-last image's two-level statistics (``channel_var_mean``); the slab count divides H*W.
 CHANNELS_LAST_SPLITS = 256
@@ -99,7 +96,7 @@ def channel_var_mean(x: torch.Tensor, acc: torch.dtype) -> tuple:
 
     Contiguous inputs: one ``torch.var_mean`` (PyTorch splits long rows across blocks). A channels-last image is
     reduced in two levels, because PyTorch's kernel for a spatial reduction of that layout is ~3x slower than the
-    NCHW one (SDXL fp32 1024 px decode: 8.4 vs 3.0 ms over all GroupNorms, H100): its ``[H*W, C]`` rows are split
+    NCHW one (over all GroupNorms of an SDXL fp32 1024 px decode): its ``[H*W, C]`` rows are split
     into ``CHANNELS_LAST_SPLITS`` equal slabs, each slab is reduced over its rows (a coalesced reduction along the
     channel-minor layout), and the slabs are merged exactly in ``acc`` (equal counts: the mean of the slab means;
     the mean of the slab variances plus the variance of the slab means).
@@ -119,12 +116,11 @@ def var_and_wide_mean(x: torch.Tensor, dims: tuple, acc: torch.dtype) -> tuple:
 
     ``torch.var_mean`` returns both in ``x``'s dtype. A half mean is off by up to half a unit in its last place *of
     the mean*, and the merge above turns that into an error in the spread term: 0.08 in a normalised output whose
-    channel means sit near 100 (session 23, H100). So a narrower ``x`` takes a second pass for a mean accumulated and
-    returned in ``acc``: +0.3 ms on a 15 ms SD1.5 fp16 512 px decode, +1.3 ms on 53 ms at 1024 px (H100,
-    ``docs/bench/gpu-checks-s23``); fp32 inputs take one pass. Its variance comes as a standard deviation (the same
+    channel means sit near 100. So a narrower ``x`` takes a second pass for a mean accumulated and returned in
+    ``acc`` (2-3% of an fp16 decode); fp32 inputs take one pass. Its variance comes as a standard deviation (the same
     fp32 Welford pass, square-rooted before the cast), squared in ``acc``: an fp16 variance overflowed to inf above a
     spread of 256 (the group then normalised to its bias: 5.1 off) and went subnormal below ~0.008 (0.03 off at a
-    spread of 0.001), where PyTorch, which stores ``rstd``, is exact to rounding (session 23).
+    spread of 0.001), where PyTorch, which stores ``rstd``, is exact to rounding.
     """
     if x.dtype == acc:
         return torch.var_mean(x, dim=dims, correction=0)

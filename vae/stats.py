@@ -27,14 +27,12 @@ import torch.nn.functional as F
 
 
 # Elements per ``torch.var_mean`` call in ``GroupStats.add(x, chunked=True)``: on CUDA the call on a channels-last
-# band allocated ~20 bytes per element (its fp32 copy and the reduction's temporaries: 0.64 GiB for a 2048 px fp16
-# band of the SD VAE's 1/8 map, H100, scripts/diag/vae_budget_fp32.py --only sd_float16_decode_exact_2048_), more
-# than the band itself; chunked, larger bands are reduced in row chunks of at most this many elements and merged
-# (the invariant above). The attention stage and the stage feeding it ask for it (their bands span the whole 1/8
-# map); the other convolution stages, whose budget share (exact.CUDA_WORK_SHARE) was calibrated with one call per
-# band, do not: chunking every band of the decoder's large levels cost 150 ms per 2048 px fp16 decode (634 -> 786
-# ms, H100). Per element the call allocated the same viewed as a [pixels, C] matrix (scripts/diag/varmean_alloc.py:
-# 20.5 / 16.5 bytes fp16 / fp32 at 512 channels, 12.25 / 8.25 at 128).
+# band allocates ~20 bytes per element at 512 channels (its fp32 copy and the reduction's temporaries: 0.64 GiB for
+# a 2048 px fp16 band of the SD VAE's 1/8 map), more than the band itself, and about as much viewed as a [pixels, C]
+# matrix; chunked, larger bands are reduced in row chunks of at most this many elements and merged (the invariant
+# above). The attention stage and the stage feeding it ask for it (their bands span the whole 1/8 map); the other
+# convolution stages, whose budget share (exact.CUDA_WORK_SHARE) is calibrated with one call per band, do not:
+# chunking every band of the decoder's large levels slows a 2048 px fp16 decode by about a fifth.
 STATS_CHUNK_ELEMENTS = 2 ** 22
 
 

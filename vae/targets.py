@@ -3,8 +3,8 @@
 Invariant: a ``VaeTarget`` names the autoencoder module (diffusers or LDM ``AutoencoderKL``), the device and dtype
 its weights run in (the loader's ``vae_dtype`` for an engine, ``VAE.vae_dtype`` for ComfyUI), how to enter the
 stage (``engine.session("vae")``, ComfyUI's model loader) and, for an engine under the loader's hard budget
-(``memory.budget``), how much working memory that budget leaves (``room``). It never
-changes the module; the session (engine) or ComfyUI's patcher places the weights.
+(``placement.budget.hard``, enforced by ``memory.budget``), how much working memory that budget leaves (``room``).
+It never changes the module; the session (engine) or ComfyUI's patcher places the weights.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import bridge
-from ..memory.budget import budgeted_plan, room_bytes
+from ..memory.budget import room_bytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,7 +51,7 @@ class VaeTarget:
 def from_engine(engine) -> VaeTarget:
     """The engine's VAE, run inside ``engine.session("vae")`` on the stage device in ``engine.vae_dtype``."""
     vae = engine.parts.vae
-    room = (lambda: room_bytes(engine)) if budgeted_plan(engine) is not None else None
+    room = (lambda: room_bytes(engine)) if engine.placement.budget.hard else None
     return VaeTarget(vae, engine.stage_device("vae"), engine.vae_dtype, lambda: engine.session("vae"), room)
 
 

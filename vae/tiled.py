@@ -33,6 +33,7 @@ import torch
 
 from .. import bridge
 from ..batch import BatchProgress, release_frames
+from ..memory.free_vram import usable_free_bytes
 from .adapters import decoder_program, encoder_program
 from .blend import axis_tiles, run_blend
 from .exact import ExactConfig, run_exact
@@ -49,13 +50,14 @@ _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 _BLEND_BYTES_PER_PX = 2200
 _CPU_BUDGET = 4 * 2**30
 MIN_ACTIVATION_BYTES = 64 * 2**20
-# Device memory an exact tiled decode takes per byte of its activation budget. Measured (SDXL VAE in fp32,
-# 1024 px, 2026-11-22): on an H200 a 0.59 GiB budget peaked at 0.68 GiB allocated and 1.25 GiB reserved; on an
-# H100 a 0.27 GiB budget at 0.38 GiB allocated and 0.85 GiB reserved (the bands' and convolutions' buffers differ
-# in size, so freed blocks are not always reusable). Under a hard budget the allocator cap (``memory.cap``)
-# returns such cached blocks to the driver before the process would hold more than the budget, so this factor has
-# to cover what is allocated (about 1.4x the estimate) with room for the blocks that stay split.
+# Device memory an exact tiled decode takes per byte of its activation budget: it allocates about 1.4x its
+# estimate, and the bands' and convolutions' buffers differ in size, so freed blocks are not always reusable. Under
+# a hard budget the allocator cap (``memory.cap``) returns cached blocks to the driver before the process would
+# hold more than the budget, so the factor covers what is allocated with room for the blocks that stay split.
 DECODE_RESERVED_FACTOR = 2.2
+# Share of the free VRAM (``memory.free_vram.free_bytes``: cached blocks included) a tiled run takes for its
+# activations when neither the caller nor a hard budget sizes them.
+FREE_SHARE = 0.8
 
 
 def validate_tiling(tile_size: int, overlap: int, seam_mode: str) -> None:
@@ -75,9 +77,10 @@ def validate_tiling(tile_size: int, overlap: int, seam_mode: str) -> None:
 
 
 def activation_budget(target: VaeTarget, budget_bytes: Optional[int] = None) -> int:
-    """Device bytes the tiled run may use for activations: the caller's value, else 80% of the free VRAM, and under
-    the loader's hard budget at most what the budget leaves now (``target.room``) over ``DECODE_RESERVED_FACTOR``
-    (at least ``MIN_ACTIVATION_BYTES``). Call inside the target's stage (its weights placed)."""
+    """Device bytes the tiled run may use for activations: the caller's value, else ``FREE_SHARE`` of the free VRAM
+    (cached blocks included), and under the loader's hard budget at most what the budget leaves now
+    (``target.room``) over ``DECODE_RESERVED_FACTOR`` (at least ``MIN_ACTIVATION_BYTES``). Call inside the
+    target's stage (its weights placed)."""
     if budget_bytes is not None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes={budget_bytes}: expected a positive number of bytes")
@@ -85,9 +88,7 @@ def activation_budget(target: VaeTarget, budget_bytes: Optional[int] = None) -> 
     dev = target.device
     if dev.type != "cuda":
         return _CPU_BUDGET
-    free, _ = torch.cuda.mem_get_info(dev)
-    cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    budget = int(0.8 * (free + cached))
+    budget = usable_free_bytes(dev, FREE_SHARE)
     room = target.room() if target.room is not None else None
     if room is not None:
         budget = min(budget, max(int(room / DECODE_RESERVED_FACTOR), MIN_ACTIVATION_BYTES))

@@ -4,18 +4,19 @@ one whole image, with three changes for the length of one call that make it fast
 Invariants
 - ``decode(vae, raw)`` equals ``vae.decode(raw).sample`` of the unpatched model, and ``encode(vae, x)`` its
   ``latent_dist.mean``, up to the rounding the model already has: plain fp32 rounding on the CPU (tests: within
-  1e-4 of the plain calls and no farther from an fp64 run than they are); on CUDA, the rounding of the precision PyTorch already gives the decode's fp32 convolutions (TF32 unless a
-  user turned it off), which the attention's score matmuls then share. Measured against an fp64 decode (SDXL VAE,
-  1024 px, H100, ``scripts/diag/vae_untiled_fast.py``): max abs error 4.8e-3 before, 5.2e-3 after, on the decoder's
-  -1..1 scale (0.7/255 of a pixel); mean 4.9e-4 and 5.2e-4. Speed: decode 86.4 -> 63.6 ms, encode 53.3 -> 35.8 ms.
+  1e-4 of the plain calls and no farther from an fp64 run than they are); on CUDA, the rounding of the precision
+  PyTorch already gives the decode's fp32 convolutions (TF32 unless a user turned it off), which the attention's
+  score matmuls then share.
 - The changes live only inside ``fast_vae(vae)``: ``vae.group_norm.parallel_group_norms``, and each attention
   block's processor swapped for one that runs ``vae.attention.run_attention`` (TF32 score matmuls for an fp32
   VAE whose convolutions run in TF32; PyTorch's own kernels otherwise). Both are restored when the block ends,
   also on error or interruption; the module's weights, buffers and processors are never changed for anyone else.
 - On CUDA the input is made channels-last, so every convolution (and the GroupNorms, the upsamplers and the
-  residual adds between them) stays in cuDNN's native NHWC layout: with NCHW activations cuDNN transposes around
-  each fp32 convolution (12.7 of 86.7 ms of the SDXL decode). The output comes back channels-last, so the
-  IMAGE's ``[B, H, W, 3]`` view of it is contiguous.
+  residual adds between them) stays in cuDNN's native NHWC layout (with NCHW activations cuDNN transposes around
+  each fp32 convolution). The output comes back channels-last, so the IMAGE's ``[B, H, W, 3]`` view of it is
+  contiguous.
+- ``vae_decode(engine, raw)`` / ``vae_encode(engine, image)``: the engine's whole-image calls between ComfyUI's
+  IMAGE (``[B, H, W, 3]`` float32 0..1 on the CPU) and raw LATENT; call inside ``engine.session("vae")``.
 
 Why hand-written: no library offers these swaps; diffusers' ``enable_tiling`` / ``enable_slicing`` trade speed for
 memory, the opposite direction.
@@ -27,6 +28,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..memory.engine import LeanEngine
 from .attention import AttentionSpec, run_attention, spec_from_diffusers, tf32_like_convolutions
 from .group_norm import parallel_group_norms
 
@@ -88,3 +90,22 @@ def decode(vae: torch.nn.Module, raw_latents: torch.Tensor) -> torch.Tensor:
 def encode(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     """``vae.encode(pixels).latent_dist.mean`` for pixels in -1..1; call inside ``fast_vae``."""
     return vae.encode(_layout(pixels)).latent_dist.mean
+
+
+@torch.no_grad()
+def vae_decode(engine: LeanEngine, raw_latents: torch.Tensor) -> torch.Tensor:
+    """Raw latents [B,C,h,w] -> IMAGE [B,H,W,3] float32 0..1 on the CPU. Call inside ``engine.session("vae")``."""
+    vae = engine.parts.vae
+    z = raw_latents.to(engine.stage_device("vae"), engine.vae_dtype)
+    with fast_vae(vae):
+        image = decode(vae, z)
+    return (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
+
+
+@torch.no_grad()
+def vae_encode(engine: LeanEngine, image: torch.Tensor) -> torch.Tensor:
+    """IMAGE [B,H,W,3] 0..1 -> raw latents (the distribution's mean). Call inside ``engine.session("vae")``."""
+    vae = engine.parts.vae
+    x = image.permute(0, 3, 1, 2).to(engine.stage_device("vae"), engine.vae_dtype) * 2 - 1
+    with fast_vae(vae):
+        return encode(vae, x).float().cpu()

@@ -3,25 +3,20 @@
 Estimate (bytes, in the UNet's dtype), from the loader's own activation model (``memory/plan.py``):
 - per image: the UNet activations of one image's guided step, i.e. ``activation_bytes`` of a ``meta`` trace at
   batch 2 (1 without guidance) and the run's latent size, without the fixed workspace (counted once);
-- available: on CUDA ``0.9 x (free VRAM + this process's cached-but-unused memory) - workspace``; under the
-  ``stream`` policy also at most the loader's budget minus the UNet's resident weights, the loader's headroom and
-  the workspace (``budget_left_bytes``; measured on an H100, SDXL 1024 px at 4 GiB: without the headroom and the
-  workspace it chose 2 images and the UNet stage held 4.22 GiB, with 1 image 3.66 GiB); on the CPU 4 GiB;
+- available: on CUDA the usable free VRAM (``memory.free_vram.usable_free_bytes``) less the workspace; under a hard
+  budget (the ``stream`` policy) also at most what the budget leaves for activations
+  (``placement.budget.activation_room_bytes``) less the workspace; on the CPU 4 GiB;
 - reserved for the decode stage, which runs concurrently: one untiled decode (``decode.untiled_decode_bytes``)
   plus the VAE weights when the policy loads them only while used.
 Automatic batch = ``clamp(min((available - reserve) // per_image, saturating, ceil(N / MIN_BATCHES)), 1,
 AUTO_BATCH_CAP)``, then evened out over the run (``ceil(N / ceil(N / B))``) so the batches have at most two sizes
 (fewer CUDA-graph captures). Why these bounds:
 - ``saturating = ceil(SATURATION_ROWS_PX / (copies x latent_h x latent_w))``: batching pays while the UNet call is
-  too small to fill the GPU and stops paying once it is full. Measured on an H200 (fp16, CUDA graphs, 2026-11-22)
-  it still pays well past what a "full" GPU suggests: SDXL 1024 px per image-step 41.7 ms at 1 image, 37.2 at 2,
-  36.0 at 4, 34.4 at 8; SD1.5 512 px, 16 prompts, throughput 1.94x the prompt-by-prompt path in one batch of 16
-  against 1.91x in two of 8. Hence ~256k latent pixel-rows per call (SD1.5 512 px: 32 images, capped at 16; SDXL
-  1024 px: 8 images).
+  too small to fill the GPU and keeps paying, more slowly, well past a "full" GPU; ~256k latent pixel-rows per call
+  (SD1.5 512 px: 32 images, capped at 16; SDXL 1024 px: 8 images).
 - ``MIN_BATCHES`` = 1: the pipeline hides a batch's decode behind the next batch's denoising, but an overlapped
-  decode takes SMs from the UNet and the larger batch wins: SDXL 8 prompts x 30 steps ran 1.20x the
-  prompt-by-prompt path in one batch of 8, 1.16x as [6, 2], 1.14x as [7, 1] and 1.15x as [2, 2, 2, 2] (same run).
-  Runs longer than a batch still pipeline: the decode of batch k-1 and the encoding of batch k+1 overlap batch k.
+  decode takes SMs from the UNet and one larger batch beats several smaller ones. Runs longer than a batch still
+  pipeline: the decode of batch k-1 and the encoding of batch k+1 overlap batch k.
 - ``AUTO_BATCH_CAP`` = 16 images bounds the memory of a batch whatever the model.
 
 On out-of-memory the scheduler halves the batch and retries the failed batch; ``shrink`` gives the next size.
@@ -34,17 +29,15 @@ from typing import Optional
 
 import torch
 
-from ...memory.budget import budgeted_plan
 from ...memory.engine import LeanEngine
+from ...memory.free_vram import usable_free_bytes
 from ...memory.plan import WORKSPACE_CUDA, activation_bytes
-from ...memory.policies import HEADROOM
-from ...memory.streaming import trace_units
+from ...memory.unet_units import trace_units
 
 AUTO_BATCH_CAP = 16
 MIN_BATCHES = 1
 SATURATION_ROWS_PX = 64 * 64 * 64
 CPU_BUDGET = 4 * 2 ** 30
-FREE_FRACTION = 0.9
 
 _PER_IMAGE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -65,31 +58,16 @@ def available_bytes(engine: LeanEngine) -> int:
     dev = engine.device
     if dev.type != "cuda":
         return CPU_BUDGET
-    free, _ = torch.cuda.mem_get_info(dev)
-    cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    avail = int(FREE_FRACTION * (free + cached)) - WORKSPACE_CUDA
-    plan = budgeted_plan(engine)
-    if plan is not None:
-        avail = min(avail, budget_left_bytes(plan) - WORKSPACE_CUDA)
+    avail = usable_free_bytes(dev) - WORKSPACE_CUDA
+    budget = engine.placement.budget
+    if budget.hard:
+        avail = min(avail, budget.activation_room_bytes - WORKSPACE_CUDA)
     return avail
 
 
-def budget_left_bytes(plan) -> int:
-    """What a budgeted plan leaves for activations: the budget minus the UNet's resident weights and the loader's
-    headroom (``policies.HEADROOM``). The loader sizes the resident weights so that one image's guided step
-    (activations + workspace) fits in it; more images per batch fit only where the loader streamed everything."""
-    return plan.budget_bytes - unet_resident_bytes(plan) - int(HEADROOM * plan.budget_bytes)
-
-
-def unet_resident_bytes(plan) -> int:
-    """The UNet weights (fixed, resident blocks, staging arena) that stay on the device under ``plan``."""
-    return plan.peaks.get("unet", 0) - plan.unet_activation_bytes
-
-
 def decode_reserve(engine: LeanEngine, untiled_bytes: int) -> int:
-    plan = getattr(engine.placement, "plan", None)
-    weights = plan.vae_bytes if plan is not None and getattr(plan, "vae_mode", "") == "while used" else 0
-    return untiled_bytes + weights
+    """Device bytes a concurrent untiled decode needs: its activations plus the VAE weights it brings on."""
+    return untiled_bytes + engine.placement.budget.entering_bytes("vae")
 
 
 def saturating_batch(latent_h: int, latent_w: int, guided: bool) -> int:

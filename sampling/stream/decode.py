@@ -4,7 +4,7 @@ Invariants
 - A batch is handed over with an event recorded on the ``unet`` stream after its final latents were copied out
   of the sampler's buffers; the ``vae`` stream waits for it. Then, on the ``vae`` stream: the scaled latents are
   copied to page-locked host memory (the LATENT output: ``latents / scaling_factor`` on the host, exactly as the
-  Fused DDIM Sampler returns them), and every image is decoded untiled as ``LeanEngine.vae_decode`` does
+  Fused DDIM Sampler returns them), and every image is decoded untiled as ``vae.untiled.vae_decode`` does
   (``vae.untiled.decode`` inside ``vae.untiled.fast_vae``, then ``(x / 2 + 0.5).clamp(0, 1)``, channels last)
   and copied to page-locked memory.
   ``finish`` waits for the batch's event and only then writes the rows of the run's outputs, each exactly once.

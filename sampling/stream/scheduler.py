@@ -54,8 +54,7 @@ from ...memory.engine import LeanEngine
 from .. import ddim
 from ..graph_runner import GraphRunner, default_runner
 from ..loop import vae_scale_factor
-from .batching import (auto_batch, available_bytes, budget_left_bytes, budgeted_plan, decode_reserve, per_image_bytes,
-                       saturating_batch, shrink)
+from .batching import auto_batch, available_bytes, decode_reserve, per_image_bytes, saturating_batch, shrink
 from .conditioning import conditioning_rows, read_conditioning_inputs
 from .decode import DecodeStage, needs_tiles, untiled_decode_bytes
 from ..loop import upload
@@ -83,8 +82,7 @@ def initial_noise(jobs: list[ImageJob], shape: tuple) -> torch.Tensor:
 
     Each draw goes straight into its row of one tensor instead of through ``torch.cat``: on a many-core host a CPU
     cat wakes the whole intra-op thread pool, which after the host sat idle waiting for the GPU costs more than the
-    draws (H100 host, 16 cores, 8 SDXL latents: cat 35-60 ms, draws 3-6 ms; ``scripts/diag/cpu_cat_wakeup.py``),
-    and for the run's first batch the GPU waits for it. The values are the same."""
+    draws, and for the run's first batch the GPU waits for it. The values are the same."""
     noise = torch.empty((len(jobs),) + tuple(shape), dtype=torch.float32)
     for row, job in enumerate(jobs):
         torch.randn((1,) + tuple(shape), generator=torch.Generator("cpu").manual_seed(job.seed), dtype=torch.float32,
@@ -106,13 +104,12 @@ class _Progress:
 
 
 def decode_budget(engine: LeanEngine) -> int:
-    """Activation bytes for one tiled decode under a budgeted plan: what the budget leaves after the UNet's resident
-    weights, the VAE weights and the loader's headroom (the share of the budget left for allocator rounding,
-    ``policies.HEADROOM``), divided by ``DECODE_RESERVED_FACTOR``; at least 64 MiB. The decodes run after every
-    batch is denoised and the run's CUDA graphs are dropped (``DecodeStage`` deferred mode), so no UNet activation
-    pool is held beside them."""
-    plan = budgeted_plan(engine)
-    left = budget_left_bytes(plan) - plan.vae_bytes
+    """Activation bytes for one tiled decode under a hard budget: what the budget leaves after the UNet's resident
+    weights and the loader's headroom (``budget.activation_room_bytes``) less the VAE weights, divided by
+    ``DECODE_RESERVED_FACTOR``; at least 64 MiB. The decodes run after every batch is denoised and the run's CUDA
+    graphs are dropped (``DecodeStage`` deferred mode), so no UNet activation pool is held beside them."""
+    budget = engine.placement.budget
+    left = budget.activation_room_bytes - budget.vae_bytes
     return max(int(left / DECODE_RESERVED_FACTOR), 64 * 2 ** 20)
 
 
@@ -150,7 +147,7 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
                               timestep_spacing=s.timestep_spacing)  # as the Fused DDIM Sampler
     schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
     args = (engine, s, latent_shape, schedule, runner, timeline, quiet, positive_cond, negative_cond)
-    if budgeted_plan(engine) is None:
+    if not engine.placement.budget.hard:
         return _run(*args)
     release_library_workspaces(engine.device)  # earlier runs' cuBLAS workspaces are not this run's to hold
     with allocator_cap(engine.device, run_cap_bytes(engine)):
@@ -161,7 +158,7 @@ def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, r
          timeline: Optional[Timeline], quiet: bool, positive_cond: Any, negative_cond: Any) -> StreamResult:
     jobs = s.jobs()
     n = len(jobs)
-    budgeted = budgeted_plan(engine) is not None
+    budgeted = engine.placement.budget.hard
     streams = StageStreams(engine.device, overlap=not budgeted)
     with streams.use("text"):  # read (and refused) before any model runs; the text stage reads them on this stream
         given = read_conditioning_inputs(engine, positive_cond, negative_cond, s.n_prompts, width=s.width,
@@ -185,75 +182,102 @@ def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, r
     decoder = DecodeStage(engine, s.decode_tile_size, tiled, streams, images, latents, timeline,
                           decode_budget=decode_budget(engine) if budgeted else None,
                           before_deferred=drop_graphs if budgeted else None)
-    used, tried, retries = [], [], 0
-    start = 0
+    cycles = _Cycles(engine, s, jobs, latent_shape, schedule, runner, timeline, streams, text, decoder)
     try:
         with bridge.ProgressBar(n * s.steps, desc="Stream sampler", quiet=quiet) as bar:
-            progress = _Progress(bar, s.steps)
-            upcoming = None
-            while start < n:
-                stop = min(n, start + batch)
-                bridge.check_interrupted()
-                current = upcoming if upcoming is not None and (upcoming.start, upcoming.stop) == (start, stop) \
-                    else text.prepare(start, stop)
-                _settle(streams)  # the text stage is done
-                decoder.launch()  # batch k-1 (the queue's one entry)
-                nxt = min(n, stop + batch)
-                upcoming = text.prepare(stop, nxt) if stop < n else None
-                # DDIM's init_noise_sigma is 1: the noise is the start; moved without blocking the host
-                x_init = upload(initial_noise(jobs[start:stop], latent_shape), engine.device)
-                oom = None
-                _settle(streams)  # the decode is done
-                try:
-                    streams.hand_over(current.event, current.tensors(), "unet")
-                    if engine.adapters:  # the text session attached (and detached) them on the text stream
-                        streams.wait_stage("unet", "text")
-                    span = timeline.span("unet", f"images {start}-{stop - 1}", range(start, stop)) if timeline \
-                        else _Null()
-                    with span, engine.session("unet"):
-                        final = denoise_batch(engine, current.conditioning, x_init, schedule, s.cfg, s.acceleration,
-                                              lambda i, a=start, b=stop - start: progress.at(a, b, i), runner)
-                except _OOM as exc:
-                    oom = exc.with_traceback(None)  # drop the failed frames (and their tensors) before retrying
-                if oom is not None:
-                    current = upcoming = final = x_init = None
-                    retries += 1
-                    tried.append(stop - start)
-                    streams.release_cached()
-                    smaller = shrink(stop - start)
-                    if smaller is None:
-                        raise _OOM(f"Stream Scheduler Sampler: out of memory denoising image {start} even with a "
-                                   f"batch of 1 (batch sizes tried: {tried}); lower the resolution, use a "
-                                   f"lower-VRAM policy in the Memory Pool Loader or free VRAM. Last error: {oom}"
-                                   ) from oom
-                    logger.warning("out of memory denoising images %d-%d in a batch of %d (%s); retrying them in "
-                                   "batches of %d", start, stop - 1, stop - start, oom, smaller)
-                    batch = smaller
-                    continue
-                used.append(stop - start)
-                decoder.submit(start, stop, final)
-                final = None
-                text.release_before(stop)
-                start = stop
+            cycles.run(batch, _Progress(bar, s.steps))
             decoder.drain()
         if not bool(decoder.written.all()):
             missing = (~decoder.written).nonzero().flatten().tolist()
             raise RuntimeError(f"Stream Scheduler Sampler: images {missing} were never written (a scheduler bug)")
     except BaseException as exc:
-        streams.synchronize()
-        finished = int(decoder.written.sum())
-        unfinished = _spans((~decoder.written).nonzero().flatten().tolist())
-        note = (f"Stream Scheduler Sampler stopped: {finished} of {n} images were finished (unfinished: images "
-                f"{unfinished}); nothing was returned")
-        logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
-        if hasattr(exc, "add_note"):
-            exc.add_note(note)
+        _note_stop(exc, streams, decoder, n)
         # this frame still runs, so release_frames cannot drop its locals: the run's outputs (images x H x W x 3
         # floats), the stages' buffers and device tensors would stay alive for as long as the caller holds exc
-        images = latents = decoder = text = current = upcoming = final = x_init = None
+        images = latents = decoder = text = cycles = None
         release_frames(exc)
         raise
-    return StreamResult(images, latents, tuple(used), retries)
+    return StreamResult(images, latents, tuple(cycles.used), cycles.retries)
+
+
+class _Cycles:
+    """The run's cycles (module docstring): decode batch k-1, encode batch k+1, denoise batch k; an out-of-memory
+    error while denoising halves the batch and retries the same images."""
+
+    def __init__(self, engine: LeanEngine, s: StreamSettings, jobs: list, latent_shape: tuple, schedule,
+                 runner: Optional[GraphRunner], timeline: Optional[Timeline], streams: StageStreams,
+                 text: TextStage, decoder: DecodeStage):
+        self.engine, self.s, self.jobs, self.latent_shape, self.schedule = engine, s, jobs, latent_shape, schedule
+        self.runner, self.timeline, self.streams, self.text, self.decoder = runner, timeline, streams, text, decoder
+        self.used: list[int] = []  # the batch sizes denoised, in order
+        self.tried: list[int] = []  # the batch sizes that ran out of memory
+        self.retries = 0
+
+    def run(self, batch: int, progress: "_Progress") -> None:
+        n, start, upcoming = len(self.jobs), 0, None
+        while start < n:
+            stop = min(n, start + batch)
+            bridge.check_interrupted()
+            current = upcoming if upcoming is not None and (upcoming.start, upcoming.stop) == (start, stop) \
+                else self.text.prepare(start, stop)
+            _settle(self.streams)  # the text stage is done
+            self.decoder.launch()  # batch k-1 (the queue's one entry)
+            nxt = min(n, stop + batch)
+            upcoming = self.text.prepare(stop, nxt) if stop < n else None
+            final, oom = self._denoise(current, start, stop, progress)
+            if oom is not None:
+                current = upcoming = final = None  # nothing of the failed batch stays referenced
+                batch = self._smaller_batch(oom, start, stop)
+                continue
+            self.used.append(stop - start)
+            self.decoder.submit(start, stop, final)
+            final = None
+            self.text.release_before(stop)
+            start = stop
+
+    def _denoise(self, current, start: int, stop: int, progress: "_Progress") -> tuple:
+        """(final latents, None), or (None, the out-of-memory error without its frames)."""
+        engine, s, streams, timeline = self.engine, self.s, self.streams, self.timeline
+        # DDIM's init_noise_sigma is 1: the noise is the start; moved without blocking the host
+        x_init = upload(initial_noise(self.jobs[start:stop], self.latent_shape), engine.device)
+        _settle(streams)  # the decode is done
+        try:
+            streams.hand_over(current.event, current.tensors(), "unet")
+            if engine.adapters:  # the text session attached (and detached) them on the text stream
+                streams.wait_stage("unet", "text")
+            span = timeline.span("unet", f"images {start}-{stop - 1}", range(start, stop)) if timeline \
+                else _Null()
+            with span, engine.session("unet"):
+                final = denoise_batch(engine, current.conditioning, x_init, self.schedule, s.cfg, s.acceleration,
+                                      lambda i, a=start, b=stop - start: progress.at(a, b, i), self.runner)
+        except _OOM as exc:
+            return None, exc.with_traceback(None)  # drop the failed frames (and their tensors) before retrying
+        return final, None
+
+    def _smaller_batch(self, oom: BaseException, start: int, stop: int) -> int:
+        self.retries += 1
+        self.tried.append(stop - start)
+        self.streams.release_cached()
+        smaller = shrink(stop - start)
+        if smaller is None:
+            raise _OOM(f"Stream Scheduler Sampler: out of memory denoising image {start} even with a batch of 1 "
+                       f"(batch sizes tried: {self.tried}); lower the resolution, use a lower-VRAM policy in the "
+                       f"Memory Pool Loader or free VRAM. Last error: {oom}") from oom
+        logger.warning("out of memory denoising images %d-%d in a batch of %d (%s); retrying them in batches of %d",
+                       start, stop - 1, stop - start, oom, smaller)
+        return smaller
+
+
+def _note_stop(exc: BaseException, streams: StageStreams, decoder: DecodeStage, n: int) -> None:
+    """The run stopped: wait for the streams (no copy lands after the run ended) and note the progress on ``exc``."""
+    streams.synchronize()
+    finished = int(decoder.written.sum())
+    unfinished = _spans((~decoder.written).nonzero().flatten().tolist())
+    note = (f"Stream Scheduler Sampler stopped: {finished} of {n} images were finished (unfinished: images "
+            f"{unfinished}); nothing was returned")
+    logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
 
 
 def _spans(indices: list[int]) -> str:

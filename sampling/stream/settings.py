@@ -1,9 +1,9 @@
 """The Stream Scheduler Sampler's settings and the order of its images.
 
 Invariants
-- ``StreamSettings.validated()`` checks every input once, at the public entry point, with the Fused DDIM
-  Sampler's own rules for the inputs the two nodes share (``SamplerSettings.validated``), so a value one node
-  accepts the other accepts too.
+- ``StreamSettings.validated()`` checks every input once, at the public entry point; the inputs the two sampler
+  nodes share are ``SamplerSettingsBase``'s, checked by its rules, so a value one node accepts the other accepts
+  too.
 - Prompts: one per non-empty line of the ``prompts`` text, surrounding whitespace stripped -- or, when
   ``positive_rows`` > 0 (set by ``run_stream`` from a connected ``positive_cond``), that CONDITIONING's rows, one
   prompt per row (``stream.conditioning``); ``prompts`` is then ignored and may be empty.
@@ -13,10 +13,10 @@ Invariants
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from ...vae.tiled import MIN_TILE, validate_tiling
-from ..settings import MAX_SEED, SamplerSettings, check_int
+from ..settings import MAX_SEED, SamplerSettings, SamplerSettingsBase, check_int
 
 MAX_IMAGES_PER_PROMPT = 64
 MAX_BATCH = 64
@@ -40,22 +40,13 @@ class ImageJob:
 
 
 @dataclass(frozen=True)
-class StreamSettings:
+class StreamSettings(SamplerSettingsBase):
     """What one run of the Stream Scheduler Sampler does (the node's inputs, minus the model)."""
 
     prompts: tuple
-    negative: str = ""
-    seed: int = 0
-    steps: int = 30
-    cfg: float = 7.5
-    width: int = 512
-    height: int = 512
-    timestep_spacing: str = "leading"
-    acceleration: str = "cuda_graph"
     images_per_prompt: int = 1
     max_batch: int = 0  # 0 = auto
     decode_tile_size: int = 0  # 0 = auto (untiled when it fits)
-    prompt_syntax: str = "extended"  # as SamplerSettings.prompt_syntax (the samplers' default)
     positive_rows: int = 0  # > 0: the prompts are positive_cond's rows (run_stream sets it); 0: the prompts lines
 
     @classmethod
@@ -70,16 +61,12 @@ class StreamSettings:
     def n_images(self) -> int:
         return self.n_prompts * self.images_per_prompt
 
-    @property
-    def guided(self) -> bool:
-        return self.cfg != 1.0
-
     def sampler_settings(self, prompt: str, seed: int) -> SamplerSettings:
-        """The Fused DDIM Sampler run that image (``prompt``, ``seed``) must equal."""
-        return SamplerSettings(positive=prompt, negative=self.negative, seed=seed, steps=self.steps, cfg=self.cfg,
-                               eta=0.0, width=self.width, height=self.height, batch_size=1,
-                               timestep_spacing=self.timestep_spacing, cfg_mode="batched",
-                               acceleration=self.acceleration, denoise=1.0, prompt_syntax=self.prompt_syntax)
+        """The Fused DDIM Sampler run that image (``prompt``, ``seed``) must equal: the shared inputs as they are,
+        one image, eta 0, batched CFG, denoise 1."""
+        shared = {f.name: getattr(self, f.name) for f in fields(SamplerSettingsBase)}
+        return SamplerSettings(**{**shared, "seed": seed}, positive=prompt, eta=0.0, batch_size=1,
+                               cfg_mode="batched", denoise=1.0)
 
     def validated(self) -> "StreamSettings":
         if not isinstance(self.prompts, tuple) or not all(isinstance(p, str) for p in self.prompts):
@@ -98,13 +85,12 @@ class StreamSettings:
             raise ValueError(f"decode_tile_size={self.decode_tile_size} is below the minimum {MIN_TILE} px; use 0 "
                              f"(auto) or >= {MIN_TILE}")
         validate_tiling(self.decode_tile_size, 0, "exact")
-        base = self.sampler_settings(self.prompts[0] if self.prompts else "", 0)
-        base = replace(base, seed=self.seed).validated()
+        cfg = self._validated_shared()
         last = self.seed + self.n_images - 1
         if last > MAX_SEED:
             raise ValueError(f"seed={self.seed}: image n uses seed + n and this run has {self.n_images} images, so "
                              f"the last seed {last} exceeds {MAX_SEED}; use a seed <= {MAX_SEED - self.n_images + 1}")
-        return replace(self, cfg=base.cfg)
+        return replace(self, cfg=cfg)
 
     def jobs(self) -> list[ImageJob]:
         k = self.images_per_prompt

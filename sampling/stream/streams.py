@@ -2,11 +2,11 @@
 
 Invariants
 - ``text`` and ``vae`` work runs on their own streams (one per device and stage for the life of the process,
-  ``shared_streams.py``: fresh streams on every run would strand the last run's cached blocks); denoising runs on
-  the caller's current stream (``unet``), which is where the sampler's CUDA graphs replay. (A higher-priority ``unet`` stream was measured on an H200 and changed nothing: 1.159x vs
-  1.160x.) A consumer never reads a tensor before the producer's event:
-  ``hand_over`` makes the consumer stream wait for the event and calls ``record_stream`` so the caching
-  allocator does not recycle the producer's memory while the consumer may still read it.
+  ``shared_streams.py``: fresh streams on every run would strand the last run's cached blocks); denoising runs on the
+  caller's current stream (``unet``), which is where the sampler's CUDA graphs replay (a higher-priority ``unet`` stream
+  gains nothing). A consumer never reads a tensor before the producer's event: ``hand_over`` makes the consumer stream
+  wait for the event and calls ``record_stream`` so the caching allocator does not recycle the producer's memory while
+  the consumer may still read it.
 - ``overlap=False`` (a run under the loader's ``stream`` policy, whose VRAM budget is a hard limit): the three
   stages share the caller's stream, so they run one after the other in the order they are enqueued and each
   stage's memory is free for the next -- the stage peaks of the loader's plan then hold for the run as well.

@@ -1,7 +1,6 @@
 """Guards the CLI's promises with stub suites (tests/bench/stubs): one process per suite, a crashing, raising or
 hanging suite is recorded as failed with its error and keeps the records it made, the others still run, time
 budgets are shared and enforced, parts split the full run, and the last output lines are the summary."""
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from leandiffusion.bench import __main__ as cli
-from leandiffusion.bench import report
+from leandiffusion.bench import schedule, schema
 
 STUBS = Path(__file__).parent / "stubs"
 
@@ -33,8 +32,8 @@ def stub_run(tmp_path_factory):
 def test_stub_run_records_every_outcome(stub_run):
     proc, out, _ = stub_run
     assert proc.returncode == 1, proc.stdout + proc.stderr  # a suite failed, so the run says so
-    doc = report.load(out / "bench.json")
-    assert report.validate(doc) == []
+    doc = schema.load(out / "bench.json")
+    assert schema.validate(doc) == []
     status = {s["suite"]: s for s in doc["suites"]}
     assert {k: v["status"] for k, v in status.items()} == {
         "boom": "failed", "comfy": "skipped", "exit": "crashed", "hang": "timeout", "ok": "ok"}
@@ -69,7 +68,7 @@ def test_spawn_isolation_runs_a_fresh_interpreter(tmp_path):
     proc = run_cli("--smoke", "--isolation", "spawn", "--suite-dir", str(STUBS), "--suite", "ok", "--no-charts",
                    "--budget", "150", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = report.load(tmp_path / "bench.json")
+    doc = schema.load(tmp_path / "bench.json")
     assert {s["suite"]: s["status"] for s in doc["suites"]} == {"ok": "ok"}, proc.stdout
     assert "mode smoke, spawn" in proc.stdout
     assert {p.name for p in tmp_path.iterdir()} == {"bench.json", "BENCHMARKS.md", "bench.log"}
@@ -86,7 +85,7 @@ def test_usage_errors(tmp_path, capsys):
         cli.main(["--smoke", "--suite-dir", str(STUBS)])
     with pytest.raises(SystemExit, match="--smoke only"):
         cli.main(["--quick", "--isolation", "fork", "--suite-dir", str(STUBS), "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match=r"--budget=0.0: expected a positive number of seconds"):  # session 14
+    with pytest.raises(SystemExit, match=r"--budget=0.0: expected a positive number of seconds"):
         cli.main(["--smoke", "--budget", "0", "--suite-dir", str(STUBS), "--out", str(tmp_path)])
 
 
@@ -97,34 +96,34 @@ def test_list(capsys):
 
 
 def test_discovery_reads_constants_without_importing():
-    found = cli.discover(STUBS)
+    found = schedule.discover(STUBS)
     assert list(found) == ["boom", "comfy", "exit", "hang", "ok"]
-    assert found["ok"].weight("smoke") == 20 and found["ok"].weight("quick") == cli.DEFAULT_WEIGHT_S["quick"]
+    assert found["ok"].weight("smoke") == 20 and found["ok"].weight("quick") == schedule.DEFAULT_WEIGHT_S["quick"]
     assert found["comfy"].requires_comfyui and not found["ok"].requires_comfyui
-    assert "suite_device.py" in {p.path.name for p in cli.discover().values()}  # the package's own suites
+    assert "suite_device.py" in {p.path.name for p in schedule.discover().values()}  # the package's own suites
 
 
 def test_parts_cover_every_suite_once_and_balance_weights():
-    infos = [cli.SuiteInfo(n, Path(n), None, {"FULL_BUDGET_S": w})
+    infos = [schedule.SuiteInfo(n, Path(n), None, {"FULL_BUDGET_S": w})
              for n, w in [("a", 300), ("b", 200), ("c", 200), ("d", 100), ("e", 100), ("f", 60), ("g", 20)]]
-    parts = cli.split_parts(infos, 4, "full")
+    parts = schedule.split_parts(infos, 4, "full")
     names = [s.name for p in parts for s in p]
     assert sorted(names) == list("abcdefg")
     loads = [sum(s.weight("full") for s in p) for p in parts]
     assert max(loads) <= 300  # no part above the heaviest suite here
-    assert cli.split_parts(infos, 4, "full") == parts  # deterministic
-    assert cli.parse_part("2/4") == (2, 4)
+    assert schedule.split_parts(infos, 4, "full") == parts  # deterministic
+    assert schedule.parse_part("2/4") == (2, 4)
     for bad in ("0/4", "5/4", "x", "1/2/3"):
         with pytest.raises(ValueError, match="--part"):
-            cli.parse_part(bad)
+            schedule.parse_part(bad)
 
 
 def test_share_of_the_remaining_budget():
-    assert cli.share_s(100, [60, 20, 20]) == pytest.approx(60)
-    assert cli.share_s(100, [10]) == pytest.approx(100)  # the last suite gets all that is left
-    assert cli.share_s(100, [0, 0]) == 0.0
-    assert cli.kill_after_s(100, 60) == pytest.approx(80)  # its share + half of what the others would get
-    assert cli.kill_after_s(100, 100) == pytest.approx(100)  # the last suite: everything left, no more
+    assert schedule.share_s(100, [60, 20, 20]) == pytest.approx(60)
+    assert schedule.share_s(100, [10]) == pytest.approx(100)  # the last suite gets all that is left
+    assert schedule.share_s(100, [0, 0]) == 0.0
+    assert schedule.kill_after_s(100, 60) == pytest.approx(80)  # its share + half of what the others would get
+    assert schedule.kill_after_s(100, 100) == pytest.approx(100)  # the last suite: everything left, no more
 
 
 def test_parts_leave_comfyui_suites_out_without_comfyui(tmp_path, monkeypatch):
@@ -142,7 +141,7 @@ def test_parts_leave_comfyui_suites_out_without_comfyui(tmp_path, monkeypatch):
         seen.clear()
         assert cli.main(["--smoke", "--suite-dir", str(STUBS), "--part", f"{k}/2", "--no-charts", "--budget", "50",
                          "--out", str(tmp_path / str(k))]) == 0
-        doc = report.load(tmp_path / str(k) / "bench.json")
+        doc = schema.load(tmp_path / str(k) / "bench.json")
         assert {s["suite"]: s["status"] for s in doc["suites"]}["comfy"] == "skipped"
         ran |= set(seen)
     assert ran == {"boom", "exit", "hang", "ok"}

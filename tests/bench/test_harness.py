@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leandiffusion.bench.harness import BenchContext, peak_memory, time_ms, write_json
-from leandiffusion.bench.report import validate_record
+from leandiffusion.bench.schema import validate_record
 
 
 def make_ctx(tmp_path, **kw):
@@ -118,8 +118,8 @@ def test_time_ms_is_a_median_and_peak_memory_is_zero_on_cpu():
     (float("-inf"), None, True, "ours<=", 4.0),
 ])
 def test_infinite_numbers_never_pass(tmp_path, ours, peer, lower, kind, target):
-    """Audit, session 11: ``record`` promised that a non-finite ``ours`` never passes, but ``inf >= target`` and an
-    infinite ratio did pass, and JSON then stored the number as null next to ``passed: true``."""
+    """``record`` promises that a non-finite ``ours`` never passes: ``inf >= target`` or an infinite ratio would
+    otherwise pass, and JSON would then store the number as null next to ``passed: true``."""
     ctx = make_ctx(tmp_path, sink=tmp_path / "r.json")
     rec = ctx.record("c", "m", ours, peer, "peer" if peer is not None else "", target=target, target_kind=kind,
                      lower_is_better=lower)
@@ -128,14 +128,14 @@ def test_infinite_numbers_never_pass(tmp_path, ours, peer, lower, kind, target):
     assert validate_record(stored) == []
 
 
-# --------------------------------------------------------------------------------------------- mutation audit, s23
+# --------------------------------------------------------------------------------------------- targets on the bound
 @pytest.mark.parametrize("ours, peer, lower, kind, target", [
     (10.0, 20.0, True, "ratio>=", 2.0),     # ratio exactly 2.0 (both exact in binary)
     (4.0, None, True, "ours<=", 4.0),
     (2.0, None, False, "ours>=", 2.0),
 ])
 def test_a_target_met_exactly_passes(tmp_path, ours, peer, lower, kind, target):
-    """Targets read ">= 2x" and "<= 4 GB": a measurement on the bound meets them (mutants s23 H03-H05)."""
+    """Targets read ">= 2x" and "<= 4 GB": a measurement on the bound meets them."""
     rec = make_ctx(tmp_path).record("c", "m", ours, peer, "p" if peer is not None else "", target=target,
                                     target_kind=kind, lower_is_better=lower)
     assert rec.passed is True

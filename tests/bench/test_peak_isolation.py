@@ -1,16 +1,16 @@
-"""Guards that one contender's memory never counts in another contender's peak (bench audit, session 11).
+"""Guards that one contender's memory never counts in another contender's peak.
 
 No GPU here: ``torch.cuda``'s allocator statistics are replaced by a small model of the caching allocator
 (active blocks, cached free blocks, the peak since the last reset), and the suites' models by stand-ins that only
-remember where ``.to()`` put them. The bugs these tests guard:
+remember where ``.to()`` put them. The promises these tests guard:
 
-- ``suite_stream._peak`` reset the peak without returning the cache to the driver, so the prompt-by-prompt peer's
-  ``peak_reserved_gb`` started at everything ours' batched runs had left cached (``max_memory_reserved`` right after
-  a reset is the memory reserved at that moment);
-- ``suite_comfyui``'s KSampler and VAEDecodeTiled cases ran ComfyUI with our full-size models still resident on
-  the GPU (built there for speed), so ComfyUI's published peaks included our UNet, text encoders and VAE;
-- (session 23) ``suite_vae``'s ``--comfyui`` contenders did the same with our VAE, and ``suite_comfyui``'s
-  ImageUpscaleWithModel peer left its model on the GPU between calls, which the node never does.
+- the stream suite's peak returns the cache to the driver before it resets the peak, so the prompt-by-prompt
+  peer's ``peak_reserved_gb`` does not start at everything ours' batched runs left cached (``max_memory_reserved``
+  right after a reset is the memory reserved at that moment);
+- ``suite_comfyui``'s KSampler and VAEDecodeTiled cases run ComfyUI with none of our full-size models resident on
+  the GPU (they are built there for speed), so ComfyUI's peaks hold none of our UNet, text encoders and VAE;
+- ``suite_vae``'s ``--comfyui`` contenders run with our VAE off the GPU, and ``suite_comfyui``'s
+  ImageUpscaleWithModel peer moves its model to the GPU and back on every call, as the node does.
 """
 import contextlib
 import types
@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from leandiffusion.bench import suite_comfyui, suite_stream
+from leandiffusion.bench import comfyui_peer, stream_contenders, suite_comfyui
 
 GiB = 2 ** 30
 
@@ -63,10 +63,10 @@ def test_stream_peak_does_not_count_what_an_earlier_contender_left_cached(monkey
     mem = FakeAllocator().install(monkeypatch)
     mem.alloc(10 * GiB)  # ours' batched runs: activations and staging for a batch of eight ...
     mem.free(10 * GiB)  # ... freed, but kept in the allocator's cache
-    with suite_stream._peak(torch.device("cuda")) as peer_peak:
+    with stream_contenders.ReservedPeak(torch.device("cuda")) as peer_peak:
         mem.alloc(1 * GiB)  # the prompt-by-prompt peer needs 1 GiB
         mem.free(1 * GiB)
-    assert peer_peak["reserved_gb"] == pytest.approx(1.0)  # the old _peak reported 10.0 (ours' leftovers)
+    assert peer_peak["reserved_gb"] == pytest.approx(1.0)  # not 10.0: ours' leftovers do not count
 
 
 def test_stream_releases_ours_graphs_and_pool_before_the_peer(monkeypatch):
@@ -74,7 +74,7 @@ def test_stream_releases_ours_graphs_and_pool_before_the_peer(monkeypatch):
     runner = types.SimpleNamespace(clear=lambda engine=None: calls.append(("clear", engine)))
     monkeypatch.setattr("leandiffusion.sampling.graph_runner.default_runner", lambda: runner)
     engine = types.SimpleNamespace(pool=types.SimpleNamespace(release=lambda: calls.append(("release",))))
-    suite_stream._release_run_memory(engine)
+    stream_contenders.release_run_memory(engine)
     assert calls == [("clear", engine), ("release",)]
 
 
@@ -155,7 +155,7 @@ def test_ksampler_peer_runs_with_none_of_our_models_on_the_gpu(monkeypatch):
                         lambda node_id: lambda **kw: seen["ours"].append({m.name: m.device for m in ours}))
     suite_comfyui.case_ksampler(FakeCtx(), Comfy(), "sdxl")
     assert seen["comfy"] and seen["ours"]
-    for where in seen["comfy"]:  # the old code left all four resident: ComfyUI's SDXL peak held ~6.5 GiB of ours
+    for where in seen["comfy"]:  # none of our four models may sit in ComfyUI's peak
         assert set(where.values()) == {"cpu"}, where
     for where in seen["ours"]:
         assert set(where.values()) == {"cuda"}, where
@@ -187,7 +187,7 @@ def test_vae_tiled_peer_runs_without_our_vae_on_the_gpu(monkeypatch):
     assert {s for s, _ in seen} == {"comfyui", "ours_vae", "comfy_vae"}
     for source, where in seen:
         # ComfyUI's number (and ours run on ComfyUI's VAE object) must not hold our VAE's weights; ours on our VAE
-        # needs it on the GPU. The old code kept it resident throughout: ComfyUI's 0.95 GB peak held our 0.16 GiB.
+        # needs it on the GPU.
         assert where == ("cuda" if source == "ours_vae" else "cpu"), (source, where)
 
 
@@ -210,7 +210,8 @@ class _SmokeClockCtx:
                                                   (6.0, ["sd15_512"], ["sdxl_1024"])])
 def test_stream_smoke_starts_a_case_only_with_room_for_it(monkeypatch, case_s, ran, skipped):
     """On a loaded CI host the tiny cases run slower: the next one starts only when about as much time as the
-    last one took is left (the old 1-second check started it and the process was killed past its share)."""
+    last one took is left (a fixed 1-second check would start it and the process would be killed past its
+    share)."""
     from leandiffusion.bench import suite_stream
 
     clock, calls = [0.0], []
@@ -228,8 +229,8 @@ def test_stream_smoke_starts_a_case_only_with_room_for_it(monkeypatch, case_s, r
 
 def test_comfyui_upscale_peer_moves_the_model_as_the_node_does_on_every_call():
     """ComfyUI's ImageUpscaleWithModel frees memory for the model, moves it to the device, tiles, and moves it back
-    to the CPU on every call (comfy_extras/nodes_upscale_model.py). The old peer left the model on the GPU after
-    its first call, so its timed calls skipped the weights' upload and download that the node (and ours) pays."""
+    to the CPU on every call (comfy_extras/nodes_upscale_model.py). A peer that left the model on the GPU after its
+    first call would skip in its timed calls the weights' upload and download that the node (and ours) pays."""
     events = []
 
     class Model:  # a spandrel ImageModelDescriptor stand-in: x4, remembers where it is
@@ -249,7 +250,7 @@ def test_comfyui_upscale_peer_moves_the_model_as_the_node_does_on_every_call():
     mm = types.SimpleNamespace(module_size=lambda module: 1000, OOM_EXCEPTION=torch.cuda.OutOfMemoryError,
                                free_memory=lambda required, device: events.append(("free", required > 1000)))
     utils = types.SimpleNamespace(tiled_scale=lambda img, fn, **kw: fn(img))
-    comfy = object.__new__(suite_comfyui.Comfy)
+    comfy = object.__new__(comfyui_peer.Comfy)
     comfy.mm, comfy.utils = mm, utils
     model = Model()
     image = torch.rand(1, 8, 8, 3)
@@ -262,8 +263,8 @@ def test_comfyui_upscale_peer_moves_the_model_as_the_node_does_on_every_call():
 
 def test_vae_suite_measures_comfyuis_contenders_with_our_vae_off_the_gpu(monkeypatch):
     """bench/suite_vae.py with ``--comfyui``: ``comfyui_tiled`` and ``exact_comfy_vae`` decode with ComfyUI's own
-    VAE object; the old suite kept our full-size VAE resident, so their peaks held two sets of weights (ours 0.16
-    GiB in fp16) where ours' rows hold one. ``_measure`` runs a contender inside ``peak_memory``: whatever sits on
+    VAE object; with our full-size VAE resident, their peaks would hold two sets of weights where ours' rows hold
+    one. ``_measure`` runs a contender inside ``peak_memory``: whatever sits on
     the GPU then counts in its peak."""
     from leandiffusion.bench import suite_vae
 
@@ -283,6 +284,6 @@ def test_vae_suite_measures_comfyuis_contenders_with_our_vae_off_the_gpu(monkeyp
     suite_vae._case(ctx, vae, 2048, torch.float16, repeat=1)
     labels = [case.split("/", 1)[1] for case, metric, _ in ctx.records if metric == "time_ms"]
     assert labels == ["exact", "exact_auto", "blend", "diffusers_tiled", "comfyui_tiled", "exact_comfy_vae"]
-    # the untiled reference and ours need our VAE on the GPU; ComfyUI's two must not hold it (old: all on cuda)
+    # the untiled reference and ours need our VAE on the GPU; ComfyUI's two must not hold it
     assert where == ["cuda"] * 5 + ["cpu"] * 2
     assert vae.device == "cuda"  # back on the GPU for the next size

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from leandiffusion.bench import report
+from leandiffusion.bench import charts, report, schema, summary
 
 
 def rec(**kw):
@@ -20,7 +20,7 @@ def doc(records, statuses=None):
     names = sorted({r["suite"] for r in records} | set(statuses or {}))
     suites = [{"suite": n, "status": (statuses or {}).get(n, "ok"), "error": "", "seconds": 1.0, "budget_s": 5.0,
                "skipped": [], "records": sum(r["suite"] == n for r in records)} for n in names]
-    return {"schema": 1, "meta": {"mode": "quick", "device": "NVIDIA H100", "date": "2026-11-21",
+    return {"schema": 1, "meta": {"mode": "quick", "device": "Test GPU", "date": "1970-01-01",
                                   "versions": {"torch": "2.11"}, "command": "python -m leandiffusion.bench --quick"},
             "suites": suites, "records": records}
 
@@ -30,8 +30,8 @@ def suite(d, name):
 
 
 def test_good_record_passes():
-    assert report.validate_record(rec()) == []
-    assert report.validate(doc([rec(), rec(case="d", peer=None, peer_name="", ratio=None, target="", passed=None,
+    assert schema.validate_record(rec()) == []
+    assert schema.validate(doc([rec(), rec(case="d", peer=None, peer_name="", ratio=None, target="", passed=None,
                                            **{"pass": None})])) == []
 
 
@@ -50,7 +50,7 @@ def test_good_record_passes():
     ({"ours": None}, "ours is null"),
 ])
 def test_bad_records_are_caught(change, fragment):
-    errors = report.validate_record(rec(**change))
+    errors = schema.validate_record(rec(**change))
     assert any(fragment in e for e in errors), errors
 
 
@@ -60,7 +60,7 @@ def test_missing_key_and_unknown_suite_and_bad_status():
     d = doc([bad])
     d["records"].append(rec(suite="ghost"))
     d["suites"][0]["status"] = "crashed"  # crashed without an error message
-    errors = report.validate(d)
+    errors = schema.validate(d)
     assert any("missing key 'metric'" in e for e in errors)
     assert any("'ghost' is not in 'suites'" in e for e in errors)
     assert any("without an error message" in e for e in errors)
@@ -71,8 +71,8 @@ def test_load_accepts_a_bare_record_list(tmp_path):
     del r["pass"]
     path = tmp_path / "old.json"
     path.write_text(json.dumps([r]))
-    d = report.load(path)
-    assert report.validate(d) == []
+    d = schema.load(path)
+    assert schema.validate(d) == []
     assert d["records"][0]["pass"] is True
 
 
@@ -81,7 +81,7 @@ def test_summary_is_bounded_and_ends_with_totals():
     records += [rec(case=f"info{i}", target="", passed=None, **{"pass": None}) for i in range(200)]
     d = doc(records, statuses={"broken": "failed"})
     suite(d, "broken")["error"] = "Traceback (most recent call last):\n  File x\nRuntimeError: CUDA out of memory"
-    lines = report.summary_lines(d, max_rows=40)
+    lines = summary.summary_lines(d, max_rows=40)
     assert lines[-1].startswith("TOTAL: 5 pass, 2 fail, 207 records; suites failed: broken")
     assert any("RuntimeError: CUDA out of memory" in x for x in lines)
     assert len(lines) < 60 and all(len(x) <= 200 for x in lines)
@@ -89,10 +89,10 @@ def test_summary_is_bounded_and_ends_with_totals():
 
 
 def test_format_row_columns():
-    row = report.format_row(rec())
+    row = summary.format_row(rec())
     for part in ("s/c step_ms", " 10 ", " 20 ", " ms ", "eager", "2.00x", ">= 1.5x eager", "PASS"):
         assert part in row
-    assert report.format_row(rec(ours=None, passed=False, **{"pass": False})).split()[-1] == "FAIL"
+    assert summary.format_row(rec(ours=None, passed=False, **{"pass": False})).split()[-1] == "FAIL"
 
 
 def test_markdown_outputs(tmp_path):
@@ -103,7 +103,7 @@ def test_markdown_outputs(tmp_path):
     assert "| c | step_ms | 10 ms | 20 ms (eager) | 2.00x | >= 1.5x eager | **pass** |" in md
     assert "## Suites" in md and "killed after 100s" in md and "![time](time.png)" in md
     block = report.readme_markdown(d, "docs/bench")
-    assert "NVIDIA H100" in block and "2026-11-21" in block and "**2 of 2 targets pass.**" in block
+    assert "Test GPU" in block and "1970-01-01" in block and "**2 of 2 targets pass.**" in block
     assert "![time](docs/bench/time.png)" in block and "![vram](docs/bench/vram.png)" in block
     assert "suite `dead` timeout: killed after 100s" in block
 
@@ -114,7 +114,7 @@ def test_markdown_outputs(tmp_path):
     ("max_abs_diff", "", None), ("speedup", "x", None),
 ])
 def test_chart_kind(metric, unit, kind):
-    assert report.chart_kind({"metric": metric, "unit": unit}) == kind
+    assert charts.chart_kind({"metric": metric, "unit": unit}) == kind
 
 
 @pytest.mark.parametrize("backend", ["pillow", "matplotlib"])
@@ -127,13 +127,13 @@ def test_charts_render(tmp_path, backend):
              rec(case="b", metric="images_per_s", unit="img/s", ours=4.0, peer=2.0, ratio=2.0),
              rec(suite="t", case="x", metric="step_ms", peer=None, peer_name="", ratio=None, target="", passed=None,
                  **{"pass": None})])
-    paths = report.write_charts(d, tmp_path, backend=backend)
+    paths = charts.write_charts(d, tmp_path, backend=backend)
     assert [p.name for p in paths] == ["time.png", "vram.png", "throughput.png"]
     for p in paths:
         with Image.open(p) as img:
             assert img.size[0] >= 600 and img.size[1] >= 100
     with pytest.raises(ValueError, match="backend"):
-        report.write_charts(d, tmp_path, backend="svg")
+        charts.write_charts(d, tmp_path, backend="svg")
 
 
 def test_report_cli(tmp_path, capsys):
@@ -152,15 +152,15 @@ def test_report_cli(tmp_path, capsys):
 
 def test_lint_flags_ambiguous_records():
     d = doc([rec(), rec(), rec(case="other")])
-    assert report.lint(d) == ["s/c step_ms recorded 2 times"]
-    assert report.validate(d) == []  # ambiguity is a warning, not a schema error
-    assert any(x.startswith("WARN 1 ambiguous key(s): s/c step_ms") for x in report.summary_lines(d))
+    assert schema.lint(d) == ["s/c step_ms recorded 2 times"]
+    assert schema.validate(d) == []  # ambiguity is a warning, not a schema error
+    assert any(x.startswith("WARN 1 ambiguous key(s): s/c step_ms") for x in summary.summary_lines(d))
     assert "Ambiguous records" in report.benchmarks_markdown(d)
 
 
 def test_chart_labels_tell_ambiguous_records_apart():
     d = doc([rec(notes="acceleration=none; x"), rec(notes="acceleration=cuda_graph; x")])
-    labels = [item[0] for _, items in report.chart_groups(d, "time") for item in items]
+    labels = [item[0] for _, items in charts.chart_groups(d, "time") for item in items]
     assert labels == ["c · step_ms (acceleration=none)", "c · step_ms (acceleration=cuda_graph)"]
 
 
@@ -208,7 +208,7 @@ def test_failed_chart_render_keeps_the_last_good_chart(tmp_path, monkeypatch):
     from PIL import Image
 
     d = doc([rec()])
-    report.write_charts(d, tmp_path, backend="pillow")
+    charts.write_charts(d, tmp_path, backend="pillow")
     good = (tmp_path / "time.png").read_bytes()
 
     def broken_save(self, fp, *args, **kwargs):
@@ -218,15 +218,15 @@ def test_failed_chart_render_keeps_the_last_good_chart(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Image.Image, "save", broken_save)
     with pytest.raises(OSError, match="No space"):
-        report.write_charts(d, tmp_path, backend="pillow")
+        charts.write_charts(d, tmp_path, backend="pillow")
     monkeypatch.undo()
     assert (tmp_path / "time.png").read_bytes() == good
     assert sorted(p.name for p in tmp_path.iterdir()) == ["time.png"]
 
 
 def test_readme_block_lists_skipped_cases_next_to_the_count():
-    """Audit, session 11: a targeted case skipped for time made no record, so the README block's "N of M targets
-    pass" silently left it out of M; the block must say how many cases were skipped and which."""
+    """A targeted case skipped for time makes no record, so the README block's "N of M targets pass" leaves it out
+    of M; the block must say how many cases were skipped and which."""
     d = doc([rec()])
     suite(d, "s")["skipped"] = [{"case": "sdxl-1024/compile+cuda_graph", "reason": "not enough time"}]
     block = report.readme_markdown(d, "docs/bench")
@@ -235,7 +235,7 @@ def test_readme_block_lists_skipped_cases_next_to_the_count():
     assert "neither passed nor failed" in block
 
 
-# --------------------------------------------------------------------------------------------- mutation audit, s23
+# --------------------------------------------------------------------------------------------- tables and charts
 def test_readme_counts_targets_not_records_and_lists_every_failure():
     """"N of M targets pass": M counts targeted records only (a comparison without a target is neither), and the
     table lists the failures next to the passes."""
@@ -245,13 +245,13 @@ def test_readme_counts_targets_not_records_and_lists_every_failure():
     assert "**1 of 2 targets pass.**" in block
     assert "| s | slow | step_ms | 30 ms | 20 ms (eager) | 0.67x | >= 1.5x eager | **FAIL** |" in block
     assert "| info |" not in block
-    assert report.counts(d) == {"pass": 1, "fail": 1, "records": 3}
+    assert summary.counts(d) == {"pass": 1, "fail": 1, "records": 3}
 
 
 def test_a_record_without_a_ratio_shows_a_dash_in_every_table():
     r = rec(peer=None, peer_name="", ratio=None)
     assert "| c | step_ms | 10 ms | - | - | >= 1.5x eager | **pass** |" in report.benchmarks_markdown(doc([r]))
-    assert report.format_row(r).split()[-5] == "-"  # ratio column (then the target ">= 1.5x eager", result)
+    assert summary.format_row(r).split()[-5] == "-"  # ratio column (then the target ">= 1.5x eager", result)
 
 
 def test_a_suite_that_failed_before_recording_shows_its_whole_error():
@@ -268,28 +268,27 @@ def test_pipes_and_newlines_in_text_cells_do_not_break_the_table():
 
 
 def test_numbers_switch_to_exponent_form_at_the_documented_bounds():
-    assert report.fmt(100000.0) == "1.000e+05"
-    assert report.fmt(0.001) == "0.001" and report.fmt(0.000999) == "9.990e-04"
+    assert summary.fmt(100000.0) == "1.000e+05"
+    assert summary.fmt(0.001) == "0.001" and summary.fmt(0.000999) == "9.990e-04"
 
 
 def test_a_throughput_unit_per_second_is_charted_as_throughput():
-    assert report.chart_kind({"metric": "decode_fps", "unit": "frames/s"}) == "throughput"
+    assert charts.chart_kind({"metric": "decode_fps", "unit": "frames/s"}) == "throughput"
 
 
 @pytest.mark.parametrize("metric, unit", [("sampler_it_s", "it/s"), ("it_s", "")])
 def test_iterations_per_second_are_throughput_not_time(metric, unit):
-    """Defect found in session 23's audit (by reading, no mutant): ``chart_kind`` lists ``it_s`` as a throughput
-    name, but the time rule (names ending in ``_s``) matched it first, so an it/s record was drawn on the time chart
-    (lower is better) even with unit ``it/s``."""
-    assert report.chart_kind({"metric": metric, "unit": unit}) == "throughput"
+    """``chart_kind`` lists ``it_s`` as a throughput name, checked before the time rule (names ending in ``_s``)
+    would match it, so an it/s record is never drawn on the time chart (lower is better)."""
+    assert charts.chart_kind({"metric": metric, "unit": unit}) == "throughput"
 
 
 @pytest.mark.parametrize("metric", ["wait_s", "init_s", "queue_wait_s", "split_s"])
 def test_seconds_whose_name_ends_in_it_s_stay_times(metric):
-    """Only ``it_s`` itself or a ``..._it_s`` name is iterations per second; the session 23 fix first matched every
-    name ending in ``it_s`` (a wait or an init time became a throughput)."""
-    assert report.chart_kind({"metric": metric, "unit": "s"}) == "time"
-    assert report.chart_kind({"metric": metric, "unit": ""}) == "time"
+    """Only ``it_s`` itself or a ``..._it_s`` name is iterations per second; a rule matching every name ending in
+    ``it_s`` would turn a wait or an init time into a throughput."""
+    assert charts.chart_kind({"metric": metric, "unit": "s"}) == "time"
+    assert charts.chart_kind({"metric": metric, "unit": ""}) == "time"
 
 
 def test_charts_skip_records_without_a_number(tmp_path):
@@ -298,9 +297,9 @@ def test_charts_skip_records_without_a_number(tmp_path):
     d = doc([rec(), rec(case="nan", ours=None, ratio=None, target="", passed=None, **{"pass": None}),
              rec(case="m", metric="peak_reserved_gb", unit="GB", ours=None, ratio=None, target="", passed=None,
                  **{"pass": None})])
-    assert report.chart_kinds(d) == ["time"]
-    assert [item[0] for _, items in report.chart_groups(d, "time") for item in items] == ["c · step_ms"]
-    assert [p.name for p in report.write_charts(d, tmp_path, backend="pillow")] == ["time.png"]
+    assert charts.chart_kinds(d) == ["time"]
+    assert [item[0] for _, items in charts.chart_groups(d, "time") for item in items] == ["c · step_ms"]
+    assert [p.name for p in charts.write_charts(d, tmp_path, backend="pillow")] == ["time.png"]
 
 
 def test_write_all_stores_pass_beside_passed(tmp_path):
@@ -308,13 +307,13 @@ def test_write_all_stores_pass_beside_passed(tmp_path):
     del r["pass"]
     report.write_all(doc([r]), tmp_path, charts=False)
     stored = json.loads((tmp_path / "bench.json").read_text())["records"][0]
-    assert stored["pass"] is True and report.validate_record(stored) == []
+    assert stored["pass"] is True and schema.validate_record(stored) == []
 
 
 def test_summary_shows_exactly_max_rows_records_targets_first():
     records = [rec(case=f"t{i}") for i in range(7)]
     records += [rec(case=f"info{i}", target="", passed=None, **{"pass": None}) for i in range(200)]
-    lines = report.summary_lines(doc(records), max_rows=40)
+    lines = summary.summary_lines(doc(records), max_rows=40)
     rows = [x for x in lines if x.startswith("s/")]
     assert len(rows) == 40 and all(x.startswith("s/t") for x in rows[:7])
     assert "... 167 more record(s) without a target in bench.json / BENCHMARKS.md" in lines

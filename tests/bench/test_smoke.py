@@ -11,10 +11,9 @@ import time
 
 import pytest
 
-from leandiffusion.bench import __main__ as cli
-from leandiffusion.bench import report
+from leandiffusion.bench import schedule, schema
 
-SUITES = cli.discover()
+SUITES = schedule.discover()
 SMOKE_LIMIT_S = 120
 
 
@@ -25,12 +24,12 @@ def smoke(tmp_path_factory):
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "leandiffusion.bench", "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=SMOKE_LIMIT_S + 60, env=env)
-    return proc, report.load(out / "bench.json"), time.time() - t0
+    return proc, schema.load(out / "bench.json"), time.time() - t0
 
 
 def test_smoke_run_is_well_formed_and_fast(smoke):
     proc, doc, seconds = smoke
-    assert report.validate(doc) == [], proc.stdout[-4000:]
+    assert schema.validate(doc) == [], proc.stdout[-4000:]
     assert [s["suite"] for s in doc["suites"]] == sorted(SUITES)
     assert seconds < SMOKE_LIMIT_S, f"smoke run took {seconds:.0f}s"
     assert proc.stdout.strip().splitlines()[-1].startswith("TOTAL:")
@@ -46,5 +45,5 @@ def test_each_suite_smokes(smoke, name):
     if status["status"] == "ok":
         assert records, f"suite {name} made no record in smoke mode"
     for r in records:
-        assert report.validate_record(r) == [], r
+        assert schema.validate_record(r) == [], r
         assert r["device"].startswith("cpu")

@@ -1,9 +1,9 @@
-"""bench/suite_lora.py: what ``merged_session_ms`` times (bench audit, session 23).
+"""bench/suite_lora.py: what ``merged_session_ms`` times.
 
-The record's notes say "save touched weights + merge at attach"; the old suite started the clock before
-``inject_lora`` (cached load, key resolution, adapter building), so building the view counted as part of the
-session, unlike the unmerged strength change, whose views are built before its timing. A fake clock advances
-50 ms in ``inject_lora`` and 2 ms in the session's attach: only the 2 ms may count.
+The record's notes say "save touched weights + merge at attach": the clock starts after ``inject_lora`` (cached
+load, key resolution, adapter building), so building the view is not part of the session, as for the unmerged
+strength change, whose views are built before its timing. A fake clock advances 50 ms in ``inject_lora`` and 2 ms
+in the session's attach: only the 2 ms may count.
 """
 import contextlib
 
@@ -33,5 +33,5 @@ def test_merged_session_times_the_attach_alone(monkeypatch):
     monkeypatch.setattr("leandiffusion.lora.inject_lora", inject_lora)
     monkeypatch.setattr(suite_lora.time, "perf_counter", lambda: clock[0])
     session_ms, inject_ms = suite_lora._merged_session_ms("engine", "file", 0.6, lambda: events.append(("sync",)))
-    assert session_ms == pytest.approx(2.0) and inject_ms == pytest.approx(50.0)  # the old timing gave 52
+    assert session_ms == pytest.approx(2.0) and inject_ms == pytest.approx(50.0)  # not 52: the view's build is left out
     assert events == [("inject", "merged", 0.6), ("sync",), ("attach", "unet"), ("sync",), ("detach", "unet")]

@@ -1,11 +1,10 @@
-"""bench/suite_sampler.py: what each acceleration's ``peak_reserved_gb`` holds (bench audit, session 23).
+"""bench/suite_sampler.py: what each acceleration's ``peak_reserved_gb`` holds.
 
 No GPU here: the tiny SD1 engine runs the peer loops on the CPU, and the CUDA-graph runner is replaced by a stand-in
 whose "graphs" are the accelerations it has captured and not yet dropped (a captured graph keeps its private memory
 pool reserved until the graph is dropped; ``torch.cuda.empty_cache`` cannot return it). The defect guarded: the
-accelerations shared one runner and nothing dropped the ``cuda_graph`` graph before ``compile+cuda_graph``'s first
-run, so that run's ``max_memory_reserved`` began with the other acceleration's pool (quick s7: 2.699 GB for SD1.5
-compile+cuda_graph, of which about 0.17 GB was the ``cuda_graph`` graph's).
+accelerations share one runner, and unless the ``cuda_graph`` graph is dropped before ``compile+cuda_graph``'s
+first run, that run's ``max_memory_reserved`` begins with the other acceleration's pool.
 """
 import contextlib
 
@@ -68,7 +67,7 @@ def test_each_acceleration_peak_starts_without_another_accelerations_graph(monke
     ctx = FakeCtx()
     suite_sampler._case(ctx, "tiny-sd1", tiny_engine("sd1"), 64, 1, accelerations, repeat=1)
     assert len(held_at_reset) == len(accelerations)
-    # the old suite entered compile+cuda_graph's peak with {"cuda_graph"} still held
+    # compile+cuda_graph's peak must not start with {"cuda_graph"} still held
     assert all(held == set() for held in held_at_reset.values()), held_at_reset
     timed = [case for case, metric, _ in ctx.records if metric == "loop_ms"]
     assert timed == [f"tiny-sd1-64/{acc}" for acc in accelerations]

@@ -1,4 +1,4 @@
-"""ComfyUI 0.3.64's own conditioning nodes into the samplers' ``positive_cond`` / ``negative_cond`` (session-19 audit).
+"""ComfyUI 0.3.64's own conditioning nodes into the samplers' ``positive_cond`` / ``negative_cond``.
 
 Invariant: a CONDITIONING either conditions the UNet as ComfyUI's sampler does, or is refused before any model runs
 (no text, UNet or VAE session opened) with an error naming the input, the node that wrote what is unsupported and the

@@ -6,14 +6,14 @@ One workflow per prompt pair: ComfyUI's ``CheckpointLoaderSimple`` -> ``CLIPText
 node fed the same texts as its ``positive``/``negative`` strings -> ``SaveLatent`` (path B); both samplers take the
 ``LeanModelLoader`` model of the same checkpoint (weight_dtype fp32, acceleration none). The checkpoint
 (``tests/kit/clip_l.py``) holds a random full-size CLIP-L, which ComfyUI needs; its weights are fp16 values, exact in
-fp32 on both sides. Bound: max abs diff of the two latents <= 1e-4 (the issue's acceptance). The two encoders differ
+fp32 on both sides. Bound: max abs diff of the two latents <= 1e-4 (the acceptance line). The two encoders differ
 only in attention kernels: ~3e-6 on the conditioning (measured), which this random UNet turns into ~1.5e-5 per unit
 of guidance scale on latents of magnitude ~31 (measured: 4.6e-5 at cfg 6, 1.5e-5 at cfg 2, i.e. ~25 fp32 ulps),
 so the test runs cfg 2.5 (~2e-5 expected) to keep the bound meaningful with margin. A dropped weight, a wrong layer
 or final norm, a wrong pad token or a truncated long prompt moves the conditioning by O(0.1-1) and the latents by
 > 1e-2 (the guard test measures one such change).
 
-``embedding:NAME`` (session-19 audit): a random 2-vector textual inversion in the server's ``embeddings`` folder, read
+``embedding:NAME``: a random 2-vector textual inversion in the server's ``embeddings`` folder, read
 by ComfyUI's tokenizer on the CLIPTextEncode path and by the pack's encoder on the string path (the pack refuses an
 unknown name, ComfyUI drops it with a warning, so equal latents mean both used it).
 

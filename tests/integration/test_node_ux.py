@@ -5,10 +5,9 @@ no output file written and the next prompt unaffected (a merged LoRA interrupted
 exact), model files replaced on disk picked up on the next run while unchanged ones stay cached, and errors that
 name the node's own input. Needs ``COMFYUI_PATH`` (see conftest.py); skipped without it.
 
-Guards the defects the UX audit found: no OUTPUT_TOOLTIPS on four nodes; no progress at all from the Tiled VAE
-nodes in 'blend' mode (a 1024 px CPU decode ran 100 s without a progress message); a LoRA or upscale model file
-replaced under the same name was never picked up (ComfyUI served the cached output); the Stream Scheduler
-Sampler reported its ``decode_tile_size`` as ``tile_size``.
+Guards what a user sees: OUTPUT_TOOLTIPS on every node; progress from the Tiled VAE nodes in 'blend' mode too (a
+1024 px CPU decode runs 100 s); a LoRA or upscale model file replaced under the same name is picked up (not the
+cached output); the Stream Scheduler Sampler names its ``decode_tile_size`` as such, not ``tile_size``.
 """
 import json
 import time

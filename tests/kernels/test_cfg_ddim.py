@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from leandiffusion.kernels import cfg_ddim
-from leandiffusion.kernels.cfg_ddim import (cfg_ddim_reference, cfg_ddim_step, cfg_ddim_triton, pack_coefficients,
-                                            resolve_impl)
+from leandiffusion.kernels.cfg_ddim import cfg_ddim_reference, cfg_ddim_step, cfg_ddim_triton, pack_coefficients
 
 interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or cfg_ddim.triton is None,
                                reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
@@ -125,7 +124,7 @@ def test_validation_errors():
 
 def test_dispatcher_uses_reference_on_cpu_and_env_override(monkeypatch):
     monkeypatch.setenv("LEANDIFFUSION_CFG_DDIM", "reference")
-    assert resolve_impl() == "reference"
+    assert cfg_ddim.IMPL.resolve() == "reference"
     monkeypatch.setenv("LEANDIFFUSION_CFG_DDIM", "auto")
     calls = []
     monkeypatch.setattr(cfg_ddim, "cfg_ddim_triton", lambda *a, **k: calls.append("triton"))
@@ -134,7 +133,7 @@ def test_dispatcher_uses_reference_on_cpu_and_env_override(monkeypatch):
     assert calls == [] and out.shape == x.shape  # CPU tensors -> reference
     monkeypatch.setenv("LEANDIFFUSION_CFG_DDIM", "bogus")
     with pytest.raises(ValueError, match="LEANDIFFUSION_CFG_DDIM"):
-        resolve_impl()
+        cfg_ddim.IMPL.resolve()
 
 
 @pytest.mark.gpu
@@ -155,8 +154,8 @@ def test_gpu_kernel_matches_reference(shape, dtype):
 
 @pytest.mark.gpu
 def test_gpu_dispatcher_sends_only_contiguous_tensors_to_the_kernel(monkeypatch):
-    """Session 21's sampler audit: a dispatcher that ignores contiguity hands strided views to the kernel, which
-    refuses them; strided CUDA tensors must take the reference (the same numbers as its own call)."""
+    """A dispatcher that ignores contiguity hands strided views to the kernel, which refuses them; strided CUDA
+    tensors must take the reference (the same numbers as its own call)."""
     monkeypatch.setenv("LEANDIFFUSION_CFG_DDIM", "auto")
     x, c, u, n = _inputs((2, 4, 6, 10), torch.float32, device="cuda")
     coeffs = _coeffs("cuda")
@@ -171,7 +170,7 @@ def test_gpu_dispatcher_sends_only_contiguous_tensors_to_the_kernel(monkeypatch)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-# Session-14 coverage audit: these paths had never run.
+# The explicit reference choice and the device check.
 def test_explicit_reference_choice_and_a_tensor_on_another_device():
     x, c, u, n = _inputs((1, 4, 5, 3), torch.float32)
     coeffs = _coeffs()

@@ -50,7 +50,7 @@ def test_cfg_ddim_auto_dispatch_skips_gpus_triton_does_not_support(gpu):
 @pytest.mark.parametrize("capability, expected", [((8, 6), "triton"), ((6, 1), "reference")])
 def test_geglu_lora_auto_dispatch_skips_gpus_triton_does_not_support(gpu, monkeypatch, capability, expected):
     gpu["capability"] = capability
-    monkeypatch.delenv(geglu_lora.ENV_IMPL, raising=False)
+    monkeypatch.delenv(geglu_lora.IMPL.env_name, raising=False)
     monkeypatch.setattr(geglu_lora, "geglu_lora_triton", lambda *a: "triton")
     monkeypatch.setattr(geglu_lora, "geglu_lora_reference", lambda *a: "reference")
     assert geglu_lora.geglu_lora(_cuda_stub(), None, None) == expected
@@ -64,8 +64,9 @@ def test_the_environment_choice_is_read_like_a_user_writes_it(monkeypatch, env, 
         monkeypatch.delenv("LEANDIFFUSION_TEST_IMPL", raising=False)
     else:
         monkeypatch.setenv("LEANDIFFUSION_TEST_IMPL", env)
-    assert dispatch.resolve_impl("auto", "LEANDIFFUSION_TEST_IMPL") == expected
-    assert dispatch.resolve_impl("reference", "LEANDIFFUSION_TEST_IMPL") == "reference"  # the argument wins
+    choice = dispatch.KernelChoice("LEANDIFFUSION_TEST_IMPL")
+    assert choice.resolve("auto") == expected
+    assert choice.resolve("reference") == "reference"  # the argument wins
 
 
 @pytest.mark.parametrize("capability, usable", [((7, 0), True), ((6, 2), False)])

@@ -34,8 +34,8 @@ def file_name(root: torch.nn.Module, name: str) -> str:
 def random_factors(module: torch.nn.Module, rank: int, gen: torch.Generator, conv_kernel: bool = True):
     """down [r, in(, k, k)], up [out, r(, 1, 1)]: ``up @ down`` has entries ~0.25/sqrt(fan_in), i.e. about 0.4x
     the scale of the default-initialised base weight (a strong LoRA; real ones change weights by less). Larger
-    deltas push fp32 rounding of *any* two correct implementations past 1e-5 on the tiny UNet (measured: both
-    unmerged and merged sit ~1e-5 from an fp64 reference when the delta is 1.7x the weight)."""
+    deltas push fp32 rounding of *any* two correct implementations past 1e-5 on the tiny UNet (a delta 1.7x the
+    weight puts both unmerged and merged about 1e-5 from an fp64 reference)."""
     if isinstance(module, torch.nn.Linear):
         fan_in, out = module.in_features, module.out_features
         down = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5

@@ -1,8 +1,8 @@
 """``lora/adapter.py``: a LoRA on a model whose text encoders compute in another dtype than its UNet.
 
-Guard (session-14 coverage audit: the split load had never run): under ``lowvram`` the text encoders run in fp32
-(on the CPU) while the UNet runs in the weight dtype; the file is loaded once per stage, each half in its stage's
-dtype, and the text half computes exactly what the same LoRA computes on a plain fp32 model.
+Guard: under ``lowvram`` the text encoders run in fp32 (on the CPU) while the UNet runs in the weight dtype; the file is
+loaded once per stage, each half in its stage's dtype, and the text half computes exactly what the same LoRA computes on
+a plain fp32 model.
 """
 import torch
 
@@ -47,8 +47,7 @@ def test_text_and_unet_halves_load_in_their_stages_dtypes(tmp_path):
 def test_each_strategy_is_its_own_binding_and_graph_key(tmp_path):
     """``strategy`` is part of the binding key, hence of ``graph_key`` (a captured graph of one strategy cannot
     replay the other's forward): views asking for ``hook`` and ``geglu`` get bindings of those strategies with
-    different graph keys (session 21 mutation audit: without it the second view silently reused the first one's
-    binding and strategy)."""
+    different graph keys (without it the second view would silently reuse the first one's binding and strategy)."""
     c = tiny_components("sd1")
     sd = lf.kohya_state_dict({"unet": c["unet"]}, {"unet": lf.ATTN_FF}, rank=2)
     path = lf.write(sd, tmp_path / "style.safetensors")

@@ -1,9 +1,8 @@
 """Reference-counted attach/detach (``lora/binding.py``), on a stand-in binding that logs its (de)activations.
 
-Guards (session-23 mutation audit, ``docs/audit-mutation-s23-core.md``): components the binding does not know are
-skipped (B01); a failed attach undoes every component it had already counted, nested ones included (B03, B04, B06),
-also for a ``KeyboardInterrupt`` (B05); a detach of an inactive component changes nothing (B07); only the last
-detach deactivates (B08, B09). The refusal of a second strength (B02) was already covered by ``test_unmerged.py``.
+Guards: components the binding does not know are skipped; a failed attach undoes every component it had already
+counted, nested ones included, also for a ``KeyboardInterrupt``; a detach of an inactive component changes nothing;
+only the last detach deactivates. The refusal of a second strength is covered by ``test_unmerged.py``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Unmerged DoRA through its own forward (``lora/dora_forward.py``) against merged weights computed in fp64.
 
-Guards (session 16: unmerged DoRA built ``s * ((W + dW) g - W)`` in every forward, +200% per SDXL step): every DoRA
+Guards (an unmerged DoRA that builds ``s * ((W + dW) g - W)`` in every forward triples the SDXL step): every DoRA
 layout (LoRA, LoCon with Tucker factors, LoHa, LoKr; input and output axis) runs through the forward, not the dense
 fallback, and gives the fp64 formula's output; a strength change rewrites buffers without recomputing the gain; a
 weight written in place underneath (a merged LoRA earlier in the chain) is followed, and so is its restore; under the
@@ -13,7 +13,7 @@ import torch
 from leandiffusion.lora import dora_forward, inject_lora
 from leandiffusion.lora.formats import LoraLayer
 from leandiffusion.lora.keymap import Target
-from leandiffusion.lora.unmerged import _LinearTerm
+from leandiffusion.lora.lowrank_terms import LinearTerm
 from leandiffusion.memory.load import build_engine
 from leandiffusion.memory.plan import GiB, module_bytes
 from leandiffusion.memory.policies import stream_working_minimum_gb
@@ -89,7 +89,7 @@ def test_an_input_in_another_dtype_than_the_adapter(axis):
     layer = LoraLayer(component="unet", name="lin", naming="kohya", down=down, up=up, scale=1.0, source="t",
                       magnitude=mag)
     ov = dora_forward.DoraForward(Target("unet", "lin", lin, layer))
-    ov.inner = _LinearTerm(ov.down, ov.up_s)  # what the binding gives a folded DoRA
+    ov.inner = LinearTerm(ov.down, ov.up_s)  # what the binding gives a folded DoRA
     assert ov.refresh_gain()
     s = 0.8
     for src, buf in ov.strength_pairs():
@@ -226,10 +226,10 @@ def test_a_second_dora_on_the_same_layer_falls_back_to_the_dense_hook(tmp_path):
 
 @pytest.mark.parametrize("axis", ["in", "out"])
 def test_a_channel_whose_adapted_weight_is_zero_keeps_a_finite_gain(axis):
-    """Session 20 mutation audit: dropping the ``eps`` of ``g = m / (||W + dW|| + eps)`` passed every test (no channel
-    of their weights is zero). A channel of ``W + dW`` that is all zeros (a pruned channel the adapter leaves alone)
-    has ``g = m / eps``, finite, so its rows of ``(W + dW) g`` are 0 and the layer's delta there is ``-s W = 0``;
-    without ``eps`` it is ``0 * inf``, NaN. The other channels: the formula in fp64."""
+    """The ``eps`` of ``g = m / (||W + dW|| + eps)`` (no other test's weights have a zero channel). A channel of
+    ``W + dW`` that is all zeros (a pruned channel the adapter leaves alone) has ``g = m / eps``, finite, so its
+    rows of ``(W + dW) g`` are 0 and the layer's delta there is ``-s W = 0``; without ``eps`` it is ``0 * inf``, NaN.
+    The other channels: the formula in fp64."""
     from leandiffusion.lora.dora import dora_delta
 
     gen = torch.Generator().manual_seed(0)

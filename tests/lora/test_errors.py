@@ -95,8 +95,7 @@ def test_corrupt_files(sd1, sd1_lora, tmp_path, content):
                                           ("lora_unet_x.lora_magnitude_vector", "PEFT DoRA"),
                                           ("lora_unet_x.oft_blocks", "OFT"), ("lora_unet_x.diff", "full weight difference")])
 def test_unsupported_variants(sd1, sd1_lora, tmp_path, bad_key, kind):
-    """LoHa, LoKr, DoRA and Tucker LoCon load since session 15 (tests/lora/test_lycoris*.py); these are still
-    refused."""
+    """LoHa, LoKr, DoRA and Tucker LoCon load (tests/lora/test_lycoris*.py); these variants are refused."""
     sd = dict(sd1_lora)
     sd[bad_key] = torch.zeros(2, 2)
     _refused(sd1, lf.write(sd, tmp_path / "v.safetensors"), kind)
@@ -152,12 +151,11 @@ def test_missing_file(sd1, tmp_path):
 
 def test_merged_refused_under_weight_streaming(sd1, sd1_lora, tmp_path):
     """Streamed blocks are re-copied from host every step, so a merge would silently vanish: refuse it."""
-    from types import SimpleNamespace
-
     from leandiffusion.memory.engine import ResidentPlacement
+    from leandiffusion.memory.vram_budget import StageMode, VramBudget
 
     class StreamingPlacement(ResidentPlacement):
-        plan = SimpleNamespace(unet_mode="stream")
+        budget = VramBudget(unet=StageMode.STREAM)
 
     engine = sd1.with_changes(placement=StreamingPlacement())
     path = lf.write(sd1_lora, tmp_path / "ok.safetensors")
@@ -165,8 +163,7 @@ def test_merged_refused_under_weight_streaming(sd1, sd1_lora, tmp_path):
     assert len(inject_lora(engine, path, mode="unmerged").adapters) == 1
 
 
-# Session-14 coverage audit: these refusals had never run. Each names the file, the layer and the problem, and
-# leaves the model untouched.
+# Each refusal names the file, the layer and the problem, and leaves the model untouched.
 _Q = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"  # Linear 32 -> 32
 _PROJ = "lora_unet_down_blocks_0_attentions_0_proj_in"  # 1x1 conv 32 -> 32
 _CONV_IN = "lora_unet_conv_in"  # 3x3 conv 4 -> 32

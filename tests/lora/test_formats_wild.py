@@ -73,8 +73,8 @@ def test_alpha_that_is_not_one_number_is_named(layout):
 
 
 def test_a_nan_alpha_in_the_peft_header_is_named(tmp_path):
-    """Session 18: a NaN ``lora_alpha`` in diffusers' metadata header (Python's JSON reads ``NaN``) loaded and made
-    every UNet output NaN; it must be refused naming the layer, the value and the header, the model untouched."""
+    """A NaN ``lora_alpha`` in diffusers' metadata header (Python's JSON reads ``NaN``) would make every UNet output
+    NaN; it must be refused naming the layer, the value and the header, the model untouched."""
     engine = engine_from_parts(parts_from_components(tiny_components("sd1")))
     roots = {"unet": engine.parts.unet}
     sd = lf.peft_state_dict(roots, {"unet": lf.ATTN_FF}, rank=4, seed=2)
@@ -87,7 +87,7 @@ def test_a_nan_alpha_in_the_peft_header_is_named(tmp_path):
     lf.assert_untouched(before, engine.parts.unet)
 
 
-# Session-14 coverage audit: torch-file LoRAs and PEFT files saved from a bare (unprefixed) model had never run.
+# Torch-file LoRAs and PEFT files saved from a bare (unprefixed) model.
 def _unet_out(view):
     inputs = lf.unet_inputs("sd1")
     with view.session("unet"):

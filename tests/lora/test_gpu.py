@@ -58,7 +58,7 @@ def test_graph_replay_follows_strength(tmp_path, family, mode, strategy):
 @torch.no_grad()
 def test_lycoris_graph_replay_follows_strength(tmp_path, family, case, mode):
     """LoHa (Khatri-Rao and dense), LoKr (Kronecker terms) and DoRA (dense terms from the live weight): the terms are
-    capture-safe, and one captured graph replays every strength (session 15)."""
+    capture-safe, and one captured graph replays every strength."""
     c = tiny_components(family)
     sd = lf.lycoris_case({"unet": c["unet"]}, {"unet": UNET_ALL}, case)
     replayed, base = _replay_follows_strength(tmp_path, c, sd, mode, "geglu" if mode == "unmerged" else "auto")
@@ -181,8 +181,8 @@ def test_strategy_matches_hook_path_under_graph_replay(tmp_path, monkeypatch):
 def test_capture_failing_between_siblings_then_eager_fallback_is_exact(tmp_path):
     """A k/v-only cross-attention LoRA (Custom Diffusion style) and a capture that runs out of memory between
     ``to_k`` and ``to_v``: the sampler runs the step eagerly in the same session, with the same context buffer (the
-    loader's buffer pool). That run must equal an eager run; before the fix ``to_k`` reused the shared down GEMM
-    the failed capture recorded but never computed (1.8 off in the final latents, H100, 2026-11-22)."""
+    loader's buffer pool). That run must equal an eager run, not reuse in ``to_k`` the shared down GEMM the failed
+    capture recorded but never computed (the final latents then end far off)."""
     from leandiffusion.memory.load import build_engine
     from leandiffusion.sampling.graph_runner import GraphRunner
     from leandiffusion.sampling.loop import sample

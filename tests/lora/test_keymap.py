@@ -101,8 +101,8 @@ def test_an_ambiguous_kohya_spelling_is_refused_not_guessed():
     ((1, 5), (3, 1), "maps 2->3 but the LoRA maps 5->3"),
 ])
 def test_a_linear_lora_of_the_wrong_width_on_either_side_is_named(down_shape, up_shape, problem):
-    """Session 21 mutation audit: only input-side mismatches were tested, so a check that ignored the up factor's
-    rows passed (the mismatch then fails later inside a forward, with torch's bare shape error)."""
+    """Both sides: a check that ignored the up factor's rows would let the mismatch fail later inside a forward,
+    with torch's bare shape error."""
     from leandiffusion.lora.keymap import Target, shape_problem
 
     linear = torch.nn.Linear(2, 3)

@@ -1,12 +1,11 @@
 """LoHa, LoKr and DoRA files (kohya/LyCORIS layout) against merged weights computed in fp64 from the published formulas.
 
-Guards (session 15: these files were refused before): every LyCORIS layout (LoHa through its Khatri-Rao low-rank form
-and built densely; LoKr with full, low-rank, doubly low-rank and Tucker factors; DoRA on the input and the output
-axis, on LoRA, LoHa and LoKr) gives, unmerged and merged, on SD1-like and SDXL-like tiny models incl. the text
-encoders, the output of a model whose weights were merged by ``lorafiles.reference_delta`` /
-``dora_reference_weight`` (written from the formulas, not through ``lora/``); a perturbed factor fails that check;
-strength 0 is the base bit-exactly; a strength change reuses the binding; stacking with a plain LoRA adds the
-terms; target_blocks leaves every other module alone; the model is left untouched afterwards.
+Guards: every LyCORIS layout (LoHa through its Khatri-Rao low-rank form and built densely; LoKr with full, low-rank,
+doubly low-rank and Tucker factors; DoRA on the input and the output axis, on LoRA, LoHa and LoKr) gives, unmerged and
+merged, on SD1-like and SDXL-like tiny models incl. the text encoders, the output of a model whose weights were merged
+by ``lorafiles.reference_delta`` / ``dora_reference_weight`` (written from the formulas, not through ``lora/``); a
+perturbed factor fails that check; strength 0 is the base bit-exactly; a strength change reuses the binding; stacking
+with a plain LoRA adds the terms; target_blocks leaves every other module alone; the model is left untouched afterwards.
 """
 import re
 
@@ -104,17 +103,17 @@ def test_sd1_matches_the_fp64_formula(tmp_path, case, mode, strategy):
     lf.assert_untouched(before, engine.parts.unet, engine.parts.text_encoder)
     if mode == "unmerged":  # each layout runs the term it is documented to
         want = {"loha_lowrank": {"_LohaKhatriRao"}, "loha_dense": {"_DenseTerm", "_LohaKhatriRao"},
-                "locon_tucker": {"_LinearTerm", "_ConvLoraHook"}}.get(
+                "locon_tucker": {"LinearTerm", "ConvTerm"}}.get(
             case, {"_KronTerm"} if case.startswith("lokr_") and "dora" not in case else {"_DenseTerm"})
         assert _terms(view) == want
 
 
 @pytest.mark.parametrize("mode", ["unmerged", "merged"])
 def test_a_bf16_tucker_locon_matches_the_fp64_formula(tmp_path, mode):
-    """Session 18: a Tucker LoCon saved in bf16 (as most LyCORIS files are) had its ``lora_mid @ lora_down`` product
-    rounded back to bf16 at load, a rounding ComfyUI does not make: 2.9e-3 from ComfyUI's merged weights on the tiny
-    UNet's output at strength 1 (every other layout within 4e-6). On an fp32 model the output must be the fp64 formula's
-    over the file's bf16 values."""
+    """A Tucker LoCon saved in bf16 (as most LyCORIS files are) must not have its ``lora_mid @ lora_down`` product
+    rounded back to bf16 at load, a rounding ComfyUI does not make (2.9e-3 from ComfyUI's merged weights on the tiny
+    UNet's output at strength 1; every other layout within 4e-6). On an fp32 model the output must be the fp64
+    formula's over the file's bf16 values."""
     engine = _engine("sd1")
     sd, _ = _file(tmp_path, "sd1", "locon_tucker")
     sd = {k: v.to(torch.bfloat16) for k, v in sd.items()}
@@ -174,10 +173,9 @@ def _conv_layer(kind: str, gen: torch.Generator):
 
 @pytest.mark.parametrize("kind", ["loha_khatri_rao", "loha_dense", "lokr", "dora"])
 def test_conv_terms_keep_the_layers_stride_padding_and_dilation(kind):
-    """Session 20 mutation audit: the tiny UNets' convs all have dilation 1, so a term that dropped the module's
-    dilation (LoKr's grouped conv, LoHa's Khatri-Rao and dense convs, the dense DoRA fallback) passed every model
-    test. On a Conv2d with stride 2, padding 2 and dilation 2 each unmerged term adds what the merged fp64 weight
-    does."""
+    """The tiny UNets' convs all have dilation 1, so a term that dropped the module's dilation (LoKr's grouped conv,
+    LoHa's Khatri-Rao and dense convs, the dense DoRA fallback) would pass every model test. On a Conv2d with stride 2,
+    padding 2 and dilation 2 each unmerged term adds what the merged fp64 weight does."""
     gen = torch.Generator().manual_seed(3)
     conv = torch.nn.Conv2d(8, 12, 3, stride=2, padding=2, dilation=2)
     layer, delta = _conv_layer(kind, gen)
@@ -203,10 +201,10 @@ def test_conv_terms_keep_the_layers_stride_padding_and_dilation(kind):
 
 
 def test_loha_takes_the_khatri_rao_form_exactly_when_documented():
-    """Session 20 mutation audit: on the tiny models' layers every rank choice fell clear of the rule's boundary, so a
-    cost that left out the output side (or a strict ``<``) passed. The rank-``r1 r2`` form is taken when
-    ``r1 r2 (n + out) <= n * out``: for n = 72, out = 12 (864) ranks 2 x 5 (840) qualify, 3 x 4 (1008) do not; for
-    n = out = 12 (144) ranks 2 x 3 (144) sit on the boundary and qualify."""
+    """On the tiny models' layers every rank choice falls clear of the rule's boundary, so a cost that left out the
+    output side (or a strict ``<``) would pass there. The rank-``r1 r2`` form is taken when ``r1 r2 (n + out) <= n *
+    out``: for n = 72, out = 12 (864) ranks 2 x 5 (840) qualify, 3 x 4 (1008) do not; for n = out = 12 (144) ranks 2 x 3
+    (144) sit on the boundary and qualify."""
     def loha(out, n, r1, r2):
         g = {".hada_w1_a": torch.ones(out, r1), ".hada_w1_b": torch.ones(r1, n), ".hada_w2_a": torch.ones(out, r2),
              ".hada_w2_b": torch.ones(r2, n)}
@@ -236,10 +234,10 @@ def _unequal_ranks(sd: dict, case: str) -> dict:
 
 @pytest.mark.parametrize("case", ["loha_lowrank", "lokr_full"])
 def test_alpha_is_divided_by_the_documented_rank(tmp_path, case):
-    """Session 20 mutation audit: every file in the other tests gives LoHa's two Hadamard factors one rank and
-    decomposes LoKr's W2 whenever W1 is, so dividing alpha by the second LoHa rank (hada_w2_b's rows) or ignoring a
-    decomposed W1 (LoKr scale 1) passed them. LoHa scales by alpha / hada_w1_b's rows; LoKr with only lokr_w1
-    decomposed by alpha / its rank (ComfyUI ``loha.py`` / ``lokr.py``, LyCORIS); reference: the fp64 formula."""
+    """Every file in the other tests gives LoHa's two Hadamard factors one rank and decomposes LoKr's W2 whenever W1 is,
+    so dividing alpha by the second LoHa rank (hada_w2_b's rows) or ignoring a decomposed W1 (LoKr scale 1) would pass
+    them. LoHa scales by alpha / hada_w1_b's rows; LoKr with only lokr_w1 decomposed by alpha / its rank (ComfyUI
+    ``loha.py`` / ``lokr.py``, LyCORIS); reference: the fp64 formula."""
     engine = _engine("sd1")
     sd, _ = _file(tmp_path, "sd1", case)
     sd = _unequal_ranks(sd, case)

@@ -1,7 +1,7 @@
 """Malformed LoHa / LoKr / DoRA / Tucker LoCon files are refused with a message naming the file, the layer key, the bad value and
 the fix, and leave the model untouched; the variants that stay unsupported are refused by name.
 
-Guards the parser in ``lora/lycoris.py`` and ``lora/dora.py`` and the fit checks in ``lora/keymap.py`` (session 15).
+Guards the parser in ``lora/lycoris.py`` and ``lora/dora.py`` and the fit checks in ``lora/keymap.py``.
 """
 import re
 
@@ -108,7 +108,7 @@ CASES = [
     ({"unet.x.lora_A.weight": torch.zeros(2, 32), "unet.x.lora_B.weight": torch.zeros(32, 2),
       "unet.x.lora_magnitude_vector": torch.zeros(32)},
      r"PEFT DoRA \(lora_magnitude_vector\) weights are not supported"),
-    # session 18: a NaN / infinite tensor loaded and turned every image NaN (black) without a word
+    # a NaN / infinite tensor would turn every image NaN (black) without a word
     (_lokr(lokr_w1=torch.zeros(4, 4).index_fill_(1, torch.tensor([1]), float("nan"))),
      rf"lora bad.safetensors: 1 tensors hold NaN or infinite values \({Q}.lokr_w1 has 4 NaN and 0 infinite of 16 "
      r"values\); they would turn every image black or into noise; the file is corrupt .*: use another checkpoint of "
@@ -118,7 +118,7 @@ CASES = [
     ({f"{Q}.lora_down.weight": torch.zeros(2, 32), f"{Q}.lora_up.weight": torch.zeros(32, 2),
       f"{Q}.dora_scale": torch.full((1, 32), float("-inf"), dtype=torch.float16)},
      rf"\({Q}.dora_scale has 0 NaN and 32 infinite of 32 values\)"),
-    # session 18: LyCORIS' norm layers were called "GLoRA/OFT", a .diff_b file "full weight difference"
+    # each refusal names the variant it is: LyCORIS' norm layers, a .diff_b bias difference
     ({**_lokr(), "lora_unet_down_blocks_0_attentions_0_norm.w_norm": torch.ones(32),
       "lora_unet_down_blocks_0_attentions_0_norm.b_norm": torch.zeros(32)},
      r"norm-layer \(LyCORIS train_norm: .w_norm/.b_norm\) weights are not supported by the LoRA injector \(keys such "

@@ -1,6 +1,6 @@
 """Merged LoRA (``lora/merged.py``) failure paths: nothing is left half-merged.
 
-Guards (session-14 coverage audit: neither path had run in any test):
+Guards:
 - an error (or Ctrl-C) partway through a merge restores every weight merged so far, bit for bit, and the next
   session merges the whole LoRA again;
 - when the device has no room for a weight's backup, the backup goes to CPU memory; the merge and the restore
@@ -79,9 +79,9 @@ def test_no_room_for_a_backup_on_the_device_keeps_it_on_the_cpu(setup, monkeypat
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_half_precision_merge_rounds_once_and_restores_bit_exactly(dtype):
-    """``round(W + s * up @ down)``: the sum in fp32, rounded once to the weight's dtype (session 21 mutation audit:
-    every merge test ran in fp32, where adding a delta rounded to the weight's dtype first gives the same bits).
-    The merged weight equals the fp32 sum written by hand, rounded once; detach gives the base bits back."""
+    """``round(W + s * up @ down)``: the sum in fp32, rounded once to the weight's dtype (the other merge tests run in
+    fp32, where adding a delta rounded to the weight's dtype first gives the same bits). The merged weight equals the
+    fp32 sum written by hand, rounded once; detach gives the base bits back."""
     from leandiffusion.lora.formats import LoraLayer
     from leandiffusion.lora.keymap import Target
     from leandiffusion.lora.merged import MergedBinding

@@ -49,8 +49,8 @@ def test_node_contract_and_run(models_dir):
 
 def test_node_inputs_and_menu_are_the_documented_ones(models_dir):
     """docs/lora.md's table: both strengths -10..10 (default 1), mode default 'unmerged', and every listed
-    extension in the menu (session-22 mutation audit: the text-encoder range, the mode default and the '.sft'
-    extension could change unnoticed)."""
+    extension in the menu (the text-encoder range, the mode default and the '.sft' extension must not change
+    unnoticed)."""
     node = NODE_CLASS_MAPPINGS["LeanLoraInjector"]
     for ext in (".safetensors", ".sft", ".pt", ".pth", ".ckpt", ".bin"):
         (models_dir / "loras" / f"a{ext}").write_bytes(b"x")
@@ -63,9 +63,8 @@ def test_node_inputs_and_menu_are_the_documented_ones(models_dir):
 
 
 def test_node_is_plumbing_over_inject_lora(models_dir):
-    """Every widget reaches ``inject_lora`` as itself (session-22 mutation audit: the node passing ``strength`` as
-    the text-encoder strength, dropping ``target_blocks`` or always injecting 'unmerged' passed every test, which
-    only counted the view's adapters)."""
+    """Every widget reaches ``inject_lora`` as itself (a node passing ``strength`` as the text-encoder strength,
+    dropping ``target_blocks`` or always injecting 'unmerged' would pass tests that only count the view's adapters)."""
     c = tiny_components("sd1")
     engine = engine_from_parts(parts_from_components(c))
     roots = {"unet": c["unet"], "text_encoder": c["text_encoder"]}
@@ -171,7 +170,7 @@ def test_cache_sees_a_copy_that_kept_size_and_mtime(tmp_path):
 
 def test_cache_sees_an_in_place_rewrite_that_kept_inode_size_and_mtime(tmp_path):
     """Rewritten in place (same inode) with the old mtime put back: only the ctime tells the new contents apart
-    (session 21 mutation audit: the other cache tests changed the inode or the mtime too)."""
+    (the other cache tests change the inode or the mtime too)."""
     from safetensors.torch import save
 
     clear_cache()
@@ -236,7 +235,7 @@ def test_loaded_layers_fold_scale_into_up(tmp_path):
 def test_a_load_for_some_components_holds_only_their_layers(tmp_path):
     """The loader loads a LoRA per stage when the stages compute on other devices / dtypes (``lowvram``: text
     encoders on the CPU in fp32): each load holds its components' layers only, so no layer is applied twice
-    (session 21 mutation audit: no test loaded a subset). Counts from the file's own keys."""
+    (the other tests load every component). Counts from the file's own keys."""
     clear_cache()
     c = tiny_components("sd1")
     sd = lf.kohya_state_dict({"unet": c["unet"], "text_encoder": c["text_encoder"]},

@@ -79,7 +79,7 @@ def test_cache_hits_follow_what_the_text_encoders_compute(tmp_path):
 
 def test_outside_conditioning_with_a_text_lora_is_named_in_the_log(tmp_path, caplog):
     """A CONDITIONING from ComfyUI's CLIPTextEncode was not encoded with the LoRA's text-encoder part; the sampler
-    cannot apply it, and says so (it used to drop it silently). No warning when the text part is off or absent."""
+    cannot apply it, and says so instead of dropping it silently. No warning when the text part is off or absent."""
     import logging
 
     from leandiffusion.sampling.conditioning import from_conditioning, to_conditioning

@@ -218,7 +218,7 @@ def test_attach_failing_midway_leaves_nothing(strategy, fail_at):
 def test_torch_compile_fullgraph_follows_attach_and_detach(strategy):
     """Dynamo traces the GEGLU override (and hooks) without a graph break (``fullgraph=True``), the compiled block
     equals eager with the LoRA, and after detach it recompiles to the base block (guards see the module change).
-    PyTorch 2.5's dynamo refused ``bool(list)`` in the GEGLU override (now ``len(terms) > 0``); 2.4's cannot read the
+    PyTorch 2.5's dynamo refuses ``bool(list)``, so the GEGLU override tests ``len(terms)``; 2.4's cannot read the
     override object's attributes at all, a graph break there (same result, slower compile), so 2.4 skips geglu."""
     if strategy == "geglu" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
         pytest.skip("PyTorch 2.4's dynamo breaks the graph at the GEGLU override (result still correct)")
@@ -272,7 +272,7 @@ def test_torch_compile_swaps_loras_of_one_structure_without_recompiling(strategy
 
 
 def test_strategy_setting_is_read_and_a_bad_one_is_named(monkeypatch):
-    """Session-14 audit: the environment variable's check had never run."""
+    """``LEANDIFFUSION_LORA_STRATEGY`` is read, and a bad value is refused naming it."""
     from leandiffusion.lora.unmerged import resolve_strategy
 
     monkeypatch.setenv("LEANDIFFUSION_LORA_STRATEGY", " Hook ")

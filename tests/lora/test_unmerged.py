@@ -80,7 +80,7 @@ def test_strength_zero_is_base_bit_exact(tmp_path, mode, strategy):
 @pytest.mark.parametrize("mode", ["unmerged", "merged"])
 def test_strength_zero_after_another_strength_is_base_bit_exact(tmp_path, mode, strategy):
     """Views of one file share its buffers: a strength-0 view run after a 0.8 view must zero them again
-    (session-14 audit: the zeroing had never run; the first strength 0 finds the buffers zeroed at creation)."""
+    (the first strength 0 finds the buffers zeroed at creation, so only a later one tests the zeroing)."""
     engine, _, path = _setup(tmp_path)
     base = lf.view_outputs(engine)
     strong, off = (inject_lora(engine, path, s, s, mode=mode) for s in (0.8, 0.0))
@@ -92,7 +92,7 @@ def test_strength_zero_after_another_strength_is_base_bit_exact(tmp_path, mode, 
 @pytest.mark.parametrize("mode", ["unmerged", "merged"])
 def test_linear_factors_on_a_one_by_one_conv_equal_conv_factors(tmp_path, mode, strategy):
     """Some converters store a 1x1 conv's LoRA (SD1's proj_in/proj_out) as 2-D factors; they mean the same
-    [out, r, 1, 1] / [r, in, 1, 1] product (session-14 audit: the reshape had never run)."""
+    [out, r, 1, 1] / [r, in, 1, 1] product."""
     engine, sd, path = _setup(tmp_path)
     flat = {k: (v.flatten(1) if v.ndim == 4 and v.shape[2:] == (1, 1) else v) for k, v in sd.items()}
     changed = [k for k in sd if sd[k].ndim == 4 and sd[k].shape[2:] == (1, 1)]
@@ -281,9 +281,9 @@ def test_two_strengths_of_one_binding_cannot_run_at_once(tmp_path):
 
 @pytest.mark.parametrize("strategy_name", ["hook", "geglu"])
 def test_a_conv_lora_keeps_the_layers_stride_padding_and_dilation(strategy_name):
-    """The tiny UNets' convs all have dilation 1 (session 21 mutation audit: a plain LoRA conv term that dropped the
-    module's dilation passed every model test). On a Conv2d with stride 2, padding 2 and dilation 2 the unmerged
-    term adds what the merged fp64 weight W + s * (alpha / r) * up @ down does, and detach restores the conv."""
+    """The tiny UNets' convs all have dilation 1 (a plain LoRA conv term that dropped the module's dilation would pass
+    every model test). On a Conv2d with stride 2, padding 2 and dilation 2 the unmerged term adds what the merged fp64
+    weight W + s * (alpha / r) * up @ down does, and detach restores the conv."""
     import torch.nn.functional as F
 
     from leandiffusion.lora.formats import LoraLayer

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leandiffusion.memory import budget, policies
+from leandiffusion.memory import budget, placement as placement_mod
 from leandiffusion.memory.hostmem import ModuleSwap
 from leandiffusion.memory.load import build_engine
-from leandiffusion.memory.policies import HEADROOM
+from leandiffusion.memory.vram_budget import HEADROOM, StageMode, VramBudget
 from leandiffusion.tests.kit import tiny_engine, tiny_parts
 
 MiB, GiB = 2 ** 20, 2 ** 30
@@ -58,11 +58,11 @@ class Parts:
     name = "stand-in"
 
 
-def _placement(budget_bytes=2 * GiB, vae_mode="while used", vae_bytes=300 * MiB, text_mode="cpu",
+def _placement(budget_bytes=2 * GiB, vae=StageMode.WHILE_USED, vae_bytes=300 * MiB, text=StageMode.CPU,
                text_bytes=500 * MiB):
-    plan = SimpleNamespace(policy="stream", budget_bytes=budget_bytes, vae_mode=vae_mode, vae_bytes=vae_bytes,
-                           text_mode=text_mode, text_bytes=text_bytes)
-    return SimpleNamespace(plan=plan, device=torch.device("cuda", 0), parts=Parts(), streamer=None)
+    hard = VramBudget(limit_bytes=budget_bytes, headroom_bytes=int(HEADROOM * budget_bytes), vae=vae,
+                      vae_bytes=vae_bytes, text=text, text_bytes=text_bytes, unet=StageMode.STREAM)
+    return SimpleNamespace(budget=hard, device=torch.device("cuda", 0), parts=Parts(), streamer=None)
 
 
 class GraphCache:
@@ -82,9 +82,9 @@ class GraphCache:
 
 # --------------------------------------------------------------------------------------------- no budget
 def test_cpu_and_unbudgeted_engines_are_not_capped(budgeted):
-    assert budget.budgeted_plan(budgeted) is not None
-    assert budget.budgeted_plan(tiny_engine("sd1")) is None
-    assert budget.budgeted_plan(build_engine(tiny_parts("sd1"), "balanced", 1.0, device="cpu")) is None
+    assert budgeted.placement.budget.hard
+    assert not tiny_engine("sd1").placement.budget.hard
+    assert not build_engine(tiny_parts("sd1"), "balanced", 1.0, device="cpu").placement.budget.hard
     for engine in (budgeted, tiny_engine("sd1")):
         assert budget.run_cap_bytes(engine) == budget.NO_CAP
         assert budget.room_bytes(engine) is None
@@ -94,7 +94,7 @@ def test_cpu_and_unbudgeted_engines_are_not_capped(budgeted):
 
 def test_a_balanced_plan_on_cuda_is_not_capped(fake_cuda):
     placement = _placement()
-    placement.plan.policy = "balanced"
+    placement.budget = VramBudget(vae=StageMode.WHILE_USED, text=StageMode.WHILE_USED)  # balanced: no limit
     with budget.stage_budget(placement, "vae") as cap:
         assert cap == budget.NO_CAP
     assert fake_cuda.caps == []
@@ -148,7 +148,7 @@ def test_vae_stage_releases_cached_graphs_when_their_pools_leave_no_room(fake_cu
 def test_text_stage_releases_cached_graphs_when_its_weights_would_not_fit(fake_cuda):
     """2 GiB budget: 1.0 GiB held + a 0.6 GiB graph pool; the text encoders bring 500 MiB + the 128 MiB floor onto
     the device (0.63 GiB > the 0.4 GiB left), so the text stage, not only the VAE's, drops the graphs first."""
-    placement = _placement(text_mode="while used")
+    placement = _placement(text=StageMode.WHILE_USED)
     fake_cuda.reserved = 1 * GiB
     graphs = GraphCache(fake_cuda, placement.parts, 600 * MiB)
     with budget.stage_budget(placement, "text"):
@@ -180,7 +180,7 @@ def test_the_boundary_counts_weights_floor_and_headroom(fake_cuda):
 
 
 def test_text_stage_counts_its_weights_only_when_they_come_to_the_device(fake_cuda):
-    on_cpu, on_device = _placement(text_mode="cpu"), _placement(text_mode="while used")
+    on_cpu, on_device = _placement(text=StageMode.CPU), _placement(text=StageMode.WHILE_USED)
     fake_cuda.reserved = 2 * GiB - int(HEADROOM * 2 * GiB) - budget.STAGE_FLOOR_BYTES["text"] - 100 * MiB
     assert budget.make_room(on_cpu, "text", 2 * GiB) is False
     assert budget.make_room(on_device, "text", 2 * GiB) is True  # its 500 MiB of weights do not fit
@@ -199,7 +199,7 @@ def _record_stage_budgets(monkeypatch) -> list:
         finally:
             events.append(("close", stage))
 
-    monkeypatch.setattr(policies, "stage_budget", recording)
+    monkeypatch.setattr(placement_mod, "stage_budget", recording)
     return events
 
 
@@ -255,6 +255,7 @@ def test_eager_sampling_under_a_budget_asks_for_room_and_graph_runs_do_not(budge
     settings = dict(positive="a boat", negative="rain", seed=1, steps=1, cfg=5.0, width=64, height=64)
     loop.sample(budgeted, SamplerSettings(acceleration="none", **settings), quiet=True)
     assert asked == [(budgeted.placement.plan.unet_activation_bytes, "eager UNet run")]
+    assert budgeted.placement.budget.activation_bytes == budgeted.placement.plan.unet_activation_bytes
     asked.clear()
     loop.sample(budgeted, SamplerSettings(acceleration="cuda_graph", **settings),
                 runner=GraphRunner(StandInBackend()), quiet=True)
@@ -295,12 +296,12 @@ def test_the_stream_policy_hint_names_the_budget_and_the_fixes(budgeted):
     assert budgeted.placement.out_of_memory_hint("unet") is None  # on the CPU nothing is capped
     cuda = torch.device("cuda", 0)
     on_gpu = SimpleNamespace(config=SimpleNamespace(policy=VramPolicy.STREAM), device=cuda,
-                             plan=SimpleNamespace(budget_bytes=int(1.5 * GiB)))
-    hint = policies.ModelPlacement.out_of_memory_hint(on_gpu, "vae")
+                             budget=VramBudget(limit_bytes=int(1.5 * GiB)))
+    hint = placement_mod.ModelPlacement.out_of_memory_hint(on_gpu, "vae")
     assert "vram_budget_gb=1.5 GB" in hint and "vae stage" in hint and "raise vram_budget_gb" in hint
     for policy, suggestion in ((VramPolicy.FULL, "'balanced' or 'lowvram'"), (VramPolicy.BALANCED, "'lowvram'"),
                                (VramPolicy.LOWVRAM, "'stream' with a vram_budget_gb")):
         on_gpu.config.policy = policy
-        hint = policies.ModelPlacement.out_of_memory_hint(on_gpu, "unet")
+        hint = placement_mod.ModelPlacement.out_of_memory_hint(on_gpu, "unet")
         assert f"vram_policy='{policy.value}'" in hint and "unet stage" in hint, hint
         assert f"set vram_policy to {suggestion}" in hint, hint

@@ -92,8 +92,7 @@ def test_outside_comfyui_registration_is_a_no_op(monkeypatch):
 def test_a_dead_owner_reports_no_memory_and_is_not_released(fake_comfy):
     """Between the owner's collection and ComfyUI's next ``cleanup_models`` the entry still sits in ComfyUI's list: it
     reports 0 bytes (nothing is held any more) and unloading it calls nothing, also where ``size_fn`` / ``release``
-    are plain functions rather than the owner's bound methods (session-22 mutation audit: dropping the liveness test
-    from ``model_memory`` passed every test)."""
+    are plain functions rather than the owner's bound methods (the liveness test in ``model_memory``)."""
     owner, released = _Owner(), []
     handle = bridge.register_memory_owner(owner, torch.device("cuda", 0), lambda: 123, lambda: released.append(1))
     assert handle.model_memory() == 123 and handle.model.model_size() == 123

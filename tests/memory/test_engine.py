@@ -1,15 +1,12 @@
 """The engine handle (``memory/engine.py``): views, sessions, per-stage dtypes and the model-call conventions.
 
-Guards (session-23 mutation audit, ``docs/audit-mutation-s23-core.md``: each test fails on the named mutant and
-passes on the code): a scheduler config without ``prediction_type`` means epsilon (E01); the text stage holds both
-SDXL encoders (E02); a stage is moved when only its dtype differs (E03); each stage gets its own dtype (E04-E06);
-adapters attach in the order they were added and detach in reverse, and a failed attach detaches only those that
-attached (E07-E09); an unknown stage is refused before the placement enters (E11); the error's other arguments
-survive the out-of-memory hint (E14); stage-aware adapters detach per stage and the placement names the stage
-device (E16, E17); the VAE calls return float32 (E24); SDXL time ids are (height, width, ...) in float32 (E25,
-E26); a plain engine places every stage (E27); parts own their scheduler config (E28); SDXL's second tokenizer
-is kept (E29); the VAE's own scaling factor is used (E31). The GPU test (E30) was written without a GPU; it
-passes on an H100 (session 23).
+Guards: a scheduler config without ``prediction_type`` means epsilon; the text stage holds both SDXL encoders; a
+stage is moved when only its dtype differs; each stage gets its own dtype; adapters attach in the order they were
+added and detach in reverse, and a failed attach detaches only those that attached; an unknown stage is refused
+before the placement enters; the error's other arguments survive the out-of-memory hint; stage-aware adapters
+detach per stage and the placement names the stage device; SDXL time ids are (height, width, ...) in float32; a
+plain engine places every stage; parts own their scheduler config; SDXL's second tokenizer is kept; the VAE's own
+scaling factor is used.
 """
 from __future__ import annotations
 
@@ -152,16 +149,6 @@ def test_the_unet_gets_sdxls_added_conditioning():
     assert_unet_call_passes_sdxl_conditioning(engine, engine.unet)
 
 
-def test_vae_calls_return_float32_on_the_cpu_whatever_the_vae_dtype():
-    """ComfyUI's LATENT and IMAGE conventions: float32 CPU tensors, also from a bf16 VAE."""
-    engine = tiny_engine("sd1").with_changes(vae_dtype=torch.bfloat16)
-    with engine.session("vae"):
-        latents = engine.vae_encode(torch.rand(1, 16, 24, 3, generator=torch.Generator().manual_seed(0)))
-        image = engine.vae_decode(latents)
-    assert latents.dtype == image.dtype == torch.float32 and latents.device.type == image.device.type == "cpu"
-    assert latents.shape == (1, 4, 2, 3) and image.shape == (1, 16, 24, 3)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_sdxl_time_ids_are_height_then_width_in_float32(dtype):
     engine = LeanEngine(parts=tiny_parts("sdxl"), device=torch.device("cpu"), dtype=dtype)
@@ -183,8 +170,8 @@ def test_the_vae_scaling_factor_is_the_vaes_own():
 
 @pytest.mark.gpu
 def test_a_session_on_plain_cuda_moves_nothing_already_in_place(monkeypatch):
-    """E30 (GPU-only; passes on an H100, not run against the mutant there): ``cuda`` names the current device, so a
-    resident engine on ``cuda`` must not call ``Module.to`` again at every session (parameters report ``cuda:0``)."""
+    """``cuda`` names the current device, so a resident engine on ``cuda`` must not call ``Module.to`` again at
+    every session (parameters report ``cuda:0``)."""
     engine = engine_from_parts(tiny_parts("sd1"), device="cuda")
     calls = []
     real = torch.nn.Module.to

@@ -1,11 +1,11 @@
 """Memory Pool Loader error paths: clear errors before heavy work, nothing wedged after a failure mid-run.
 
-Guards (session-13 error-path audit; each test fails on the code before its fix):
-- a bad ``vram_policy`` / ``vram_budget_gb`` is refused before the checkpoint is read (it was refused only after a
-  full read and conversion: a typo cost a multi-GB load);
+Guards:
+- a bad ``vram_policy`` / ``vram_budget_gb`` is refused before the checkpoint is read (a typo must not cost a
+  multi-GB read and conversion);
 - a ``KeyboardInterrupt`` inside a streamed UNet block (torch runs ``always_call`` hooks only for ``Exception``)
-  left the block streamer 'active': every later forward of the model failed as a "re-entrant call" until the model
-  was loaded again; the next forward must run and give the same output;
+  must not leave the block streamer 'active' (every later forward refused as a "re-entrant call"): the next
+  forward runs and gives the same output;
 - a diffusers folder with a truncated or garbled file gives one ``ValueError`` naming ``model``, the sub-folder
   and the fix, not a bare ``SafetensorError`` / ``JSONDecodeError`` from the libraries.
 """
@@ -39,7 +39,7 @@ def test_bad_policy_inputs_are_refused_before_the_checkpoint_is_read(monkeypatch
 
 @pytest.mark.parametrize("choice", ["", None])
 def test_an_empty_model_choice_is_named(choice):
-    """Session-14 coverage audit: never run (an API prompt can carry any value)."""
+    """An API prompt can carry any value: an empty model choice is named in the error."""
     with pytest.raises(ValueError, match=rf"model={choice!r}: expected a name from the node's model list"):
         LeanModelLoader().load(choice, "full", 4.0, "auto", "auto")
 
@@ -145,7 +145,7 @@ def test_an_onload_cut_short_is_undone_in_full_by_offload(monkeypatch):
         assert torch.equal(value, before[key]), key
 
 
-# Session-14 coverage audit: two failure paths of the block streamer that had never run.
+# Two failure paths of the block streamer.
 def test_a_streamed_block_called_outside_the_unet_is_refused_and_the_model_stays_usable():
     """A block run on its own (another node pack's hook, a user's script) would compute with whatever weights the
     staging ring holds; it is refused by name, and the next whole-UNet call still gives the reference output."""

@@ -107,8 +107,8 @@ def test_missing_tokenizer_says_where(tmp_path):
 
 @pytest.mark.parametrize("vocab", ["{not json", "[1, 2]", ""])
 def test_damaged_tokenizer_files_are_one_named_error_before_the_weights_are_read(tmp_path, monkeypatch, vocab):
-    """Session-14 audit: a damaged vocab.json made the tokenizers library raise a plain ``Exception`` ("Error while
-    initializing BPE") that named no file, and only after the whole checkpoint had been read and converted."""
+    """A damaged vocab.json makes the tokenizers library raise a plain ``Exception`` ("Error while initializing
+    BPE") that names no file; the loader names the file, before the whole checkpoint is read and converted."""
     from leandiffusion.memory import ldm
 
     path = save_ldm_checkpoint(tiny_components("sd1"), tmp_path / "m.safetensors")
@@ -130,7 +130,7 @@ def test_comfy_tokenizer_fallback(tmp_path, monkeypatch):
     assert find_tokenizer_dir(tmp_path / "model" / "m.safetensors") == comfy_dir
 
 
-# Session-14 coverage audit: the explanations for files that are no SD checkpoint had never run.
+# The explanations for files that are no SD checkpoint.
 # AuraFlow's marker keys in diffusers' CHECKPOINT_KEY_NAMES (a family our registry does not list)
 AURAFLOW = {k: (8, 8) for k in ("double_layers.0.attn.w2q.weight", "double_layers.0.attn.w1q.weight",
                                 "cond_seq_linear.weight", "t_embedder.mlp.0.weight")}

@@ -1,10 +1,9 @@
 """diffusers folders (``memory/folders.py``): the folders the loader refuses, each with one error naming the model,
 what is wrong and what to do, and the tokenizer fallback for folders that carry no tokenizer files.
 
-Guards (session-14 coverage audit: none of these paths had run in any test):
-- a folder without its own tokenizer files failed with ``model='model_index.json'`` (the name of a file inside the
-  folder, not the model the user picked) and told the user to create ``<folder>/model_index.tokenizer``; now the
-  error names the folder and asks for ``<folder>/tokenizer/``;
+Guards:
+- a folder without its own tokenizer files is named in the error (not a file inside it, such as
+  ``model_index.json``), which asks for ``<folder>/tokenizer/``;
 - inside ComfyUI such a folder takes ComfyUI's bundled CLIP files; SD2's and SDXL's OpenCLIP towers still pad
   with ``!``, so the token ids equal those of the folder's own tokenizers.
 """

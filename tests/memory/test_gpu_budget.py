@@ -5,8 +5,7 @@ as a ComfyUI graph does: Fused DDIM Sampler (``cuda_graph``, 1024 px, prompts en
 (auto tile) -> Tiled VAE Encode -> the sampler again (its graph was dropped to make room for the VAE: it must
 capture again and give the same latent, within fp16's 1e-3 relative) -> a one-prompt Stream Scheduler run (the
 same image). The process's peak reserved memory must stay within the budget plus what
-it held before the engine was built (``memory/budget.py``: measured before the fix, the decode held 11.5 GB at a
-4 GB budget). The budgeted decode must also be the untiled decode's picture (diffusers' ``AutoencoderKL.decode``
+it held before the engine was built (``memory/budget.py``). The budgeted decode must also be the untiled decode's picture (diffusers' ``AutoencoderKL.decode``
 of the same latent, same weights, fp32): within 2/255.
 """
 import gc
@@ -62,8 +61,8 @@ def test_workflow_keeps_the_budget(sdxl_parts, budget_gb):
         rel = ((again["samples"] - latent["samples"]).abs().max() / latent["samples"].abs().max()).item()
         assert rel <= 1e-3  # recaptured: the same step (fp16 kernels may be re-chosen under the cap)
         # a budgeted Stream Scheduler run first releases cuBLAS's workspaces and the cache, then replays the graph
-        # the sampler captured after the VAE dropped the first one (that replay read freed memory before captures
-        # started without cached workspaces: illegal memory access, H100, 2026-11-22)
+        # the sampler captured after the VAE dropped the first one (a capture that baked in a cached workspace would
+        # read freed memory here: an illegal memory access)
         _, streamed = LeanStreamSampler().run(engine, "a photo of a cat", "blurry", 0, 2, 7.5, 1024, 1024,
                                               "leading", "cuda_graph", 1, 0, 0)
         torch.cuda.synchronize()

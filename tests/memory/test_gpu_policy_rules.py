@@ -5,7 +5,6 @@ On the CPU the VAE is always fp32 and every stage's device is the CPU, so two ru
   weights keep a bf16 VAE (bf16 has fp32's range), and a family whose VAE does not overflow follows the weights;
 - ``lowvram`` encodes text on the CPU in fp32: the text encoders stay off the GPU and the embeddings equal the
   fp32 ``full`` placement's, delivered on the GPU in the weight dtype.
-Session 21's memory audit left both rules untested (mutants P12 and P14 in docs/audit-mutation-s21-memory-lora.md).
 """
 import pytest
 import torch

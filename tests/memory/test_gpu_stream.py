@@ -1,6 +1,6 @@
 """GPU: the stream policy on a full-size SDXL UNet (random fp16 weights): parity, budget, CUDA-graph capture.
 
-Guards the issue's GPU acceptance lines: every policy's UNet output equals ``full``'s (fp16: <= 1e-3 relative),
+Guards: every policy's UNet output equals ``full``'s (fp16: <= 1e-3 relative),
 ``stream`` keeps ``max_memory_reserved`` within its budget (4 GB and 1.5 GB), the stream schedule is capture-safe (the sampler
 captures ``engine.unet`` inside ``session("unet")`` into a CUDA graph: two replays are bit-identical and a replay
 equals eager within ``CAPTURE_REL``, see there), and a failure
@@ -20,8 +20,7 @@ REL = 1e-3
 # workspace does not fit under the budget's cap, and which one depends on the process's history: after any earlier
 # GPU test file the replay differs from eager by 1.3e-3 (0.0 in a fresh process; an eager call squeezed to 860 MiB
 # of headroom moves by 6.8e-4). What this test exists to catch, a block computing with a stale arena slice (another
-# block's weights, whole or half copied), moves the output by 0.11-0.85 (scripts/diag/stale_block.py,
-# scripts/diag/stream_capture_pressure.py; H100 results in docs/bench/stream-capture-s9/). 1e-2 sits between the two.
+# block's weights, whole or half copied), moves the output by 0.1 or more. 1e-2 sits between the two.
 CAPTURE_REL = 1e-2
 GiB = 2 ** 30
 

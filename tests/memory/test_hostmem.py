@@ -1,9 +1,9 @@
 """``memory.hostmem``: the flat aligned layout every moved weight set uses, worked by hand.
 
-Guards the module's first invariant (session 22, mutant H01: an unaligned layout passed every test, because the
-tests only ever read the weights back): every tensor starts at a multiple of ``ALIGN`` bytes, the slots do not
-overlap, the size is the last slot rounded up (at least one ``ALIGN``), a dtype override applies to floating
-tensors only, and each view reads back the values written into it.
+Guards the module's first invariant (an unaligned layout would pass tests that only read the weights back): every
+tensor starts at a multiple of ``ALIGN`` bytes, the slots do not overlap, the size is the last slot rounded up (at
+least one ``ALIGN``), a dtype override applies to floating tensors only, and each view reads back the values
+written into it.
 """
 import torch
 

@@ -1,6 +1,6 @@
 """Single-file LDM checkpoints and diffusers folders load into modules equal to the diffusers-built reference.
 
-Guards the issue's acceptance line "loading the test kit's checkpoints in both layouts gives modules whose outputs
+Guards the promise "loading the test kit's checkpoints in both layouts gives modules whose outputs
 match a diffusers-loaded reference (fp32, <= 1e-5)": the kit writes the LDM layout with its own independent key
 mapping, the loader converts back with diffusers' converters and shape-inferred configs. Comparing *outputs* (not
 just weights) also catches wrong inferred configs (head counts, projection style, time embedding sizes).
@@ -95,7 +95,8 @@ PUBLISHED_VAE_SCALING = {"sd1": 0.18215, "sd2": 0.18215, "sd2-v": 0.18215, "sdxl
 
 
 def test_vae_scaling_factor_is_the_familys(loaded):
-    """Session 21 mutation audit: an SDXL single file loaded with SD's 0.18215 passed every output comparison."""
+    """Each family's published VAE scaling factor (an SDXL file loaded with SD's 0.18215 passes every output
+    comparison, so it is checked by value)."""
     family, ref, single, folder = loaded
     assert ref["vae"].config.scaling_factor == PUBLISHED_VAE_SCALING[family]
     for got in (single, folder):
@@ -112,8 +113,8 @@ def test_fp16_checkpoint_loads_in_file_dtype(tmp_path):
     _assert_close(out, ref_out, "fp16 file")
 
 
-# Session-14 coverage audit: a damaged checkpoint's errors had never run. Each must name the file, the part that
-# does not fit and the fix, and come before any module is returned.
+# A damaged checkpoint's errors: each must name the file, the part that does not fit and the fix, and come before
+# any module is returned.
 def _damaged(tmp_path, family, change):
     from safetensors.torch import save_file
 

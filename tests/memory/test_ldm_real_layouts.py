@@ -309,7 +309,7 @@ def test_fp8_and_mixed_dtype_file_computes_with_the_files_values(tmp_path, monke
 
 def test_sdxl_attention_depth_that_differs_per_level_loads_like_reference(tmp_path):
     """Real SDXL has 2 transformer blocks per attention at its second level and 10 at its third; the tiny SDXL has
-    one attention level, so a config that gave every level the deepest depth passed (session 21 mutation audit).
+    one attention level, so a config that gave every level the deepest depth would pass its tests.
     A 3-level SDXL UNet with depths 1 and 2 (ComfyUI's and diffusers' per-level ``transformer_depth``) loads from its
     LDM file with the outputs of the diffusers model it was written from."""
     from diffusers import UNet2DConditionModel

@@ -1,9 +1,8 @@
 """``memory/load.py`` beside the loader node's tests: names, dtypes and the engine's fields, checks before reading.
 
-Guards (session-23 mutation audit, ``docs/audit-mutation-s23-core.md``): a checkpoint is one whatever its suffix's
-case (L03); a model's display name is the file's stem or the folder's own name (L04, L05); the weight and VAE
-dtypes each follow their own input, and the engine keeps the placement's text dtype and pool (L06-L09); a bad
-``vae_dtype`` is refused before the file is read (L12); Cancel before the read reads nothing (L13).
+Guards: a checkpoint is one whatever its suffix's case; a model's display name is the file's stem or the folder's
+own name; the weight and VAE dtypes each follow their own input, and the engine keeps the placement's text dtype
+and pool; a bad ``vae_dtype`` is refused before the file is read; Cancel before the read reads nothing.
 """
 from __future__ import annotations
 

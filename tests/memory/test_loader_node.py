@@ -1,6 +1,6 @@
 """The Memory Pool Loader node: contract, model list, tiny model, real files, errors.
 
-Guards the node contract of issue 3 (IDs, inputs, outputs) and "tiny-random (test) builds the kit's tiny SD1.x
+Guards the node contract (IDs, inputs, outputs) and "tiny-random (test) builds the kit's tiny SD1.x
 model in memory (cached per process)".
 """
 import pytest
@@ -130,7 +130,7 @@ def test_load_reports_progress_and_honours_cancel_between_stages(models_dir, mon
 
 def test_defaults_and_outputs_are_the_documented_ones():
     """docs/loader.md: every COMBO defaults to `auto`, the budget to 4.0 GB; outputs `lean_model` then `memory_plan`
-    (session-22 mutation audit: the policy / dtype defaults and the output names could change unnoticed)."""
+    (saved workflows depend on the defaults and the output names)."""
     req = LeanModelLoader.INPUT_TYPES()["required"]
     assert [req[k][1]["default"] for k in ("vram_policy", "weight_dtype", "vae_dtype")] == ["auto"] * 3
     assert req["model"][1]["default"] == "tiny-random (test)"
@@ -139,8 +139,8 @@ def test_defaults_and_outputs_are_the_documented_ones():
 
 def test_an_upper_case_checkpoint_name_reruns_when_its_file_changes(tmp_path, monkeypatch):
     """The menu lists and the loader loads a ``.SAFETENSORS`` checkpoint (suffixes compared in lower case); its
-    fingerprint must follow the file too (session-22 mutation audit: a case-sensitive suffix test in ``IS_CHANGED``
-    looked the name up as a diffusers folder, found none and never changed)."""
+    fingerprint must follow the file too (a case-sensitive suffix test in ``IS_CHANGED`` would look the name up as a
+    diffusers folder, find none and never change)."""
     import os
 
     monkeypatch.setenv("LEANDIFFUSION_MODELS", str(tmp_path))

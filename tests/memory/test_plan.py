@@ -1,7 +1,7 @@
 """``memory.plan.activation_bytes``: the UNet activation estimate, worked by hand on stand-in units.
 
-Session 21 mutation audit: the policy tests compared plans with each other, so a skip sum without the
-downsamplers' outputs, a dropped fragmentation factor or the CUDA workspace counted on the CPU passed them all.
+Worked by hand because the policy tests compare plans with each other: a skip sum without the downsamplers'
+outputs, a dropped fragmentation factor or the CUDA workspace counted on the CPU would pass them all.
 """
 from types import SimpleNamespace
 
@@ -32,7 +32,7 @@ def test_activation_estimate_by_hand():
 
 
 def test_module_bytes_counts_the_run_dtype_by_hand():
-    """Session 22 (mutant L04): the weights' size in the dtype they will run in, not the dtype they were built in
+    """The weights' size in the dtype they will run in, not the dtype they were built in
     (the CPU builds fp32 modules that CUDA runs in fp16); integer buffers are not parameters and do not count."""
     import torch
 

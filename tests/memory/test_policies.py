@@ -1,6 +1,6 @@
 """VRAM policies on the tiny models (CPU): same UNet output as ``full``, planned peaks ordered, clear errors.
 
-Guards the issue's acceptance lines "every policy's UNet output equals full's output on the tiny model (CPU, fp32:
+Guards the promises "every policy's UNet output equals full's output on the tiny model (CPU, fp32:
 max abs diff <= 1e-5)", "a budget below the model's working minimum (the error states the minimum)", and the
 promise that the ``stream`` schedule really streams (same code path as on CUDA, copies synchronous on the CPU).
 """
@@ -128,7 +128,7 @@ DTYPE_OF = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def test_a_stream_placement_reports_its_resident_weights_and_staging_ring_to_comfyui():
     """What ComfyUI's memory manager sees between stages (``device_bytes``) under ``stream``: the always-resident
     and resident block weights plus the staging ring the streamer allocated (its arena tensor's size), not the
-    plan's weights alone (session 21 mutation audit); nothing once released."""
+    plan's weights alone; nothing once released."""
     parts = tiny_parts("sd1")
     placement = apply_vram_policy(parts, "stream", device="cpu", vram_budget_gb=_stream_budget(parts))
     arena = placement.streamer.arena
@@ -142,13 +142,14 @@ def test_a_stream_placement_reports_its_resident_weights_and_staging_ring_to_com
 def _cuda_plan(parts, policy, free=None, budget_gb=4.0):
     """The plan ``apply_vram_policy`` would make on a CUDA device with ``free`` bytes free (planning runs on the
     ``meta`` device, so no GPU is needed)."""
-    from leandiffusion.memory.policies import PolicyConfig, VramPolicy, _plan
+    from leandiffusion.memory.planner import plan_placement
+    from leandiffusion.memory.policies import PolicyConfig, VramPolicy
 
     req = VramPolicy(policy)
     s = int(parts.unet.config.sample_size)
     config = PolicyConfig(VramPolicy.FULL if req == VramPolicy.AUTO else req, req, torch.device("cuda", 0),
                           torch.float16, torch.float16, torch.float32, int(budget_gb * GiB), (2, s, s))
-    return _plan(parts, config, free, "m")[0]
+    return plan_placement(parts, config, free, "m").plan
 
 
 def _least_free(peak):

@@ -1,6 +1,6 @@
 """Buffer pool: keyed by role/shape/dtype, address-stable, and a repeated run allocates nothing new.
 
-Guards the issue's promise "in steady state a repeated run allocates no new device memory" at the pool level
+Guards the promise "in steady state a repeated run allocates no new device memory" at the pool level
 (CPU here; the GPU test in test_gpu_stream.py checks torch's allocator counters too).
 """
 import pytest

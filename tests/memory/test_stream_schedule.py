@@ -5,7 +5,8 @@ every block has at least one block of prefetch lead with the minimum arena; copi
 """
 import pytest
 
-from leandiffusion.memory.streaming import Unit, choose_streamed, plan_schedule, ring_layout, simulate
+from leandiffusion.memory.stream_schedule import choose_streamed, plan_schedule, ring_layout, simulate
+from leandiffusion.memory.unet_units import Unit
 
 
 def _units(sizes, flops=None):
@@ -73,7 +74,7 @@ def test_simulation_waits_for_the_unit_whose_slice_a_copy_overwrites():
     unit 2 1 ms. Worked by hand: copies 0, 1 end at 1 ms + o and 2 ms + 2o; unit 0 computes until 11 ms + o;
     the copy of unit 2 runs from there to 12 ms + 2o; unit 1 ends at 11.1 ms + o; unit 2 runs 12 ms + 2o to
     13 ms + 2o. A model that let the copy start before unit 0 finished would give 12.1 ms + o."""
-    from leandiffusion.memory.streaming import COPY_OVERHEAD_S
+    from leandiffusion.memory.stream_schedule import COPY_OVERHEAD_S
 
     units = _units([1024] * 3, flops=[10e9, 0.1e9, 1e9])
     offsets, wait_for = ring_layout(units, [0, 1, 2], 2048)
@@ -118,7 +119,7 @@ def test_unit_flops_agree_with_a_flop_count_of_the_forward():
     from torch.utils.flop_counter import FlopCounterMode
 
     from leandiffusion.bench.models import SDXL_UNET
-    from leandiffusion.memory.streaming import meta_inputs, trace_units
+    from leandiffusion.memory.unet_units import meta_inputs, trace_units
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**SDXL_UNET)
@@ -141,18 +142,17 @@ def test_unit_flops_agree_with_a_flop_count_of_the_forward():
 def test_sdxl_plan_at_4gib_leaves_no_more_than_one_block_idle():
     """The full-size SDXL UNet (``meta`` device: architecture only) planned under ``stream`` at 4 GiB for CUDA, batch 2
     at 1024 px: the planned UNet peak (resident weights + staging ring + activation estimate) fits the budget and
-    leaves less idle than one block's weights. Guards the former extra 5% headroom, which kept 0.2 GiB of the budget
-    idle beside an estimate that already errs high (the UNet stage measured 0.74-0.77 GB against its 0.89 GB on an
-    H100) and streamed 2.16 instead of 1.97 GB per step: CUDA-graph step ~52 vs ~48 ms (policies.HEADROOM)."""
+    leaves less idle than one block's weights: budget kept idle beside an estimate that already errs high would
+    stream weights that could stay resident (``vram_budget.HEADROOM``)."""
     import types
 
     import torch
     from diffusers import UNet2DConditionModel
 
     from leandiffusion.bench.models import SDXL_UNET
-    from leandiffusion.memory import policies
+    from leandiffusion.memory import planner, policies
     from leandiffusion.memory.plan import GiB, activation_bytes, module_bytes
-    from leandiffusion.memory.streaming import trace_units
+    from leandiffusion.memory.unet_units import trace_units
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**SDXL_UNET).half()
@@ -161,8 +161,8 @@ def test_sdxl_plan_at_4gib_leaves_no_more_than_one_block_idle():
     config = policies.PolicyConfig(policies.VramPolicy.STREAM, policies.VramPolicy.STREAM, torch.device("cuda"),
                                    torch.float16, torch.float16, torch.float32, budget, (2, 128, 128))
     sizes = dict(text=0, unet=module_bytes(unet, torch.float16), vae=0)
-    plan, schedule = policies._plan_for(types.SimpleNamespace(family="sdxl"), config, units,
-                                        activation_bytes(units, 2, "cuda"), sizes, "sdxl")
+    plan = planner.plan_policy(types.SimpleNamespace(family="sdxl"), config, units,
+                               activation_bytes(units, 2, "cuda"), sizes, "sdxl").plan
     assert plan.peaks["unet"] <= budget
     assert budget - plan.peaks["unet"] < max(u.nbytes for u in units)
     assert plan.unet_streamed_bytes < 2.0 * GiB

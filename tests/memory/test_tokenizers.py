@@ -1,9 +1,8 @@
 """Where CLIP's BPE files are found (``memory/tokenizers.py``), beside the loaders' tests that use it.
 
-Guards (session-23 mutation audit, ``docs/audit-mutation-s23-core.md``): a folder needs both ``vocab.json`` and
-``merges.txt`` (T01); the checkpoint's own ``<stem>.tokenizer/`` wins over the shared ``tokenizer/`` (T02, T08);
-ComfyUI's folder is used only when it holds the files (T03). The pad-token and maximum-length check pins
-``load_clip_tokenizer``'s parameters (T05: no caller passes another length).
+Guards: a folder needs both ``vocab.json`` and ``merges.txt``; the checkpoint's own ``<stem>.tokenizer/`` wins
+over the shared ``tokenizer/``; ComfyUI's folder is used only when it holds the files. The pad-token and
+maximum-length check pins ``load_clip_tokenizer``'s parameters (no caller passes another length).
 """
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ def test_initial_noise_equals_comfyuis_prepare_noise():
 
 
 def test_batch_index_given_as_a_tensor_counts_like_the_list(engine):
-    """Session-14 audit (never run): a tensor ``batch_index`` (another pack's latent node) picks the same noise."""
+    """A tensor ``batch_index`` (another pack's latent node) picks the same noise."""
     lat = torch.zeros(2, 4, 8, 8)
     listed = sample(engine, _settings(), latent_image={"samples": lat, "batch_index": [1, 0]}, quiet=True)
     tensor = sample(engine, _settings(), latent_image={"samples": lat, "batch_index": torch.tensor([1, 0])},

@@ -1,6 +1,5 @@
 """``sampling.cfg.conditioning_from_embeds``: one prompt's embeddings per side, repeated to the batch, refused by name
-when the model cannot use them (session-21 sampler mutation audit: its checks had never run; the benchmark suite
-is its caller)."""
+when the model cannot use them (the benchmark suite is its caller)."""
 import pytest
 import torch
 

@@ -2,13 +2,11 @@
 ``torch.compile`` and what the compiled calls receive. ``torch.compile`` is replaced by a recorder that returns the
 eager callable, so the checks take no compile time.
 
-Guards (session-23 mutation audit, ``docs/audit-mutation-s23-core.md``): an empty setting means the default (C02);
-a region inside another is not compiled again (C05); regions whose names share a prefix (``blocks.1``,
-``blocks.10``) are all compiled (C06); a call restores a block's
-own earlier compiled call (C08) and raises the recompile limit for its duration (C09); ``auto`` compiles the whole
-UNet up to ``REGIONAL_ABOVE_BLOCKS`` blocks inclusive (C10) and an explicit scope is kept (C12); one compiled module
-per model (C13); the preset's inductor settings and ``dynamic=False`` reach ``torch.compile`` (C14, C15, C17); SDXL's
-added conditioning reaches the UNet through both calls (C16, C18).
+Guards: an empty setting means the default; a region inside another is not compiled again; regions whose names share
+a prefix (``blocks.1``, ``blocks.10``) are all compiled; a call restores a block's own earlier compiled call and raises
+the recompile limit for its duration; ``auto`` compiles the whole UNet up to ``REGIONAL_ABOVE_BLOCKS`` blocks inclusive
+and an explicit scope is kept; one compiled module per model; the preset's inductor settings and ``dynamic=False``
+reach ``torch.compile``; SDXL's added conditioning reaches the UNet through both calls.
 """
 from __future__ import annotations
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from leandiffusion.kernels import dispatch
+from leandiffusion.memory.vram_budget import UNBUDGETED
 from leandiffusion.sampling.loop import resolve_acceleration
 
 COMPILE, GRAPH = "compile+cuda_graph", "cuda_graph"
 
 
 def _engine(policy="full"):
-    return SimpleNamespace(device=torch.device("cuda", 0), placement=SimpleNamespace(name=policy))
+    return SimpleNamespace(device=torch.device("cuda", 0), placement=SimpleNamespace(name=policy, budget=UNBUDGETED))
 
 
 @pytest.mark.parametrize("triton, capability, expected", [

@@ -96,10 +96,9 @@ def _diffusers_steps_finite(cfg, steps, eta):
 
 def test_zero_snr_eta_one_follows_diffusers():
     """At alpha_bar_t = 0 with eta = 1, 1 - a' - sigma^2 is 0 up to rounding, and which way it rounds depends on the
-    CPU's float32 pow (below 0 on the Intel hosts of earlier sessions, where diffusers returns NaN; not on an AMD
-    EPYC). Either way the schedule follows diffusers: where diffusers' step is not finite we refuse clearly,
-    elsewhere every step equals diffusers' (not the exact math: sqrt of the rounding residue, ~1e-4, stands where
-    the textbook has 0)."""
+    CPU's float32 pow (below 0 on some Intel CPUs, where diffusers returns NaN; not on an AMD EPYC). Either way the
+    schedule follows diffusers: where diffusers' step is not finite we refuse clearly, elsewhere every step equals
+    diffusers' (not the exact math: sqrt of the rounding residue, ~1e-4, stands where the textbook has 0)."""
     cfg = CONFIGS["zero-snr-v-trailing"]
     if _diffusers_steps_finite(cfg, 10, 1.0):
         _check_steps_against_diffusers("zero-snr-v-trailing", 10, 1.0, textbook=False)
@@ -165,8 +164,8 @@ def test_impossible_numbers_raise():
     ([], r"got no values"),
 ])
 def test_trained_betas_that_cannot_be_the_schedule_are_refused_by_name(trained, got):
-    """Session-14 audit: ten trained betas for 1000 training timesteps failed mid-sampling with a bare
-    ``IndexError: index 751 is out of bounds``; strings with ``ValueError: too many dimensions 'str'``."""
+    """Refused before sampling, by name: ten trained betas for 1000 training timesteps would fail mid-sampling with a
+    bare ``IndexError: index 751 is out of bounds``; strings with ``ValueError: too many dimensions 'str'``."""
     cfg = dict(SD, trained_betas=trained)
     with pytest.raises(ValueError, match=r"scheduler_config\['trained_betas'\]: expected 1000 numbers in 0..1 \(one "
                                          rf"per training timestep, num_train_timesteps=1000\), {got}; correct or "
@@ -175,7 +174,7 @@ def test_trained_betas_that_cannot_be_the_schedule_are_refused_by_name(trained, 
 
 
 def test_pipeline_config_says_when_it_rewrites_an_outdated_config(caplog):
-    """Session-21 audit: the SD pipelines' rewrite is logged (a user comparing with another tool's offset-0 schedule
+    """The SD pipelines' rewrite is logged (a user comparing with another tool's offset-0 schedule
     sees why), only when it changes something, and SDXL's config is kept as it is."""
     outdated = dict(SD, steps_offset=0, clip_sample=True)
     with caplog.at_level(logging.INFO, logger="leandiffusion.sampling.ddim"):

@@ -1,4 +1,4 @@
-"""Sampler error paths (session-13 audit; each test fails on the code before its fix).
+"""Sampler error paths.
 
 Guards: a connected CONDITIONING that does not fit the model is refused before the Fused DDIM Sampler opens a text
 session (the string side was encoded first: under ``balanced`` that moves the text encoders onto the GPU and runs
@@ -130,7 +130,7 @@ def test_failed_torch_compile_names_the_acceleration_and_the_fix(engine, monkeyp
     (torch.zeros(0, 4, 8, 8), r"latent_image\['samples'\] is empty: shape \(0, 4, 8, 8\)"),
 ])
 def test_latents_the_sampler_cannot_take_are_refused_by_name(engine, samples, match):
-    """Session-14 audit: these checks had never run."""
+    """Each latent the sampler cannot take is refused with a ``ValueError`` that says what it got."""
     args = dict(lean_model=engine, positive="a boat", negative="", seed=1, steps=2, cfg=5.0, eta=0.0, width=64,
                 height=64, batch_size=1, timestep_spacing="leading", cfg_mode="batched", acceleration="none")
     with pytest.raises(ValueError, match=match):
@@ -138,9 +138,9 @@ def test_latents_the_sampler_cannot_take_are_refused_by_name(engine, samples, ma
 
 
 def test_stream_tiled_decode_out_of_memory_at_the_smallest_tile_says_what_it_tried(engine, monkeypatch):
-    """Guide 9 (degrade, then re-raise with what was tried; session-14 audit: the final raise had never run): the
-    tiled decode halves its tile down to 128 px, then raises naming every size it tried and the fix; the run
-    returns nothing, and the next run of the same engine works."""
+    """Guide 9 (degrade, then re-raise with what was tried): the tiled decode halves its tile down to 128 px, then
+    raises naming every size it tried and the fix; the run returns nothing, and the next run of the same engine
+    works."""
     attempts = []
 
     def always_oom(program, z, cfg, *args, **kwargs):

@@ -182,7 +182,7 @@ class _FakeCuda:
 def test_cuda_backend_failing_midway_leaves_the_stream_joined_and_no_workspace(monkeypatch, fail_at):
     """A warm-up step or the capture raising (out of memory) must not leave the caller's stream unordered after the
     warm-up kernels already queued (the sampler's retry or eager fallback reuses the step's buffers), nor cuBLAS
-    holding a workspace from the failed graph's pool (it kept 32 MiB reserved on an H100)."""
+    holding a workspace from the failed graph's pool (32 MiB that would stay reserved)."""
     from leandiffusion.sampling.graph_runner import CudaGraphBackend
 
     cuda = _FakeCuda(monkeypatch)
@@ -350,7 +350,7 @@ def test_gpu_interrupt_leaves_graph_usable(gpu_engines):
 def test_gpu_graph_outlives_an_evicted_graph_and_released_workspaces(gpu_engines):
     """A graph captured after another was evicted must not bake in a cuBLAS workspace from the evicted graph's
     pool: once cuBLAS's workspaces and the cache are released (a budgeted Stream Scheduler run starts so), its
-    replays would read freed memory (an illegal memory access on an H100, 2026-11-22, full-size SDXL)."""
+    replays would read freed memory (an illegal memory access on a full-size SDXL run)."""
     from leandiffusion.memory.cap import release_library_workspaces
 
     engine = gpu_engines["sdxl"]
@@ -367,7 +367,7 @@ def test_gpu_graph_outlives_an_evicted_graph_and_released_workspaces(gpu_engines
 @pytest.mark.gpu
 def test_gpu_failed_capture_leaves_no_memory_reserved():
     """A capture that raises (out of memory in the sampler's retry path) must not leave its graph's pool reserved:
-    cuBLAS took its workspace from that pool during the capture and kept it (32 MiB on an H100 before the fix)."""
+    cuBLAS takes its workspace from that pool during the capture and keeps it (32 MiB) unless released."""
     from leandiffusion.sampling.graph_runner import CudaGraphBackend
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -457,8 +457,8 @@ def test_cached_graph_keeps_the_lora_binding_it_reads(tmp_path):
 
 @pytest.mark.parametrize("value", ["two", "0", "-1", "1.5"])
 def test_a_bad_max_graphs_setting_names_the_variable(monkeypatch, value):
-    """Session-14 audit: LEANDIFFUSION_MAX_GRAPHS=two failed every sampler run with a bare
-    ``invalid literal for int() with base 10: 'two'``."""
+    """LEANDIFFUSION_MAX_GRAPHS=two is refused naming the variable, not with a bare ``invalid literal for int() with
+    base 10: 'two'`` in every sampler run."""
     monkeypatch.setenv("LEANDIFFUSION_MAX_GRAPHS", value)
     with pytest.raises(ValueError, match=rf"LEANDIFFUSION_MAX_GRAPHS='{value}': expected a positive int \(CUDA graphs "
                                          r"cached per model, default 2\); set it to 1 or more, or unset it"):
@@ -472,8 +472,8 @@ def test_max_graphs_setting_is_read(monkeypatch):
     assert GraphRunner().max_graphs == 2
 
 
-# Session-21 sampler mutation audit: the cache's LRU order and the key's weight / compile fields had never been
-# exercised (the stand-in replays the step eagerly, so a stale key shows only in the capture count).
+# The cache's LRU order and the key's weight / compile fields (the stand-in replays the step eagerly, so a stale key
+# shows only in the capture count).
 def test_the_least_recently_used_graph_is_evicted(engine):
     runner = GraphRunner(StandInBackend(), max_graphs=2)
     run = lambda width: sample(engine, _settings(width=width), runner=runner, quiet=True)  # noqa: E731

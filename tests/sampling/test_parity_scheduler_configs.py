@@ -143,7 +143,7 @@ def test_folder_scheduler_keys_reach_the_sampler(tmp_path):
 
 
 def test_trained_betas_replace_the_beta_schedule():
-    """A folder's ``trained_betas`` (diffusers takes them over ``beta_schedule``; session-14 audit: never run)."""
+    """A folder's ``trained_betas`` (diffusers takes them over ``beta_schedule``)."""
     n = 1000
     trained = (torch.linspace(0.0001 ** 0.5, 0.03 ** 0.5, n, dtype=torch.float64) ** 2).tolist()
     _check(_engine("sd1", trained_betas=trained), _settings(steps=4, eta=0.5))

@@ -84,7 +84,7 @@ def test_sdxl_needs_pooled(sdxl):
 
 
 def test_sdxl_pooled_output_of_another_width_is_refused(sdxl):
-    """e.g. a pooled output from another model's CLIP (session-14 audit: never run)."""
+    """e.g. a pooled output from another model's CLIP."""
     with pytest.raises(ValueError, match=r"positive_cond: pooled_output has width 64, the SDXL model expects 128; "
                                          r"encode the text with this model's CLIP"):
         from_conditioning([[torch.zeros(1, 77, 192), {"pooled_output": torch.zeros(1, 64)}]], sdxl, 1)
@@ -121,11 +121,11 @@ def test_match_lengths_is_lcm():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sdxl_time_ids_are_the_exact_sizes_at_half_precision(dtype):
-    """Session-19 audit: the time ids were built in the weight dtype, so under bf16 CLIPTextEncodeSDXL's width 3000
-    became 3008, height 1001 became 1000 and crop_w 301 became 300 (fp16: crop_h 2049 became 2048), and a text
-    prompt at 4104 x 2056 pixels was conditioned as 4096 x 2048 (bf16): other sinusoids than ComfyUI's SDXL model
-    embeds (it builds them from float32 values), so another picture. The UNet's time projection computes in float32
-    whatever the ids' dtype, so float32 ids cost nothing."""
+    """Time ids built in the weight dtype would turn, under bf16, CLIPTextEncodeSDXL's width 3000 into 3008, height 1001
+    into 1000 and crop_w 301 into 300 (fp16: crop_h 2049 into 2048), and condition a text prompt at 4104 x 2056 pixels
+    as 4096 x 2048 (bf16): other sinusoids than ComfyUI's SDXL model embeds (it builds them from float32 values), so
+    another picture. The UNet's time projection computes in float32 whatever the ids' dtype, so float32 ids cost
+    nothing."""
     engine = tiny_engine("sdxl", dtype=dtype)
     sizes = {"width": 3000, "height": 1001, "crop_w": 301, "crop_h": 2049, "target_width": 4100,
              "target_height": 1080}
@@ -162,9 +162,9 @@ REFUSED_NODE_OUTPUTS = {
 
 @pytest.mark.parametrize("node", list(REFUSED_NODE_OUTPUTS))
 def test_refusal_names_the_node_and_the_fix(sdxl, node):
-    """Session-19 audit: the message named only the first key with a truncated repr (a mask or a style model's
-    attention mask printed as ``tensor([[[1., 1., ...`` over several lines) and a generic list of features, not the
-    node to remove."""
+    """The message names the node to remove and the fix, not only the first key with a truncated repr (a mask or a
+    style model's attention mask printed as ``tensor([[[1., 1., ...`` over several lines) and a generic list of
+    features."""
     info = {"pooled_output": torch.randn(1, 128), **REFUSED_NODE_OUTPUTS[node]}
     with pytest.raises(ValueError) as err:
         from_conditioning([[torch.randn(1, 77, 192), info]], sdxl, 1, width=64, height=64, input_name="negative_cond")
@@ -176,7 +176,7 @@ def test_refusal_names_the_node_and_the_fix(sdxl, node):
 
 def test_refiner_aesthetic_score_is_refused_with_the_base_model_fix(sdxl):
     """CLIPTextEncodeSDXLRefiner's dict: ComfyUI's SDXL base model ignores aesthetic_score; the message must say so
-    and name CLIPTextEncodeSDXL, not a list of unrelated features (session-19 audit)."""
+    and name CLIPTextEncodeSDXL, not a list of unrelated features."""
     info = {"pooled_output": torch.randn(1, 128), "aesthetic_score": 6.0, "width": 1024, "height": 1024}
     with pytest.raises(ValueError, match=r"positive_cond: the CONDITIONING carries 'aesthetic_score'=6.0 \(from "
                                          r"CLIPTextEncodeSDXLRefiner\), an input of the SDXL refiner.*"

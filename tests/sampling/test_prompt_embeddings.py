@@ -1,7 +1,6 @@
-"""``prompt_embeddings.find_embedding``: which file ``embedding:NAME`` names (session-21 sampler mutation audit: the
-lookup order had never been tested with two candidates). The order is the module docstring's: the top-level
-folder before sub-folders (in sorted order), in each folder the exact name before ``.safetensors``, ``.pt``,
-``.bin`` appended (ComfyUI 0.3.64 ``load_embed``)."""
+"""``prompt_embeddings.find_embedding``: which file ``embedding:NAME`` names when two candidates exist. The order is the
+module docstring's: the top-level folder before sub-folders (in sorted order), in each folder the exact name before
+``.safetensors``, ``.pt``, ``.bin`` appended (ComfyUI 0.3.64 ``load_embed``)."""
 import pytest
 
 from leandiffusion.sampling.prompt_embeddings import find_embedding

@@ -24,7 +24,7 @@ PROMPTS = [
     LONG,
     "x" * 70 + " (" + "y" * 30 + ":1.4)",  # a large weighted piece split across the chunk boundary
     "a " * 40 + "(tiny:1.2)",  # a short piece that moves whole to the next chunk
-    # session-21 audit, the packing rule's two edges (tiny tokenizers: "a" one token, "b".."i" one token each):
+    # the packing rule's two edges (tiny tokenizers: "a" one token, "b".."i" one token each):
     "a " * 71 + "(b c d e:1.2)",  # start + 71 + 4 = 76 items: the piece fills the first chunk exactly
     "a " * 70 + "(b c d e f g h i:1.2)",  # an 8-token piece (the smallest that splits) across the boundary
 ]
@@ -145,7 +145,7 @@ def test_textual_inversion_files(family, engine, comps, models_dir):
 
 
 def test_textual_inversion_list_and_lora_bundled_files(family, engine, comps, models_dir):
-    """Session-14 audit: the list-of-dicts layout and LoRA-bundled embeddings (``bundle_emb.*``) had never run.
+    """The list-of-dicts layout and LoRA-bundled embeddings (``bundle_emb.*``).
     ComfyUI's ``load_embed``: a list keeps every tensor of the encoder's width, in order; a bundle concatenates
     its ``bundle_emb.*.string_to_param.*`` (else ``bundle_emb.*.<encoder key>``) tensors."""
     a, b, c = (_vectors(2, 64, 11), _vectors(1, 64, 12), _vectors(1, 128, 13))
@@ -170,7 +170,7 @@ def test_textual_inversion_list_and_lora_bundled_files(family, engine, comps, mo
 
 
 def test_sd2_reads_the_clip_h_vectors_of_a_file_that_has_several(models_dir):
-    """Session-21 audit: SD2's OpenCLIP-H encoder takes an embedding file's ``clip_h`` tensor (ComfyUI's SD2 key),
+    """SD2's OpenCLIP-H encoder takes an embedding file's ``clip_h`` tensor (ComfyUI's SD2 key),
     never its ``clip_l`` one, also when both have the encoder's width."""
     h, l_ = _vectors(2, 128, 21), _vectors(2, 128, 22)
     save_file({"clip_l": l_, "clip_h": h}, str(models_dir / "both.safetensors"))
@@ -281,7 +281,7 @@ def test_cache_is_used_by_default_and_invalidated_by_embedding_edit(models_dir):
 
 
 def test_the_syntax_and_an_undeclared_adapter_are_part_of_the_cache_key():
-    """Session-21 audit: one text reads differently in the two syntaxes ([x] and BREAK), so a cached "comfyui"
+    """One text reads differently in the two syntaxes ([x] and BREAK), so a cached "comfyui"
     encoding must not answer an "extended" request; and an adapter that does not say whether it touches the text
     encoders (no ``affects_text``) is assumed to."""
     engine = tiny_engine("sd1")

@@ -69,7 +69,7 @@ def test_embedding_words():
     pieces = parse_prompt("(embedding:style, red:1.2)", exists=known.__contains__)
     assert pieces == [Piece("embedding", "style", 1.2, True), Piece("text", ", red", 1.2)]
     # commas on both sides are stripped for the retry, and ComfyUI gives back name[len(stripped):] (the name's tail,
-    # not the commas, when one led: ComfyUI 0.3.64 sd1_clip.py _try_get_embedding); session-21 audit
+    # not the commas, when one led: ComfyUI 0.3.64 sd1_clip.py _try_get_embedding)
     pieces = parse_prompt("a embedding:,style, x", exists=known.__contains__)
     assert pieces == [Piece("text", "a", 1.0), Piece("embedding", "style", 1.0, True), Piece("text", "e, x", 1.0)]
     # no space before 'embedding:' -> plain text, as in ComfyUI

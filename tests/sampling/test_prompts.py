@@ -1,9 +1,8 @@
 """``encode_for_sampler`` (``sampling/prompts.py``): argument checks, and each option reaching the prompt encoder.
 
-Guards (session-23 mutation audit, ``docs/audit-mutation-s23-core.md``): a zero or boolean image size is refused
-(P01, P02); a CONDITIONING without size keys takes the image size (P06); string sides' pooled outputs are batched
-(P08); ``missing_embedding`` and ``cache`` are passed on (P14, P16). The other checks (each side's own pooled output
-and time ids, ``syntax``) were already covered elsewhere and stay as context.
+Guards: a zero or boolean image size is refused; a CONDITIONING without size keys takes the image size; string sides'
+pooled outputs are batched; ``missing_embedding`` and ``cache`` are passed on. The other checks (each side's own
+pooled output and time ids, ``syntax``) are covered elsewhere too and stay as context.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def test_node_img2img_optional_inputs(engine):
     (dict(cfg_mode="parallel"), ValueError, "cfg_mode"),
     (dict(acceleration="tensorrt"), ValueError, "acceleration"),
     (dict(batch_size=65), ValueError, "batch_size=65"),
-    # session-14 audit: the type checks had never run
+    # the type checks
     (dict(positive=None), TypeError, r"positive: expected a prompt string, got NoneType"),
     (dict(negative=["fog"]), TypeError, r"negative: expected a prompt string, got list"),
     (dict(cfg="7.5"), TypeError, r"cfg='7.5': expected a finite number"),
@@ -203,8 +203,8 @@ def _documented_inputs(doc: str) -> dict:
 
 def test_inputs_are_the_documented_ones():
     """docs/sampler.md's input table is the contract: every input, its kind, range, step, choices and default
-    (session-22 mutation audit: the steps / eta / batch_size ranges, the width step and the denoise, cfg_mode and
-    spacing defaults could all change with every test passing)."""
+    (the steps / eta / batch_size ranges, the width step and the denoise, cfg_mode and spacing defaults must not
+    change unnoticed)."""
     import re
 
     spec = LeanFusedDDIMSampler.INPUT_TYPES()
@@ -231,9 +231,9 @@ def test_inputs_are_the_documented_ones():
 
 
 def test_every_widget_reaches_sample_as_itself(engine, monkeypatch):
-    """The node hands each widget to ``SamplerSettings`` and the optional inputs to ``sample`` unchanged (session-22
-    mutation audit: eta or denoise replaced by their defaults, or the two CONDITIONING inputs swapped, passed every
-    test: they ran at eta 0, or at the same denoise through both paths)."""
+    """The node hands each widget to ``SamplerSettings`` and the optional inputs to ``sample`` unchanged (eta or denoise
+    replaced by their defaults, or the two CONDITIONING inputs swapped, would pass tests that run at eta 0, or at the
+    same denoise through both paths)."""
     import leandiffusion.nodes.sampler as node_module
 
     seen = {}

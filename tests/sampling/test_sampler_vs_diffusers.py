@@ -4,8 +4,8 @@ Reference: ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` (and thei
 very same modules, ``DDIMScheduler`` from the model's config (spacing overridden per case), a CPU generator with
 the same seed, ``output_type="latent"`` divided by the VAE scaling factor. Bound: max abs diff <= 1e-4 (most cases
 are bit-equal); ``cfg_mode="sequential"`` runs two UNet calls of B rows where diffusers runs one of 2B rows, which
-is not bit-identical on every CPU BLAS, so there the bound is 1e-5 of the largest latent (seen: 0 on the Intel
-hosts of earlier sessions, 3.4e-6 on an AMD EPYC; a wrong noise draw or CFG order is off by order 1).
+is not bit-identical on every CPU BLAS, so there the bound is 1e-5 of the largest latent (seen: 0 on some Intel
+CPUs, 3.4e-6 on an AMD EPYC; a wrong noise draw or CFG order is off by order 1).
 Guards: noise draw convention (whole batch shape, CPU, then eta noise per step in order), prompt encoding and
 uncond-first CFG stacking, SDXL time ids / pooled embeds, the three spacings, v-prediction, img2img's strength
 rule and add_noise, raw-vs-scaled latent space, cfg == 1 (no guidance pass).

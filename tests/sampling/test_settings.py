@@ -1,7 +1,7 @@
 """``SamplerSettings.validated()``: every range the Fused DDIM Sampler node declares to ComfyUI is the range it takes.
 
 The node's ``INPUT_TYPES`` (what ComfyUI's widgets let a user enter) is the reference: each declared end is
-accepted, the value one widget step beyond it is refused by name. Guards (session-21 sampler mutation audit): an
+accepted, the value one widget step beyond it is refused by name. Guards: an
 end off by one (steps 1000, batch 64, width 8192, cfg 0 refused although the widget offers them), the
 ``steps * denoise`` check refusing a product of exactly 1, and a cfg below 1 read as "unguided".
 """

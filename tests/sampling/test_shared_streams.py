@@ -1,8 +1,8 @@
 """One CUDA stream per (device, role) (``sampling/shared_streams.py``), checked on the CPU with a stand-in stream.
 
-Guards (session-23 mutation audit, ``docs/audit-mutation-s23-core.md``; the only other test is a GPU test): the
-role is part of the key (S01); ``cuda`` and ``cuda:<current>`` name one device, so one stream (S02); a second call
-returns the cached stream, not a new one (S03); the stream is made on the device asked for, not the current one (S04).
+Guards (the only other test is a GPU test): the role is part of the key; ``cuda`` and ``cuda:<current>`` name one
+device, so one stream; a second call returns the cached stream, not a new one; the stream is made on the device asked
+for, not the current one.
 """
 from __future__ import annotations
 

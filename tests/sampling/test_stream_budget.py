@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from leandiffusion.memory.load import build_engine
-from leandiffusion.memory.policies import HEADROOM
+from leandiffusion.memory.vram_budget import HEADROOM, StageMode, VramBudget
 from leandiffusion.vae.tiled import MIN_TILE
-from leandiffusion.sampling.stream.batching import budgeted_plan, unet_resident_bytes
 from leandiffusion.sampling.stream.scheduler import DECODE_RESERVED_FACTOR, decode_budget, run_stream
 from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.sampling.stream.streams import StageStreams
@@ -33,14 +32,17 @@ def budgeted():
 
 
 def test_only_the_stream_policy_is_budgeted(budgeted):
-    assert budgeted_plan(budgeted) is not None
-    assert budgeted_plan(tiny_engine("sd1")) is None
-    assert budgeted_plan(build_engine(tiny_parts("sd1"), "balanced", 1.0, device="cpu")) is None
+    assert budgeted.placement.budget.hard
+    assert not tiny_engine("sd1").placement.budget.hard
+    assert not build_engine(tiny_parts("sd1"), "balanced", 1.0, device="cpu").placement.budget.hard
 
 
 def test_decode_budget_is_what_the_resident_weights_leave(budgeted):
-    plan = budgeted_plan(budgeted)
-    left = plan.budget_bytes - unet_resident_bytes(plan) - plan.vae_bytes - int(HEADROOM * plan.budget_bytes)
+    """The typed budget carries the plan's arithmetic: budget - the UNet stage's weights - VAE weights - headroom."""
+    plan = budgeted.placement.plan
+    resident = plan.peaks["unet"] - plan.unet_activation_bytes
+    assert budgeted.placement.budget.resident_bytes == resident
+    left = plan.budget_bytes - resident - plan.vae_bytes - int(HEADROOM * plan.budget_bytes)
     assert decode_budget(budgeted) == max(int(left / DECODE_RESERVED_FACTOR), 64 * MiB)
 
 
@@ -120,7 +122,7 @@ def test_one_copy_stream_under_a_strict_budget():
 def test_budgeted_batch_counts_headroom_and_workspace(monkeypatch):
     """Under a budget the activations of a batch get what the budget leaves after the resident weights, the
     loader's headroom and the kernel workspace: a plan the loader sized for one guided image gives a batch of one
-    (measured on an H100: SDXL at 4 GiB chose 2 images without this and held 4.22 GiB)."""
+    (without them the batch's activations would go over the budget)."""
     from types import SimpleNamespace
 
     from leandiffusion.memory.plan import WORKSPACE_CUDA
@@ -130,13 +132,13 @@ def test_budgeted_batch_counts_headroom_and_workspace(monkeypatch):
     budget, per_image = 4 * GiB, 350 * MiB
     act = per_image + WORKSPACE_CUDA  # the plan's activation estimate for one guided image
     resident = budget - int(HEADROOM * budget) - act  # the loader fills the rest with resident blocks
-    plan = SimpleNamespace(policy="stream", budget_bytes=budget, unet_activation_bytes=act,
-                           peaks={"unet": resident + act}, vae_bytes=300 * MiB, vae_mode="while used")
-    engine = SimpleNamespace(device=torch.device("cuda", 0), placement=SimpleNamespace(plan=plan))
+    hard = VramBudget(limit_bytes=budget, headroom_bytes=int(HEADROOM * budget), resident_bytes=resident,
+                      activation_bytes=act, vae_bytes=300 * MiB, vae=StageMode.WHILE_USED, unet=StageMode.STREAM)
+    engine = SimpleNamespace(device=torch.device("cuda", 0), placement=SimpleNamespace(budget=hard))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (70 * GiB, 80 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 0)
-    assert batching.budget_left_bytes(plan) == budget - resident - int(HEADROOM * budget)
+    assert hard.activation_room_bytes == budget - resident - int(HEADROOM * budget)
     assert batching.available_bytes(engine) == per_image
     assert batching.auto_batch(8, per_image, batching.available_bytes(engine), 0, 8) == 1
 

@@ -1,10 +1,10 @@
 """Stream Scheduler Sampler with CONDITIONING inputs: each batch row of ``positive_cond`` is one prompt.
 
-Promise (issue 8, deliverable 2, with the lead's row mapping): image n (prompt-major) equals the Fused DDIM
-Sampler's image for that prompt's conditioning row given as a 1-row CONDITIONING, with seed ``seed + n`` and batch
-size 1 -- bit-identical with ``max_batch`` 1, within the batched UNet's rounding otherwise (fp32 CPU, tiny models;
-bound relative to the reference's magnitude as in ``test_stream_scheduler``: <= 1e-5 * max|ref|). ``negative_cond``
-has 1 row (shared) or one row per prompt (row i with prompt i); other counts are refused.
+Promise: image n (prompt-major) equals the Fused DDIM Sampler's image for that prompt's conditioning row given as a
+1-row CONDITIONING, with seed ``seed + n`` and batch size 1 -- bit-identical with ``max_batch`` 1, within the batched
+UNet's rounding otherwise (fp32 CPU, tiny models; bound relative to the reference's magnitude as in
+``test_stream_scheduler``: <= 1e-5 * max|ref|). ``negative_cond`` has 1 row (shared) or one row per prompt (row i with
+prompt i); other counts are refused.
 Reference: ``loop.sample`` (the Fused DDIM Sampler) fed ``positive_cond``/``negative_cond`` through the same
 ``conditioning.from_conditioning`` the node uses, itself checked against diffusers in ``test_sampler_prompts``.
 CONDITIONING values are built as CLIPTextEncode builds them: the pack's own encoder output wrapped by

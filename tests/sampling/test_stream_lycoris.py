@@ -1,20 +1,19 @@
 """Stream Scheduler Sampler on LoRA views carrying LyCORIS (LoHa, LoKr, Tucker LoCon) and DoRA adapters.
 
-Session-19 audit; before it only a plain LoRA view had been streamed
-(``test_stream_scheduler.test_a_lora_view_streams_like_the_fused_sampler_in_both_stages``). Guards, on the tiny SD1
-model in fp32 (and one SDXL case, both text encoders):
-- the issue's contract with each adapter kind, unmerged (every forward the injector runs: LoHa in its Khatri-Rao and
-  its dense form, LoKr's Kronecker identity on Linears and 3x3 convs, Tucker LoCon's conv term beside the shared-down
-  attention terms, DoRA folded and not folded, on the input and the output axis, with a bias), merged, and stacks
-  of two kinds: image n equals the Fused DDIM Sampler's image for its prompt with seed + n and batch 1 -- bit-exact
-  for the image that runs in a batch of one, within ``BATCHED_REL`` of the latents' magnitude for the batched ones
-  (``images_per_prompt`` 2, ``max_batch`` 3: batches of 3 and 1). An adapter whose forward depended on the batch (a
+Beside the plain LoRA view of ``test_stream_scheduler.test_a_lora_view_streams_like_the_fused_sampler_in_both_stages``.
+Guards, on the tiny SD1 model in fp32 (and one SDXL case, both text encoders):
+- the Stream Scheduler's contract with each adapter kind, unmerged (every forward the injector runs: LoHa in its
+  Khatri-Rao and its dense form, LoKr's Kronecker identity on Linears and 3x3 convs, Tucker LoCon's conv term beside the
+  shared-down attention terms, DoRA folded and not folded, on the input and the output axis, with a bias), merged, and
+  stacks of two kinds: image n equals the Fused DDIM Sampler's image for its prompt with seed + n and batch 1 --
+  bit-exact for the image that runs in a batch of one, within ``BATCHED_REL`` of the latents' magnitude for the batched
+  ones (``images_per_prompt`` 2, ``max_batch`` 3: batches of 3 and 1). An adapter whose forward depended on the batch (a
   per-shape cache, a reshape over the batch axis, DoRA's per-channel gain broadcast over the wrong axis) moves the
   batched rows by O(1); the tolerance is the batched fp32 UNet's rounding at ``CFG`` 2. That rounding depends on the
   GEMM blocking, so on the thread count: with 2 threads the worst case is 7.3e-5, with 1 thread the SDXL LoKr + DoRA
-  view reaches 1.19e-4 (1.8e-6 of its latents' 65.6), past the issue's absolute 1e-4, which
-  ``test_stream_scheduler``'s plain-model runs keep at 1 to 4 threads (session 23). The adapters add GEMMs to every
-  layer, so these runs take that file's relative bound, 1e-5 of the largest reference latent;
+  view reaches 1.19e-4 (1.8e-6 of its latents' 65.6), past the absolute 1e-4 bound, which ``test_stream_scheduler``'s
+  plain-model runs keep at 1 to 4 threads. The adapters add GEMMs to every layer, so these runs take that file's
+  relative bound, 1e-5 of the largest reference latent;
 - the adapters' text-encoder part is applied in the stream's text stage: with the text strength set to 0 the
   images move by O(1), and the stream's encodings are made before the references' (the prompt cache is cleared
   in between), so neither side reads the other's;

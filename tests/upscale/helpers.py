@@ -6,28 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _conv(sd, key, cin, cout, gen):
-    sd[f"{key}.weight"] = torch.randn(cout, cin, 3, 3, generator=gen) * (0.5 / (9 * cin) ** 0.5)
-    sd[f"{key}.bias"] = torch.randn(cout, generator=gen) * 0.01
-
-
-def random_rrdb(num_feat=8, num_block=2, grow=4, n_up=2, in_ch=3, out_ch=3, unshuffle=1, seed=0) -> dict:
-    """Canonical (Real-ESRGAN) key naming."""
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    _conv(sd, "conv_first", in_ch * unshuffle ** 2, num_feat, gen)
-    for b in range(num_block):
-        for r in (1, 2, 3):
-            for c in range(1, 5):
-                _conv(sd, f"body.{b}.rdb{r}.conv{c}", num_feat + (c - 1) * grow, grow, gen)
-            _conv(sd, f"body.{b}.rdb{r}.conv5", num_feat + 4 * grow, num_feat, gen)
-    _conv(sd, "conv_body", num_feat, num_feat, gen)
-    for i in range(1, n_up + 1):
-        _conv(sd, f"conv_up{i}", num_feat, num_feat, gen)
-    _conv(sd, "conv_hr", num_feat, num_feat, gen)
-    _conv(sd, "conv_last", num_feat, out_ch, gen)
-    return sd
+from ...bench.upscale_weights import random_compact, random_rrdb  # noqa: F401  (random state dicts, canonical keys)
 
 
 def to_original_keys(sd: dict, n_up: int) -> dict:
@@ -67,18 +46,6 @@ def to_bsrgan_keys(sd: dict) -> dict:
         else:
             out[k] = v
     return out
-
-
-def random_compact(num_feat=8, num_conv=3, scale=4, in_ch=3, seed=0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    _conv(sd, "body.0", in_ch, num_feat, gen)
-    sd["body.1.weight"] = torch.rand(num_feat, generator=gen) * 0.3
-    for i in range(num_conv):
-        _conv(sd, f"body.{2 * i + 2}", num_feat, num_feat, gen)
-        sd[f"body.{2 * i + 3}.weight"] = torch.rand(num_feat, generator=gen) * 0.3
-    _conv(sd, f"body.{2 * num_conv + 2}", num_feat, in_ch * scale * scale, gen)
-    return sd
 
 
 def _c(sd, key, x):
@@ -145,3 +112,8 @@ class NearestX4(torch.nn.Module):
 def nearest_x4_reference(img: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, H, W, C] -> the nearest x4 upsampling of ``img`` rounded to ``dtype``, as one piece, back in fp32."""
     return F.interpolate(img.permute(0, 3, 1, 2).to(dtype), scale_factor=4, mode="nearest").float().permute(0, 2, 3, 1)
+
+
+def random_image(b: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
+    """A [b, h, w, 3] ComfyUI IMAGE of uniform random values in 0..1."""
+    return torch.rand(b, h, w, 3, generator=torch.Generator().manual_seed(seed))

@@ -120,7 +120,7 @@ def _original_layout(extra_top):
     return sd
 
 
-@pytest.mark.parametrize("sd,match", [  # session-14 audit: these refusals had never run
+@pytest.mark.parametrize("sd,match", [  # state dicts that match an entry but do not load
     (_original_layout(99), r"looks like ESRGAN \(original keys\) but does not load: original-ESRGAN state dict: "
                            r"top-level layers model.\[3, 6, 8, 10, 99\] do not follow the ESRGAN layout"),
     ({**H.random_rrdb(), "conv_first.weight": torch.zeros(8, 3, 3)},
@@ -262,7 +262,7 @@ def test_spandrel_route_leaves_the_global_generator_alone(monkeypatch):
     assert torch.equal(torch.rand(4), expected)
 
 
-# --------------------------------------------------------------------------------------------- mutation audit, s23
+# --------------------------------------------------------------------------------------------- builder limits
 @pytest.mark.parametrize("n_up, unshuffle", [(1, 4), (0, 2), (2, 3)])
 def test_rrdb_refuses_an_unshuffle_its_upsampling_cannot_undo(n_up, unshuffle):
     """Net scale 2**n_up / u must be whole: (1, 4) would be a 1/2x net, which ``scale`` (an integer) would call 0x."""

@@ -120,8 +120,8 @@ def test_unknown_graph_refused(tmp_path):
         convert_ncnn.convert(tmp_path / "g.param")
 
 
-# Session-14 coverage audit: the converter's graph checks had never run. Each takes a real model's .param with one
-# change a different network (or a damaged file) would have, and must name the layer and what is wrong.
+# The converter's graph checks. Each takes a real model's .param with one change a different network (or a damaged
+# file) would have, and must name the layer and what is wrong.
 ANIME, VIDEO = "REALESRGAN_X4PLUSANIME_UP4X", "REALESRGAN_ANIMAVIDEOV3_UP2X"
 
 

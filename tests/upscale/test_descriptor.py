@@ -1,6 +1,6 @@
 """``upscale.descriptor.Upscaler``: the facts the tiled runner sizes tiles and budgets from.
 
-Guards (mutation audit, session 23): the weight and activation byte estimates follow the documented model
+Guards: the weight and activation byte estimates follow the documented model
 (``bytes_per_px * b * h * w`` plus input and output staging, ``b`` the element size of the run's dtype), and an
 ``Upscaler`` is immutable as its docstring promises. Expected numbers are written out by hand from that model.
 """

@@ -1,13 +1,13 @@
 """Valid-but-unusual inputs for the ESRGAN runner.
 
 Guards: an architecture that needs its input sides to be multiples of ``multiple_of`` (spandrel's DRCT: 16,
-SAFMN: 8, FFTformer: 32, ...) used to crash inside torch ("Padding size should be less than the corresponding
-input dimension") on an image whose side is shorter than the padding it needs, because the runner aligned the
-image with reflection padding only. spandrel itself (what ComfyUI's own upscale node runs) reflects up to
-``side - 1`` rows and replicates the rest; the reference below is written from that rule in plain torch, and the
-network forward is the independent functional reference of ``helpers``. Session 19 (user-journey audit): an image
-with a side under the model's smallest accepted side (1 px wide) is padded as spandrel pads it, not refused; an
-RGBA image keeps its alpha (resized alongside) instead of being refused.
+SAFMN: 8, FFTformer: 32, ...) must not crash inside torch ("Padding size should be less than the corresponding
+input dimension") on an image whose side is shorter than the padding it needs, as reflection padding alone does.
+spandrel itself (what ComfyUI's own upscale node runs) reflects up to ``side - 1`` rows and replicates the rest;
+the reference below is written from that rule in plain torch, and the network forward is the independent
+functional reference of ``helpers``. Also: an image with a side under the model's smallest accepted side (1 px
+wide) is padded as spandrel pads it, not refused; an RGBA image keeps its alpha (resized alongside) instead of
+being refused.
 """
 import pytest
 import torch

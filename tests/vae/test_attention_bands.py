@@ -1,9 +1,9 @@
 """The VAE attention in bands (``vae.attention_bands``): equal to the block's own forward in fp64 for both schemes and
 any band height, the planner's choice, and a device-memory peak that stays within the plan's estimate at full size.
 
-The bug it guards (README "Known limits", sessions 14-16): the exact tiler ran the mid-block attention on the whole
-map, so its normalised input, q, k, v and output (five map-sized tensors) set a floor under any activation budget:
-about 0.9 GiB at 2048 px and 3.0 GiB at 4096 px in fp32 on an H100, whatever the budget asked.
+The bug it guards: an exact tiler that runs the mid-block attention on the whole map holds its normalised input, q, k,
+v and output (five map-sized tensors), a floor under any activation budget: about 0.9 GiB at 2048 px and 3.0 GiB at
+4096 px in fp32, whatever the budget asked.
 """
 import pytest
 import torch
@@ -101,9 +101,9 @@ SDXL_2048 = MapCost(512, 256, 256, 4, 4, True)  # the SD / SDXL VAE mid block at
 
 
 def test_online_softmax_of_rows_whose_every_score_is_far_below_zero():
-    """Session 20 mutation audit: starting the running maximum at 0 instead of -inf passed every test (their scores
-    reach above zero), but a row whose scores all lie below about -104 then sums ``e^(s - 0)`` to 0 in fp32 and
-    divides 0 by 0. Scores near -1000 in three chunks against fp64 softmax attention."""
+    """The running maximum starts at -inf, not 0 (the other tests' scores reach above zero, so 0 would pass them): with
+    0, a row whose scores all lie below about -104 sums ``e^(s - 0)`` to 0 in fp32 and divides 0 by 0. Scores near -1000
+    in three chunks against fp64 softmax attention."""
     gen = torch.Generator().manual_seed(0)
     d = 16
     k = 1.0 + 0.01 * torch.randn(1, 1, 12, d, generator=gen, dtype=torch.float64)
@@ -153,9 +153,9 @@ def test_online_plan_weighs_band_count_against_recomputed_projections():
 
 
 def test_online_steps_count_a_short_last_band():
-    """Session 20 mutation audit: the plan tests used band heights that divide the map, so counting ``H // rows``
-    bands (the short last band dropped) passed them. 10 rows in bands of 3 are 4 bands: 16 chunk steps, plus the
-    key/value projection pass (``H W C^2 bytes / 2^32`` steps) once resident and once per query band streamed."""
+    """The plan tests use band heights that divide the map, so counting ``H // rows`` bands (the short last band
+    dropped) would pass them. 10 rows in bands of 3 are 4 bands: 16 chunk steps, plus the key/value projection pass
+    (``H W C^2 bytes / 2^32`` steps) once resident and once per query band streamed."""
     cost = MapCost(512, 10, 4, 4, 4, True)
     projection = 10 * 4 * 512 ** 2 * 4 / 2 ** 32
     assert online_steps(cost, 3, False) == pytest.approx(16 + projection, rel=1e-12)
@@ -187,13 +187,13 @@ def _o_n_sdpa(q, k, v, tf32=False):
 
 
 @pytest.mark.parametrize("dtype,px,budget_gib,online,scheme", [
-    (torch.float32, 2048, 0.5, False, RESIDENT),  # the whole-map block held ~0.9 GiB on an H100
+    (torch.float32, 2048, 0.5, False, RESIDENT),  # the whole-map block would hold ~0.9 GiB
     (torch.float32, 2048, 0.5, True, RESIDENT),
     (torch.float32, 2048, 0.15, False, STREAMED),
     (torch.float16, 4096, 0.6, False, RESIDENT),  # keys + values 0.5 GiB
     (torch.float16, 4096, 1.0, True, RESIDENT),  # half maps this large take the online form (prefers_online)
     (torch.float16, 4096, 0.3, True, STREAMED),
-    (torch.float32, 4096, 0.4, True, STREAMED),  # the whole-map block held ~3.0 GiB on an H100
+    (torch.float32, 4096, 0.4, True, STREAMED),  # the whole-map block would hold ~3.0 GiB
     (torch.float32, 4096, 1.6, True, RESIDENT),
 ])
 @pytest.mark.parametrize("on_device", [True, False])
@@ -241,9 +241,9 @@ def _meta_peak(monkeypatch, dtype, px, budget_gib, online, on_device, heads=1):
 
 @pytest.mark.parametrize("online,scheme", [(True, RESIDENT), (True, STREAMED), (False, RESIDENT)])
 def test_multi_head_peak_stays_within_the_estimate(monkeypatch, online, scheme):
-    """Session 20 mutation audit: the SD VAE has one head, so an estimate that counted one score block instead of one
-    per head passed the test above. A multi-head map (8 heads of 64 channels, fp32, 2048 px) holds ``heads`` fp32
-    score blocks per chunk step; the meta count must stay within the estimate for each scheme."""
+    """The SD VAE has one head, so an estimate that counted one score block instead of one per head would pass the test
+    above. A multi-head map (8 heads of 64 channels, fp32, 2048 px) holds ``heads`` fp32 score blocks per chunk step;
+    the meta count must stay within the estimate for each scheme."""
     budget = {(True, RESIDENT): 0.6, (True, STREAMED): 0.1, (False, RESIDENT): 0.5}[(online, scheme)]
     _, band_plan, live = _meta_peak(monkeypatch, torch.float32, 2048, budget, online, True, heads=8)
     assert (band_plan.scheme, band_plan.online) == (scheme, online and scheme == RESIDENT)

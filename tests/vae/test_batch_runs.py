@@ -1,5 +1,4 @@
-"""A batch through Tiled VAE Decode / Encode: one progress bar, out-of-memory retries, interruption (session-19 audit;
-each test failed on the code before its fix).
+"""A batch through Tiled VAE Decode / Encode: one progress bar, out-of-memory retries, interruption.
 
 Guards:
 - The bar ends exactly at its total: ``exact`` counts one unit per stage of the VAE per image, but under a budget
@@ -28,6 +27,7 @@ from leandiffusion.tests.kit.progress import ComfyLikeBar
 from leandiffusion.vae.adapters import decoder_program, encoder_program
 from leandiffusion.vae.exact import ExactConfig, plan
 from leandiffusion.vae.targets import from_module
+from leandiffusion.vae.untiled import vae_decode, vae_encode
 
 TOL = 1e-4
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -52,7 +52,7 @@ def bars(monkeypatch):
 
 def _untiled(engine, direction, x):
     with engine.session("vae"):
-        return engine.vae_decode(x) if direction == "decode" else engine.vae_encode(x)
+        return vae_decode(engine, x) if direction == "decode" else vae_encode(engine, x)
 
 
 def _run(engine, direction, x, tile, overlap, mode, **kw):
@@ -213,9 +213,9 @@ def test_interruption_releases_the_half_done_batch(engine, mode, direction):
 
 
 def test_oom_retry_halves_the_activation_budget_with_the_tile(engine, monkeypatch):
-    """Session 20 mutation audit: keeping the activation budget on retry (halving the tile only) passed every test,
-    which looked at tiles and the bar. Out of memory at 512 px under a 1 GiB budget retries at 256 px and 0.5 GiB, and
-    the next image starts from both (module docstring: the tile and the activation budget are halved)."""
+    """Keeping the activation budget on retry (halving the tile only) would pass tests that look at tiles and the bar.
+    Out of memory at 512 px under a 1 GiB budget retries at 256 px and 0.5 GiB, and the next image starts from both
+    (module docstring: the tile and the activation budget are halved)."""
     seen = []
     real = tiled.run_exact
 

@@ -1,4 +1,4 @@
-"""Tiled VAE Decode / Encode error paths (session-13 audit; each test fails on the code before its fix).
+"""Tiled VAE Decode / Encode error paths.
 
 Guards: an out-of-memory attempt's tensors are released *before* the retry with smaller tiles (the retry loop kept
 the exception, whose traceback held the failed frames and every device tensor they allocated, so the retry ran

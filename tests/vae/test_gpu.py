@@ -20,7 +20,7 @@ errors of the order of the image itself (blend-mode tiling of this VAE is 0.75 o
 every bound here. fp32 is checked twice: with TF32 disabled (a context that restores the flags; strict floor) and
 with the process's default flags (what users run).
 
-The full-size SD VAE keeps the issue's absolute acceptance line: exact fp16 tiled vs untiled max abs diff <= 2/255.
+The full-size SD VAE keeps the absolute acceptance line: exact fp16 tiled vs untiled max abs diff <= 2/255.
 Memory there is measured as deltas from a baseline taken at the test's start (other tests' leftovers do not count).
 """
 import contextlib
@@ -121,12 +121,11 @@ def test_full_sd_vae_1024_fp16_exact_bounded():
                                                  (torch.float16, 1.0, 2048), (torch.float32, 0.5, 2048),
                                                  (torch.float32, 1.0, 4096), (torch.float16, 0.75, 4096)])
 def test_full_vae_exact_holds_its_budget(dtype, budget_gib, px):
-    """README Known limits (sessions 7-16): the exact decode at 2048 px held 1.17-1.18x its activation budget in
-    fp32 and 1.06-1.09x in fp16 (scripts/diag/vae_budget_fp32.py, docs/bench/vae-budget-s15/; vae.exact
-    CUDA_WORK_SHARE), and the mid-block attention, run on the whole map, held ~0.89 GiB (fp32) at 2048 px and
-    3.0 / 2.0 GiB (fp32 / fp16) at 4096 px whatever the budget (the last three cases; vae.attention_bands since
-    session 17, docs/bench/vae-attention-s17/). The allocated peak above what was allocated before the call (the
-    weights) stays within the budget (the SDXL VAE has the same architecture)."""
+    """The exact decode's estimate leaves the convolutions' extra allocations room (``vae.exact.CUDA_WORK_SHARE``; with
+    the whole remainder a 2048 px decode overran its activation budget by up to ~18% in fp32), and the mid-block
+    attention runs in bands (``vae.attention_bands``; on the whole map it would hold ~0.9 GiB (fp32) at 2048 px and 3.0
+    / 2.0 GiB (fp32 / fp16) at 4096 px whatever the budget: the last three cases). The allocated peak above what was
+    allocated before the call (the weights) stays within the budget (the SDXL VAE has the same architecture)."""
     vae = full_vae(CUDA, dtype)
     z = torch.randn(1, 4, px // 8, px // 8, generator=torch.Generator().manual_seed(0))
     budget = int(budget_gib * 2 ** 30)
@@ -143,13 +142,12 @@ def test_full_vae_exact_holds_its_budget(dtype, budget_gib, px):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_online_tf32_attention_keeps_half_queries_exact(dtype):
-    """Session 23: ``attention_bands._online_attention`` scaled ``q`` by d^-0.5 in fp32 before its TF32 score
-    matmul, so fp16 / bf16 queries no longer fit TF32's 10-bit mantissa and were rounded, with an error that grows
-    with the scores' size. Scores in the hundreds with a spread of ~10 per row (a shared offset direction in q and k)
-    put the output 1.6e-2 (TF32 rounding to nearest) to 2.2e-2 (truncating) off fp64 at values ~3, TF32 emulated on
-    the CPU; with the scale in the GEMM's epilogue the half inputs stay exact and the error is 1.4e-3 / 2.3e-3 (what
-    an fp16 attention kernel's rounded probabilities give). Reference: fp64 softmax attention of the same
-    (rounded) inputs on the CPU."""
+    """``attention_bands._online_attention`` must not scale ``q`` by d^-0.5 in fp32 before its TF32 score matmul: fp16 /
+    bf16 queries then no longer fit TF32's 10-bit mantissa and are rounded, with an error that grows with the scores'
+    size. Scores in the hundreds with a spread of ~10 per row (a shared offset direction in q and k) put the output
+    1.6e-2 (TF32 rounding to nearest) to 2.2e-2 (truncating) off fp64 at values ~3, TF32 emulated on the CPU; with the
+    scale in the GEMM's epilogue the half inputs stay exact and the error is 1.4e-3 / 2.3e-3 (what an fp16 attention
+    kernel's rounded probabilities give). Reference: fp64 softmax attention of the same (rounded) inputs on the CPU."""
     from leandiffusion.vae.attention_bands import _online_attention
 
     gen = torch.Generator().manual_seed(0)

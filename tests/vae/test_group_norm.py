@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from leandiffusion.tests.kit import tiny_components
 from leandiffusion.vae import group_norm as gn
+from leandiffusion.vae.untiled import vae_decode, vae_encode
 
 
 def _input(shape, dtype=torch.float32, seed=0, offset=3.0):
@@ -75,9 +76,9 @@ def test_low_precision_is_as_accurate_as_pytorch(dtype):
 def test_half_channel_means_far_from_zero_merge_without_rounding(layout, dtype, tol):
     """Channel means near 100 (fp16 spacing 0.0625, bf16 0.5) with per-channel offsets in a group: the group
     statistics must come from channel means kept in fp32; only the final group mean is rounded to the input's dtype,
-    as PyTorch stores it. Session 23 defect: ``torch.var_mean`` returned the channel means in the input's dtype, and
-    merging them put the spread term off (from this reference, NCHW / channels-last: fp16 0.079 / 0.004, bf16
-    0.64 / 0.069; the fix leaves 0.0016 / 0.0015 and 0.012 / 0.011; the bounds are about 2 output ulps)."""
+    as PyTorch stores it. ``torch.var_mean`` returns the channel means in the input's dtype, and merging those puts
+    the spread term off (from this reference, NCHW / channels-last: fp16 0.079 / 0.004, bf16 0.64 / 0.069; fp32
+    channel means leave 0.0016 / 0.0015 and 0.012 / 0.011; the bounds are about 2 output ulps)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 64, 32, 32, generator=g) + 100 + 3 * torch.rand(64, generator=g).view(1, 64, 1, 1)
     x = x.to(dtype).contiguous(memory_format=layout)
@@ -92,12 +93,12 @@ def test_half_channel_means_far_from_zero_merge_without_rounding(layout, dtype, 
 @pytest.mark.parametrize("spread", [400.0, 1e-3, 3e-3])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
 def test_fp16_spreads_beyond_a_half_variances_range(layout, spread):
-    """Session 23: the channel and group variances were kept in fp16 (``torch.var`` of a half tensor, and the group
-    variance rounded to the input's dtype before normalising), where PyTorch's kernel keeps only ``rstd``. A spread of
-    400 overflowed the variance (160000 > 65504) to inf and normalised every group to its bias (6.2 off this
-    reference); spreads of 0.001 / 0.003 made it subnormal (0.042 / 0.0098 off, NCHW; 0.025 / 0.0067 channels-last).
-    With the variance in fp32 the error is at most 0.0027 (F.group_norm's own: 0.0019); outputs reach 5.8, so the
-    bound is one output ulp. Reference: fp64 GroupNorm with the group mean rounded to fp16 as PyTorch stores it."""
+    """The channel and group variances stay fp32 (PyTorch's kernel keeps only ``rstd``). Kept in fp16 (``torch.var`` of
+    a half tensor, or the group variance rounded to the input's dtype before normalising), a spread of 400 overflows the
+    variance (160000 > 65504) to inf and normalises every group to its bias (6.2 off this reference); spreads of 0.001 /
+    0.003 make it subnormal (0.042 / 0.0098 off, NCHW; 0.025 / 0.0067 channels-last). With the variance in fp32 the
+    error is at most 0.0027 (F.group_norm's own: 0.0019); outputs reach 5.8, so the bound is one output ulp. Reference:
+    fp64 GroupNorm with the group mean rounded to fp16 as PyTorch stores it."""
     g = torch.Generator().manual_seed(0)
     x = (spread * torch.randn(1, 64, 32, 32, generator=g)).half().contiguous(memory_format=layout)
     w, b = (t.half() for t in _affine(64))
@@ -158,12 +159,12 @@ def test_scope_swaps_only_plain_group_norms_and_restores_them():
 
 @pytest.mark.gpu
 def test_dispatch_threshold_is_inclusive_on_gpu():
-    """Exactly ``MIN_GROUP_ELEMENTS`` per (sample, group) row takes the parallel path, one fewer does not (session 22
-    mutant G06, ``>=`` -> ``>``; like G07 below, only a CUDA tensor reaches these checks; first run: session 23)."""
+    """Exactly ``MIN_GROUP_ELEMENTS`` per (sample, group) row takes the parallel path, one fewer does not (``>=``, not
+    ``>``; like the affine check below, only a CUDA tensor reaches these checks)."""
     rows = gn.MIN_GROUP_ELEMENTS
     assert gn.takes_parallel_path(torch.empty(2, 64, rows // 512, 256, device="cuda"), 32)
     assert not gn.takes_parallel_path(torch.empty(2, 64, rows // 2 - 1, device="cuda"), 32)
-    # affine parameters wider than the input (PyTorch then keeps fp32 statistics) stay native (mutant G07)
+    # affine parameters wider than the input (PyTorch then keeps fp32 statistics) stay native
     x = torch.empty(1, 64, rows // 512, 256, device="cuda", dtype=torch.float16)
     assert gn.takes_parallel_path(x, 32, torch.ones(64, device="cuda", dtype=torch.float16))
     assert not gn.takes_parallel_path(x, 32, torch.ones(64, device="cuda"))
@@ -173,9 +174,8 @@ def test_dispatch_threshold_is_inclusive_on_gpu():
 def test_half_statistics_are_rounded_as_pytorchs_cuda_kernel_rounds_them():
     """PyTorch's CUDA GroupNorm stores a half input's mean (and rstd) in half (``RowwiseMomentsCUDAKernel``); a
     group whose mean is large against its spread then loses ~1/16 of its spread, and the parallel path must round
-    the same way (session 22 mutant G02 kept fp32 statistics: closer to fp64, 0.05 away from PyTorch's own output).
-    First run (session 23, H100) found the pack 0.080 from PyTorch: its half *channel* means were merged (fixed,
-    see ``test_half_channel_means_far_from_zero_merge_without_rounding``)."""
+    the same way (fp32 statistics are closer to fp64 but 0.05 away from PyTorch's own output; half *channel* means,
+    merged, 0.080: see ``test_half_channel_means_far_from_zero_merge_without_rounding``)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(1, 64, 32, 32, generator=g) + 100 + 3 * torch.rand(64, generator=g).view(1, 64, 1, 1))
     x = x.half().cuda()
@@ -241,7 +241,7 @@ def test_full_size_vae_decode_on_gpu(dtype):
 
 
 def test_engine_and_stream_decodes_run_inside_the_swap(monkeypatch):
-    """``LeanEngine.vae_decode`` / ``vae_encode`` and the Stream Scheduler's untiled decode take the swapped
+    """``vae.untiled.vae_decode`` / ``vae_encode`` and the Stream Scheduler's untiled decode take the swapped
     GroupNorm (forced here on the CPU), and their images still match diffusers' plain decode."""
     from leandiffusion.sampling.stream.scheduler import run_stream
     from leandiffusion.sampling.stream.settings import StreamSettings
@@ -254,11 +254,11 @@ def test_engine_and_stream_decodes_run_inside_the_swap(monkeypatch):
         plain = (vae.decode(z, return_dict=False)[0] / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
     calls = _force_parallel(monkeypatch)
     with engine.session("vae"):
-        image = engine.vae_decode(z)
+        image = vae_decode(engine, z)
     assert calls and (image - plain).abs().max().item() <= 1e-4
     calls.clear()
     with engine.session("vae"):
-        engine.vae_encode(image)
+        vae_encode(engine, image)
     assert calls
     calls.clear()
     settings = StreamSettings.from_text("a cat", negative="", seed=3, steps=2, cfg=5.0, width=64, height=64)

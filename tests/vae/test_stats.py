@@ -1,8 +1,8 @@
 """``vae/stats.py``: GroupNorm applied with given whole-image statistics, in half precision.
 
-Guard (session 22 mutation audit, mutant S06): for an fp16 / bf16 band the statistics stay fp32 in the fused
-``batch_norm`` (the module docstring); rounded to the band's dtype, a group whose mean is large against its spread
-loses the spread (fp16 rounds a mean near 100 to 1/16): reference: fp64 ``F.group_norm`` of the same values.
+Guard: for an fp16 / bf16 band the statistics stay fp32 in the fused ``batch_norm`` (the module docstring); rounded to
+the band's dtype, a group whose mean is large against its spread loses the spread (fp16 rounds a mean near 100 to 1/16):
+reference: fp64 ``F.group_norm`` of the same values.
 """
 import pytest
 import torch

@@ -1,11 +1,11 @@
 """``vae/stores.py``: what a band read from a store is, and the device bytes a store reports.
 
-Guards (session 22 mutation audit; before, the stores ran only inside the exact executor's tests):
+Guards (beyond the exact executor's tests, which use the stores only inside a decode):
 - a band read from a ``HostStore`` is its own copy, as on CUDA where it is uploaded to device memory: a later write
-  into the store does not change a band already read (mutant R01: on the CPU the read was a view of the store);
+  into the store does not change a band already read (on the CPU the read must not be a view of the store);
 - ``nbytes`` is the device memory a store holds, which ``exact.run_exact`` subtracts from the budget before
-  sizing a stage's bands: a ``DeviceStore`` its whole ``[H, W, C]`` tensor in bytes (R02: elements), a
-  ``HostStore`` none (R04: its host tensor counted against the VRAM budget).
+  sizing a stage's bands: a ``DeviceStore`` its whole ``[H, W, C]`` tensor in bytes (not elements), a
+  ``HostStore`` none (its host tensor must not count against the VRAM budget).
 """
 import pytest
 import torch

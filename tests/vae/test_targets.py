@@ -1,9 +1,8 @@
 """``vae/targets.py``: a ComfyUI ``VAE`` runs where and in what ComfyUI says, not where its weights sit now.
 
-Guard (session 22 mutation audit, mutants X03 / X07): ComfyUI's ``VAE`` keeps its weights offloaded until its
-model manager loads them, and ``vae_dtype`` is the dtype it computes in (weights may be stored in another and cast
-on load), so the target takes ``VAE.device`` and ``VAE.vae_dtype``; the weights' own are only the fallback for an
-object without them.
+Guard: ComfyUI's ``VAE`` keeps its weights offloaded until its model manager loads them, and ``vae_dtype`` is the dtype
+it computes in (weights may be stored in another and cast on load), so the target takes ``VAE.device`` and
+``VAE.vae_dtype``; the weights' own are only the fallback for an object without them.
 """
 import torch
 

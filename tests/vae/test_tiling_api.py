@@ -14,6 +14,7 @@ from leandiffusion.tests.kit import tiny_engine
 from leandiffusion.vae.blend import axis_tiles
 from leandiffusion.vae.stats import GroupStats, apply_group_norm
 from leandiffusion.vae.targets import from_module
+from leandiffusion.vae.untiled import vae_decode, vae_encode
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def test_bad_seam_mode_and_vae(engine):
         LeanTiledVAEDecode().decode({"samples": torch.randn(1, 4, 8, 8)}, 0, 64, "exact", vae=object())
 
 
-@pytest.mark.parametrize("samples,match", [  # session-14 audit: these checks had never run
+@pytest.mark.parametrize("samples,match", [
     (torch.zeros(1, 4, 2, 8, 8),
      r"samples: expected a LATENT tensor \[B, C, h, w\], got torch.Size\(\[1, 4, 2, 8, 8\]\)"),
     ([[0.0]], r"samples: expected a LATENT tensor \[B, C, h, w\], got list"),
@@ -127,7 +128,7 @@ def test_oom_halves_tile_and_retries(engine, monkeypatch, caplog):
     assert seen == [1024, 512, 256]
     assert "retrying with 256 px tiles" in caplog.text
     with engine.session("vae"):
-        ref = engine.vae_decode(z)
+        ref = vae_decode(engine, z)
     assert (img - ref).abs().max().item() <= 1e-4
 
 
@@ -149,7 +150,7 @@ def test_oom_down_to_128_then_clear_error(engine, monkeypatch):
 def test_blend_single_tile_is_untiled(engine):
     z = torch.randn(1, 4, 10, 9)
     with engine.session("vae"):
-        ref = engine.vae_decode(z)
+        ref = vae_decode(engine, z)
     img = tiled.tiled_decode(from_module(engine.parts.vae), z, tile_size=256, overlap=32, seam_mode="blend",
                              quiet=True)
     assert (img - ref).abs().max().item() <= 1e-5
@@ -159,7 +160,7 @@ def test_blend_error_reported(engine, record_property):
     """blend is approximate (per-tile GroupNorm statistics): its error against untiled is measured and reported."""
     z = torch.randn(1, 4, 26, 19)  # 208 x 152 px, tiles of <= 128 px with 32 px overlap
     with engine.session("vae"):
-        ref = engine.vae_decode(z)
+        ref = vae_decode(engine, z)
     (img,) = LeanTiledVAEDecode().decode({"samples": z}, 128, 32, "blend", lean_model=engine)
     (exact,) = LeanTiledVAEDecode().decode({"samples": z}, 128, 32, "exact", lean_model=engine)
     err_blend = (img - ref).abs().max().item()
@@ -176,7 +177,7 @@ def test_blend_error_reported(engine, record_property):
 def test_blend_encode_close(engine, record_property):
     pixels = torch.rand(1, 160, 136, 3)
     with engine.session("vae"):
-        ref = engine.vae_encode(pixels)
+        ref = vae_encode(engine, pixels)
     (lat,) = LeanTiledVAEEncode().encode(pixels, 128, 32, "blend", lean_model=engine)
     err = (lat["samples"] - ref).abs().max().item()
     record_property("blend_encode_max_abs_diff", err)
@@ -188,7 +189,7 @@ def test_blend_encode_close(engine, record_property):
                                                        (1024, 200, 64, 8), (128, 128, 32, 8)])
 def test_axis_tiles_cover_with_overlap(length, tile, overlap, align):
     tiles = axis_tiles(length, tile, overlap, align)
-    if length <= tile:  # one tile; an axis exactly one tile long divided by zero (session 22 mutant L01)
+    if length <= tile:  # one tile; an axis exactly one tile long must not divide by zero
         assert tiles == [(0, length)]
     assert tiles[0][0] == 0 and tiles[-1][0] + tiles[-1][1] == length
     for (s0, n0), (s1, n1) in zip(tiles, tiles[1:]):
@@ -360,8 +361,8 @@ def test_blend_decode_overlap_is_the_requested_pixels(engine, monkeypatch):
 def test_node_declarations_are_the_documented_ones(node, method, returns):
     """docs/vae.md: tile_size 0 (auto) or up to 4096 in steps of 32, overlap 0-512, seam_mode 'exact' (default) or
     'blend', the model as one of two optional inputs; the editor's defaults are the Python defaults, so a workflow and
-    an API call that leave a widget out get the same tiles (session-22 mutation audit: ranges, the overlap and
-    seam_mode defaults, the outputs and the inputs' optionality could all change with every test passing)."""
+    an API call that leave a widget out get the same tiles (ranges, the overlap and seam_mode defaults, the outputs
+    and the inputs' optionality must not change unnoticed)."""
     import inspect
 
     spec = node.INPUT_TYPES()

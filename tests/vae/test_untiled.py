@@ -81,7 +81,7 @@ def test_calls_it_cannot_serve_go_to_the_blocks_own_processor():
     proc = untiled._RunAttentionProcessor(original, untiled.spec_from_diffusers(attn))
     h = torch.randn(1, 64, 4, 4)
     assert proc(attn, h, encoder_hidden_states=torch.randn(1, 16, 64)) is h
-    # session 22 mutant U01: a mask was dropped and the block ran unmasked through run_attention
+    # a masked call keeps its own processor, never runs unmasked through run_attention
     assert proc(attn, h, attention_mask=torch.zeros(1, 16, 16)) is h
     assert proc(attn, h, temb=torch.randn(1, 8)) is h
     tokens = torch.randn(1, 16, 64)
@@ -141,11 +141,11 @@ class _LegacyMatmul:
 
 @pytest.mark.parametrize("error", [False, True], ids=["returns", "raises"])
 def test_tf32_matmuls_on_pytorch_without_fp32_precision(monkeypatch, error):
-    """PyTorch < 2.9 (the pack's floor is 2.4) has only the legacy ``allow_tf32`` flag. Since session 17 the tiled
-    executor's online attention enters ``tf32_matmuls`` for every fp16 / bf16 map on CUDA (the streamed scheme, and
-    since session 18 the resident one above a 2048 px image), whatever ``convolutions_use_tf32()`` says; reading
-    ``fp32_precision`` there raised ``AttributeError: Unknown attribute fp32_precision`` and ended the decode. TF32
-    through the legacy flag inside the block, the user's value back after it."""
+    """PyTorch < 2.9 (the pack's floor is 2.4) has only the legacy ``allow_tf32`` flag. The tiled executor's online
+    attention enters ``tf32_matmuls`` for every fp16 / bf16 map on CUDA (the streamed scheme, and the resident one above
+    a 2048 px image), whatever ``convolutions_use_tf32()`` says; reading ``fp32_precision`` there would raise
+    ``AttributeError: Unknown attribute fp32_precision`` and end the decode. TF32 through the legacy flag inside the
+    block, the user's value back after it."""
     legacy = _LegacyMatmul()
     monkeypatch.setattr(torch.backends.cuda, "matmul", legacy)
     with pytest.raises(ValueError) if error else contextlib.nullcontext():
@@ -169,8 +169,8 @@ def test_chunked_attention_equals_sdpa():
 
 def test_chunked_attention_holds_at_most_the_score_cap_across_batch_and_heads():
     """The fallback path's score matrix held at once (``chunk x N`` fp32 per image and head) stays within
-    ``_SCORE_BYTES``, and the chunks are as large as the cap allows (session 22 mutants T01: one chunk of all the
-    queries, an N x N matrix; T02: the heads left out of the chunk size, 3x the cap)."""
+    ``_SCORE_BYTES``, and the chunks are as large as the cap allows (not one chunk of all the queries, an N x N matrix;
+    not the heads left out of the chunk size, 3x the cap)."""
     g = torch.Generator().manual_seed(1)
     b, heads, n, d = 2, 3, 300, 16
     q, k, v = (torch.randn(b, heads, n, d, generator=g) for _ in range(3))
@@ -228,3 +228,16 @@ def test_full_size_sdxl_decode_on_gpu_is_as_close_to_fp64_as_diffusers():
     err_ours = (ours - ref).abs().max().item()
     assert err_ours <= 1.5 * err_plain + 1 / 255, (err_ours, err_plain)
     assert ((ours - plain).abs().max().item()) / 2 <= 2 / 255
+
+
+def test_engine_calls_return_float32_on_the_cpu_whatever_the_vae_dtype():
+    """``vae_decode`` / ``vae_encode`` of an engine keep ComfyUI's LATENT and IMAGE conventions: float32 CPU
+    tensors, also from a bf16 VAE."""
+    from leandiffusion.tests.kit import tiny_engine
+
+    engine = tiny_engine("sd1").with_changes(vae_dtype=torch.bfloat16)
+    with engine.session("vae"):
+        latents = untiled.vae_encode(engine, torch.rand(1, 16, 24, 3, generator=torch.Generator().manual_seed(0)))
+        image = untiled.vae_decode(engine, latents)
+    assert latents.dtype == image.dtype == torch.float32 and latents.device.type == image.device.type == "cpu"
+    assert latents.shape == (1, 4, 2, 3) and image.shape == (1, 16, 24, 3)

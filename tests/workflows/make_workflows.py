@@ -28,11 +28,11 @@ from leandiffusion.runner.convert import input_names, widget_slots
 from .specs import WORKFLOWS_DIR, combined
 
 SAMPLING_STR = {"tooltip": "provisional (issue contract)"}
-PROVISIONAL_INPUTS = {  # (node, section, name) -> conf, from issue 8 (positive_cond / negative_cond)
+PROVISIONAL_INPUTS = {  # (node, section, name) -> conf: the samplers' positive_cond / negative_cond
     ("LeanFusedDDIMSampler", "optional", "positive_cond"): ["CONDITIONING", SAMPLING_STR],
     ("LeanFusedDDIMSampler", "optional", "negative_cond"): ["CONDITIONING", SAMPLING_STR],
 }
-PROVISIONAL_NODES = {  # issue 10's LeanStreamSampler, inputs in the contract's order
+PROVISIONAL_NODES = {  # the LeanStreamSampler, inputs in the contract's order
     "LeanStreamSampler": {
         "input": {"required": {
             "lean_model": ["LEAN_MODEL", SAMPLING_STR],

@@ -1,4 +1,4 @@
-"""The shipped workflows are consistent with the nodes they use, without ComfyUI (issue 6, acceptance line 2).
+"""The shipped workflows are consistent with the nodes they use, without ComfyUI.
 
 For every ``workflows/NAME.json`` (editor) and its ``NAME.api.json`` twin: both describe the same graph and values
 (the editor file converted by the runner's converter equals the API file), every node type and input exists in the

@@ -1,0 +1,152 @@
+"""Which UNet units stream under the ``stream`` policy, where each lands in the staging ring, and what a step costs.
+
+Resident set
+    ``capacity = budget - headroom - activations_estimate - always_resident - arena`` (``vram_budget.HEADROOM``;
+    resident weights sit in one exact-size flat buffer). Units stay resident until the capacity is used; the rest
+    (``S`` bytes) stream. Which units stream: those with the most compute per weight byte (``flops_i / bytes_i``;
+    the high-resolution blocks), so their copies hide behind their own compute; among equal ratios (SDXL's 60
+    identical 32x32 transformer blocks) a bit-reversed pick spreads the streamed ones evenly through the forward
+    instead of clustering them.
+
+Staging arena (the math)
+    Streamed units live in one device ``arena`` of ``A`` bytes used as a ring: unit ``k`` (in execution order)
+    gets the next ``[off_k, off_k + s_k)`` slice, wrapping to 0 when it does not fit. Its parameters are *fixed
+    views* of that slice for the whole life of the placement (no allocation per step, fixed addresses: a captured
+    CUDA graph stays valid). ``p(k)`` = the last earlier streamed unit whose slice overlaps ``k``'s: the copy of
+    ``k`` may start once ``p(k)`` has finished computing. With ``A >= 3 * max(s_k)`` every copy has at least one
+    unit of lead (block k+1 is fetched while block k computes); bigger arenas give more lead.
+
+Time model
+    A step costs ~``max(sum_i c_i, S / B)`` when copies hide, where ``c_i`` is unit compute and ``B`` the pinned
+    host-to-device bandwidth (``ASSUMED_H2D_BYTES_PER_S``). :func:`simulate` evaluates exactly this model (one copy
+    engine, one compute stream) to choose the arena size and to print the plan's step estimate.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .hostmem import ALIGN, align
+from .unet_units import Unit
+
+ASSUMED_H2D_BYTES_PER_S = 50e9
+ASSUMED_FLOPS_PER_S = 200e12
+COPY_OVERHEAD_S = 5e-6
+ARENA_MULTIPLES = (3, 4, 6, 8, 12)
+
+
+@dataclass(frozen=True)
+class StreamSchedule:
+    order: tuple  # all units, execution order
+    streamed: tuple  # indices into ``order`` of streamed units, ascending
+    offsets: tuple  # arena offset per streamed unit
+    wait_for: tuple  # per streamed unit: index into ``order`` of the unit that must finish first, or -1
+    arena_bytes: int
+    est_step_s: float
+    est_compute_s: float
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(self.order[i].nbytes for i in self.streamed)
+
+    @property
+    def resident_unit_bytes(self) -> int:
+        return sum(u.nbytes for u in self.order) - self.streamed_bytes
+
+
+def _bitrev_rank(n: int) -> list[int]:
+    """A permutation of range(n) whose prefixes are spread evenly (van der Corput order)."""
+    bits = max(1, (n - 1).bit_length())
+    return sorted(range(n), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
+
+
+def choose_streamed(units: list[Unit], need_bytes: int) -> list[int]:
+    """Indices of the units to stream: highest FLOPs per byte first, equal ratios spread evenly."""
+    if need_bytes <= 0:
+        return []
+    buckets: dict[int, list[int]] = {}
+    for i, u in enumerate(units):
+        if u.nbytes:
+            key = int(round(10 * math.log10(u.flops / u.nbytes + 1e-12)))
+            buckets.setdefault(key, []).append(i)
+    picked, total = [], 0
+    for key in sorted(buckets, reverse=True):
+        members = buckets[key]
+        for r in _bitrev_rank(len(members)):
+            if total >= need_bytes:
+                break
+            picked.append(members[r])
+            total += units[members[r]].nbytes
+    return sorted(picked)
+
+
+def ring_layout(units: list[Unit], streamed: list[int], arena: int) -> tuple[list[int], list[int]]:
+    """Ring offsets and the ``p(k)`` dependency (index into ``units``) for the streamed units."""
+    offsets, wait_for, placed = [], [], []
+    pos = 0
+    for i in streamed:
+        size = units[i].nbytes
+        if size > arena:
+            raise ValueError(f"unit {units[i].name} ({size} B) is larger than the staging arena ({arena} B)")
+        if pos + size > arena:
+            pos = 0
+        lo, hi = pos, pos + size
+        dep = -1
+        for j, (plo, phi) in placed:
+            if plo < hi and lo < phi:
+                dep = max(dep, j)
+        offsets.append(lo)
+        wait_for.append(dep)
+        placed.append((i, (lo, hi)))
+        placed = [(j, r) for j, r in placed if not (lo <= r[0] and r[1] <= hi and j != i)]
+        pos = align(hi, ALIGN)
+    return offsets, wait_for
+
+
+def simulate(units: list[Unit], streamed: list[int], wait_for: list[int], bw: float = ASSUMED_H2D_BYTES_PER_S,
+             rate: float = ASSUMED_FLOPS_PER_S) -> float:
+    """Step time (s) of the schedule under the module docstring's model (one copy engine, one compute stream)."""
+    kpos = {i: k for k, i in enumerate(streamed)}
+    compute_end: dict[int, float] = {}
+    ready: dict[int, float] = {}
+    copy_free, kk, t = 0.0, 0, 0.0
+    for i, u in enumerate(units):
+        while kk < len(streamed) and wait_for[kk] < i:
+            start = max(copy_free, compute_end.get(wait_for[kk], 0.0))
+            copy_free = start + units[streamed[kk]].nbytes / bw + COPY_OVERHEAD_S
+            ready[kk] = copy_free
+            kk += 1
+        start = max(t, ready[kpos[i]]) if i in kpos else t
+        t = start + u.flops / rate
+        compute_end[i] = t
+    return t
+
+
+def plan_schedule(units: list[Unit], capacity_bytes: int) -> StreamSchedule:
+    """Best schedule whose resident units + arena fit ``capacity_bytes`` (raises ``ValueError`` if none fits)."""
+    total = sum(u.nbytes for u in units)
+    compute = sum(u.flops for u in units) / ASSUMED_FLOPS_PER_S
+    if total <= capacity_bytes:
+        return StreamSchedule(tuple(units), (), (), (), 0, compute, compute)
+    biggest = max(u.nbytes for u in units)
+    best: Optional[StreamSchedule] = None
+    for m in ARENA_MULTIPLES:
+        arena = int(m * biggest)
+        if arena > capacity_bytes:
+            break
+        streamed = choose_streamed(units, total - (capacity_bytes - arena))
+        offsets, wait_for = ring_layout(units, streamed, arena)
+        est = simulate(units, streamed, wait_for)
+        cand = StreamSchedule(tuple(units), tuple(streamed), tuple(offsets), tuple(wait_for), arena, est, compute)
+        if best is None or est < best.est_step_s * 0.98:
+            best = cand
+    if best is None:
+        raise ValueError(f"capacity {capacity_bytes} B cannot hold the minimum staging arena "
+                         f"({ARENA_MULTIPLES[0]} x {biggest} B)")
+    return best
+
+
+def minimum_arena_bytes(units: list[Unit]) -> int:
+    return int(ARENA_MULTIPLES[0] * max(u.nbytes for u in units))
+
