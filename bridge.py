@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Callable, Optional
 
 logger = logging.getLogger(__name__)
 
 MODELS_ENV = "LEANDIFFUSION_MODELS"
+MAX_NAME = 1024  # characters of a model name, well under PATH_MAX (4096) with the folder's own path in front
 
 
 def _comfy_module(name: str):
@@ -158,22 +159,35 @@ def list_models(folder: str, extensions: tuple[str, ...] = (".safetensors",), ma
     return sorted(names)
 
 
+def _model_name(folder: str, name: str, input_name: str) -> Path:
+    """``name`` as a relative path that stays inside its folder under both POSIX and Windows rules, whatever the OS:
+    a name is data from outside (a saved workflow, an API prompt), and ``C:x`` or ``\\x`` are plain names to POSIX
+    but a drive or the drive's root to Windows. Parts longer than a file system allows (255 bytes) and names past
+    ``MAX_NAME`` characters are refused here, before the OS answers with a bare ``OSError``."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{input_name}: expected a model name from the '{folder}' folder, got {name!r}")
+    shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
+    posix, windows = PurePosixPath(name), PureWindowsPath(name)
+    if posix.is_absolute() or windows.drive or windows.root or ".." in posix.parts or ".." in windows.parts:
+        raise ValueError(
+            f"{input_name}={shown} points outside the '{folder}' model folder; "
+            f"give a name relative to that folder (as listed in the node's menu)"
+        )
+    if len(name) > MAX_NAME or any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in windows.parts):
+        raise ValueError(f"{input_name}={shown} is longer than a model file name can be (at most 255 bytes a path "
+                         f"part, {MAX_NAME} characters in all); pick a name from the node's menu")
+    return Path(name)
+
+
 def resolve_model(folder: str, name: str, input_name: str = "model_name") -> Path:
     """Resolve ``name`` to a file or folder inside one of ``folder``'s roots.
 
-    Refuses absolute paths and ``..`` escapes: a model *name* resolves only inside its model folder. Links that
-    the user placed inside the folder are followed, as ComfyUI's ``folder_paths.get_full_path`` does (and as
-    :func:`list_models` lists them). Returns the resolved path. Raises ``ValueError`` naming the input, the value
-    and what to do.
+    Refuses absolute paths, drives and ``..`` escapes (POSIX and Windows forms alike) and over-long names: a model
+    *name* resolves only inside its model folder. Links that the user placed inside the folder are followed, as
+    ComfyUI's ``folder_paths.get_full_path`` does (and as :func:`list_models` lists them). Returns the resolved
+    path. Raises ``ValueError`` naming the input, the value and what to do.
     """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"{input_name}: expected a model name from the '{folder}' folder, got {name!r}")
-    candidate = Path(name)
-    if candidate.is_absolute() or ".." in candidate.parts:
-        raise ValueError(
-            f"{input_name}={name!r} points outside the '{folder}' model folder; "
-            f"give a name relative to that folder (as listed in the node's menu)"
-        )
+    candidate = _model_name(folder, name, input_name)
     roots = _folder_roots(folder)
     if not roots:
         raise ValueError(
@@ -182,8 +196,12 @@ def resolve_model(folder: str, name: str, input_name: str = "model_name") -> Pat
         )
     for root in roots:
         path = root / candidate
-        if path.exists():  # follows links; a dangling one does not exist
-            return path.resolve()
+        try:
+            if path.exists():  # follows links; a dangling one does not exist
+                return path.resolve()
+        except OSError as exc:  # e.g. a permission denied on the way: the OS's text names no input
+            raise ValueError(f"{input_name}={name!r} could not be looked up in {root} ({exc.strerror or exc}); "
+                             f"check the folder's permissions, or pick another name from the node's menu") from exc
     searched = ", ".join(str(r) for r in roots)
     raise ValueError(f"{input_name}={name!r} was not found in the '{folder}' folder(s): {searched}")
 

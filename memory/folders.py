@@ -1,6 +1,7 @@
 """diffusers pipeline folders (``model_index.json`` + one sub-folder per component) -> modules, offline.
 
-Invariant: components load with diffusers' / transformers' own ``from_pretrained(local_files_only=True)``; the
+Invariant: components load with diffusers' / transformers' own ``from_pretrained(local_files_only=True)``, each
+weight then in memory of its own, never a view of a file on disk (``torchfile.own_file_backed``); the
 family comes from a declarative table of pipeline classes plus the UNet config (SD1 vs SD2 by the UNet's
 projection style, the one architectural difference) and the scheduler's ``prediction_type``. Tokenizers: the
 folder's own ``tokenizer``/``tokenizer_2``, else the single-file search order of ``memory/tokenizers.py``.
@@ -11,7 +12,9 @@ import json
 import logging
 from pathlib import Path
 
-from ..torchfile import load_error_reason
+import torch
+
+from ..torchfile import load_error_reason, own_file_backed, refuse_non_finite
 from .families import UnsupportedFamilyError, family_defaults
 from .tokenizers import OPENCLIP_PAD, find_tokenizer_dir, load_clip_tokenizer
 
@@ -112,10 +115,15 @@ def _component(folder: Path, part: str, cls, kw: dict):
     from safetensors import SafetensorError
 
     try:
-        return cls.from_pretrained(str(folder / part), **kw)
+        module = cls.from_pretrained(str(folder / part), **kw)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         raise ValueError(f"model={folder.name!r}: the '{part}' sub-folder could not be loaded "
                          f"({load_error_reason(exc)}); re-download or re-save the folder") from exc
+    own_file_backed(module)  # from_pretrained keeps weights as views of the mapped files where no cast is needed
+    if isinstance(module, torch.nn.Module):
+        refuse_non_finite(module.state_dict(), f"model={folder.name!r} ({part})", "every image black or into noise",
+                          "re-download or re-save the folder")
+    return module
 
 
 def _tokenizer(folder: Path, sub: str, fallback_pad):

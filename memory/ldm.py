@@ -9,8 +9,10 @@ Invariants
 - Only safetensors files are read (no pickle). A truncated file or one that is not safetensors raises
   ``ValueError`` naming the file before any module is built.
 - Every module is loaded strictly: a missing or unexpected tensor is an error, never a silently random weight.
-- Modules are created on the meta device and take the file's tensors by assignment (no random init, no copy);
-  the returned modules are on the CPU, in eval mode, without gradients, in the file's dtype.
+- Modules are created on the meta device and take the file's tensors by assignment (no random init), then copy
+  each weight still a view of the file's mapping into memory of their own (``torchfile.own_file_backed``): a file
+  overwritten or cut short later never changes or crashes a loaded model. The returned modules are on the CPU, in
+  eval mode, without gradients, in the file's dtype.
 - Hand-written here (no library does it): only key-prefix fitting between transformers versions (``CLIPTextModel``
   lost its ``text_model.`` wrapper in transformers 5.6), the same fitting for old SD1 files that store CLIP-L
   without ``text_model.`` (as ComfyUI's ``SD15.process_clip_state_dict`` renames them), and dropping SD2's unused
@@ -27,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ..torchfile import own_file_backed, refuse_non_finite
 from . import ldm_config
 from .families import detect_family, family_defaults, scheduler_overrides
 from .tokenizers import OPENCLIP_PAD, find_tokenizer_dir, load_clip_tokenizer
@@ -182,6 +185,10 @@ def load_ldm_checkpoint(path: Path) -> dict:
         components = convert_checkpoint(tensors, shapes, family)
     except ValueError as exc:  # name the file: the converters only know tensor names
         raise ValueError(f"{source} (detected as {family}): {exc}") from exc
+    for part, module in components.items():
+        own_file_backed(module)  # the file's tensors are views of its mapping: the modules get their own copy
+        refuse_non_finite(module.state_dict(), f"{source} ({part})", "every image black or into noise",
+                          "re-download the checkpoint")
     del tensors
     components["family"] = engine_family
     components["scheduler_config"] = {**family_defaults(engine_family)["scheduler"], **overrides}

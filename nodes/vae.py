@@ -14,11 +14,17 @@ _TILING = {
                                    "tiles. 'exact' mode computes its own halo and ignores it. In 'blend' mode the "
                                    "tile must be larger than twice the overlap; an automatic tile smaller than that "
                                    "cross-fades over just under half of it."}),
-    "seam_mode": (list(SEAM_MODES), {"default": "exact",
-                                     "tooltip": "exact: every GroupNorm uses whole-image statistics, so the result "
-                                                "equals an untiled decode (no seams, no tone shifts). blend: "
-                                                "cheaper linear cross-fade of overlapping tiles (approximate)."}),
 }
+
+
+def _seam_mode(op: str) -> tuple:
+    """The ``seam_mode`` widget of the node that does ``op`` ("decode" or "encode"): its tooltip names that op."""
+    return (list(SEAM_MODES), {"default": "exact",
+                               "tooltip": "exact: every GroupNorm uses whole-image statistics, so the result equals "
+                                          f"an untiled {op} (no seams, no tone shifts). blend: cheaper linear "
+                                          "cross-fade of overlapping tiles (approximate)."})
+
+
 _MODELS = {
     "lean_model": ("LEAN_MODEL", {"tooltip": "The Memory Pool Loader's model; its VAE runs in the loader's "
                                              "vae_dtype inside its VRAM policy. Connect this or 'vae', not both."}),
@@ -40,7 +46,7 @@ class LeanTiledVAEDecode:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"samples": ("LATENT", {"tooltip": "The latent to decode (raw VAE latent space)."}),
-                             **_TILING},
+                             **_TILING, "seam_mode": _seam_mode("decode")},
                 "optional": dict(_MODELS)}
 
     def decode(self, samples, tile_size=0, overlap=64, seam_mode="exact", lean_model=None, vae=None):
@@ -65,7 +71,7 @@ class LeanTiledVAEEncode:
     def INPUT_TYPES(cls):
         return {"required": {"pixels": ("IMAGE", {"tooltip": "The image to encode (cropped to multiples of 8; an alpha "
                                                              "channel is dropped, as VAE Encode does)."}),
-                             **_TILING},
+                             **_TILING, "seam_mode": _seam_mode("encode")},
                 "optional": dict(_MODELS)}
 
     def encode(self, pixels, tile_size=0, overlap=64, seam_mode="exact", lean_model=None, vae=None):

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -22,7 +23,7 @@ from .client import ComfyClient
 from .convert import apply_overrides, load_workflow, parse_override, ui_to_api
 from .errors import (EXIT_INTERRUPTED, EXIT_OK, ExecutionFailed, RunnerError, ServerUnreachable, ValidationFailed,
                      WorkflowError)
-from .local import LocalComfyUI
+from .local import LocalComfyUI, torch_has_accelerator
 from .progress import RunProgress
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override an input; NODE is a node id or a class type (all nodes of it); VALUE is parsed "
                         "as JSON when possible, else taken as a string. Repeatable.")
     p.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
-                   help="seconds the run may take once queued (default: 600)")
+                   help="seconds the run may take once queued, downloading its images included (default: 600)")
     p.add_argument("--start-timeout", type=_seconds, default=180.0, metavar="S",
                    help="seconds a started ComfyUI may take to answer (default: 180)")
     p.add_argument("--python", metavar="EXE", help="interpreter for a started ComfyUI (default: $COMFYUI_PYTHON, "
@@ -133,6 +134,7 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
     client_id = uuid.uuid4().hex
     ws = client.open_websocket(client_id)
     prompt_id = str(uuid.uuid4())  # chosen here, so a Ctrl-C cancels it even while POST /prompt is in flight
+    queued = time.monotonic()
     try:
         prompt_id = client.submit(prompt, client_id, prompt_id=prompt_id)
         with RunProgress(prompt, quiet=args.quiet) as progress:
@@ -143,7 +145,7 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
     finally:
         if ws is not None:
             ws.close()
-    saved = client.save_images(entry, Path(args.out))
+    saved = client.save_images(entry, Path(args.out), timeout=args.timeout - (time.monotonic() - queued))
     if saved:
         print(f"saved {len(saved)} image(s) to {Path(args.out).resolve()}:")
         for path in saved:
@@ -151,6 +153,22 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
     else:
         print("the workflow finished; it produced no images")
     return EXIT_OK
+
+
+def _local_server(comfyui: str, args) -> LocalComfyUI:
+    """The ComfyUI to start; with ``--cpu`` added (and said on stderr unless ``-q``) when its interpreter's torch
+    sees no GPU, since ComfyUI would otherwise die with "Torch not compiled with CUDA enabled"."""
+    server = LocalComfyUI(comfyui, python=args.python, cpu=args.cpu, extra_args=args.comfyui_args,
+                          models_dir=args.models, input_dir=args.input_dir, start_timeout=args.start_timeout,
+                          log_path=args.comfyui_log)
+    device_flags = {"--cpu", "--directml"}
+    if not args.cpu and not device_flags & {arg.split("=")[0] for arg in args.comfyui_args}:
+        if torch_has_accelerator(server.python, cwd=server.comfyui_path) is False:
+            server.cpu = True
+            if not args.quiet:  # like "ComfyUI started at", an informational line
+                print(f"note: the torch of ComfyUI's python ({server.python}) sees no GPU; starting ComfyUI with "
+                      f"--cpu", file=sys.stderr)
+    return server
 
 
 def _run(args) -> int:
@@ -166,9 +184,7 @@ def _run(args) -> int:
     if not comfyui:
         raise WorkflowError("say where ComfyUI is: --server URL (a running ComfyUI), or --comfyui PATH / "
                             "COMFYUI_PATH (a ComfyUI folder to start headless)")
-    with LocalComfyUI(comfyui, python=args.python, cpu=args.cpu, extra_args=args.comfyui_args,
-                      models_dir=args.models, input_dir=args.input_dir, start_timeout=args.start_timeout,
-                      log_path=args.comfyui_log) as server:
+    with _local_server(comfyui, args) as server:
         if not args.quiet:
             kept = f" (log: {server.log_file})" if args.comfyui_log else ""
             print(f"ComfyUI started at {server.url}{kept}", file=sys.stderr)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .errors import ExecutionFailed, ServerUnreachable, ValidationFailed
+from .outputs import checked_output_name, place_without_overwriting
 
 logger = logging.getLogger(__name__)
 
@@ -315,26 +316,35 @@ class ComfyClient:
         return entry
 
     # ----------------------------------------------------------------------------------------- images
-    def save_images(self, history_entry: dict, out_dir: Path) -> list[Path]:
-        """Download every image the run's output nodes list (``/view``) into ``out_dir``; return the paths."""
+    def save_images(self, history_entry: dict, out_dir: Path, timeout: Optional[float] = None) -> list[Path]:
+        """Download every image the run's output nodes list (``/view``) into ``out_dir``; return the paths.
+
+        ``timeout`` bounds all the downloads together (the CLI's ``--timeout``): a stalled download fails with
+        ``ExecutionFailed`` once it passes, instead of waiting ``request_timeout`` per image."""
         out_dir = Path(out_dir)
+        deadline = time.monotonic() + timeout if timeout is not None else None
         saved = []
         for node_id in sorted(history_entry.get("outputs") or {}, key=str):
             for image in (history_entry["outputs"][node_id] or {}).get("images") or []:
-                saved.append(self._download(image, out_dir))
+                saved.append(self._download(image, out_dir, deadline))
         return saved
 
-    def _download(self, image: dict, out_dir: Path) -> Path:
-        filename = os.path.basename(str(image.get("filename", "")))
-        subfolder = str(image.get("subfolder") or "")
-        if not filename or Path(subfolder).is_absolute() or ".." in Path(subfolder).parts:
-            raise ExecutionFailed(f"ComfyUI listed an output image with an unusable name: {image!r}")
+    def _download(self, image: dict, out_dir: Path, deadline: Optional[float] = None) -> Path:
+        filename, subfolder, parts = checked_output_name(image, out_dir)
         query = {"filename": filename, "subfolder": subfolder, "type": image.get("type") or "output"}
-        status, data = self.request("GET", "/view", query=query)
+        wait = self.request_timeout if deadline is None else min(self.request_timeout, deadline - time.monotonic())
+        try:
+            if wait <= 0:
+                raise ServerUnreachable("no time left")
+            status, data = self.request("GET", "/view", query=query, timeout=wait)
+        except ServerUnreachable as exc:
+            if deadline is None or time.monotonic() < deadline:
+                raise
+            raise ExecutionFailed(f"could not fetch output image {filename} within --timeout: {exc}") from exc
         if status != 200:
             raise ExecutionFailed(f"could not fetch output image {subfolder + '/' if subfolder else ''}{filename} "
                                   f"from /view (HTTP {status})")
-        folder = out_dir / subfolder
+        folder = out_dir.joinpath(*parts)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f".partial-{uuid.uuid4().hex}{Path(filename).suffix}"
@@ -344,44 +354,10 @@ class ComfyClient:
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
-            target = _place_without_overwriting(tmp, folder / filename)
+            target = place_without_overwriting(tmp, folder / filename)
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):
                 raise ExecutionFailed(f"could not save {filename} in {folder}: {exc.strerror or exc}") from exc
             raise
         return target
-
-
-def _numbered(path: Path, n: int) -> Path:
-    return path if n == 0 else path.with_name(f"{path.stem}_{n}{path.suffix}")
-
-
-def _unique(path: Path) -> Path:
-    """``path``, or ``name_1.ext``, ``name_2.ext`` ... when it exists: earlier runs' images are never overwritten."""
-    n = 0
-    while _numbered(path, n).exists():
-        n += 1
-    return _numbered(path, n)
-
-
-def _place_without_overwriting(tmp: Path, path: Path) -> Path:
-    """Give the complete file ``tmp`` the name ``path`` (or ``name_N.ext``, the first free one) and return it.
-
-    The name is claimed with a hard link, which fails if the name exists, so a file that appears between looking
-    and placing (a second runner saving into the same ``--out``) is never overwritten. Where the filesystem has no
-    hard links, the checked rename (``_unique`` then ``os.replace``) is the fallback."""
-    n = 0
-    while True:
-        candidate = _numbered(path, n)
-        try:
-            os.link(tmp, candidate)
-        except FileExistsError:
-            n += 1
-            continue
-        except OSError:  # no hard links here (FAT, some network shares)
-            candidate = _unique(path)
-            os.replace(tmp, candidate)
-            return candidate
-        os.unlink(tmp)
-        return candidate

@@ -38,6 +38,7 @@ import json
 from typing import Any, Iterable
 
 from .errors import WorkflowError
+from .wellformed import MAX_DEPTH, check_depth, check_ui_nodes, short_repr, check_prompt
 
 WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
 CONTROL_VALUES = frozenset({"fixed", "increment", "decrement", "randomize"})
@@ -64,11 +65,16 @@ def load_workflow(text: str, source: str = "workflow") -> tuple[str, dict]:
     """Parse ``text``; return ``("api", prompt)`` or ``("ui", workflow)``. Raises ``WorkflowError`` otherwise."""
     try:
         data = json.loads(text)
+    except RecursionError as exc:
+        raise WorkflowError(f"{source} nests JSON deeper than {MAX_DEPTH} levels; no workflow does, so it is not "
+                            f"one: export it again from ComfyUI") from exc
     except ValueError as exc:
         raise WorkflowError(f"{source} is not valid JSON: {exc}") from exc
+    check_depth(data, source)
     if isinstance(data, dict) and is_api_prompt(data.get("prompt")):
         data = data["prompt"]  # a saved POST /prompt body
     if is_api_prompt(data):
+        check_prompt(data, source)
         return "api", data
     if is_ui_workflow(data):
         return "ui", data
@@ -154,7 +160,11 @@ def _link_table(workflow: dict) -> dict[int, tuple[Any, int, Any, int, Any]]:
             rec = tuple(link[:6]) if len(link) >= 6 else tuple(link[:5]) + (None,)
         else:
             raise WorkflowError(f"workflow link {link!r} is not a link record [id, origin, slot, target, slot, type]")
-        table[int(rec[0])] = (rec[1], int(rec[2]), rec[3], int(rec[4]), rec[5])
+        try:
+            table[int(rec[0])] = (rec[1], int(rec[2]), rec[3], int(rec[4]), rec[5])
+        except (TypeError, ValueError) as exc:
+            raise WorkflowError(f"workflow link {short_repr(link)}: its id and slots must be integers (id, origin "
+                                f"slot, target slot); save the workflow again from ComfyUI") from exc
     return table
 
 
@@ -193,7 +203,7 @@ class _Graph:
     """The editor's link resolution (frontend ``ExecutableNodeDTO.resolveInput`` / ``resolveOutput``)."""
 
     def __init__(self, workflow: dict, object_info: dict):
-        self.nodes = {str(n.get("id")): n for n in workflow["nodes"]}
+        self.nodes = {str(n.get("id")): n for n in workflow["nodes"]}  # entries checked by check_ui_nodes
         self.links = _link_table(workflow)
         self.object_info = object_info
 
@@ -204,28 +214,32 @@ class _Graph:
             raise WorkflowError(f"{where} uses link {link_id!r}, which the workflow's 'links' list does not define") from exc
         return str(origin), slot
 
-    def resolve(self, link_id: Any, typ: Any, where: str, seen: frozenset = frozenset()) -> tuple[str, int] | None:
+    def resolve(self, link_id: Any, typ: Any, where: str) -> tuple[str, int] | None:
         """The output an input of type ``typ`` on link ``link_id`` reads, ``(node id, slot)``, or ``None`` when it
-        resolves to nothing (the input then keeps its widget value). A muted origin is returned like any other."""
-        origin, slot = self.link(link_id, where)
-        node = self.nodes.get(origin)
-        if node is None:
-            raise WorkflowError(f"{where} is linked to node {origin}, which the workflow does not contain")
-        if (origin, slot) in seen:
-            raise WorkflowError(f"{where}: the links form a cycle through reroute/bypassed nodes")
-        seen = seen | {(origin, slot)}
-        if node.get("mode", 0) == MODE_BYPASS:
-            sockets = editor_sockets(node, self.object_info.get(node.get("type")))
-            index = self._bypass_index(node, sockets, slot, typ)
-            if index < 0 or sockets[index].get("link") is None:
-                return None
-            return self.resolve(sockets[index]["link"], sockets[index].get("type"), where, seen)
-        if node.get("type") in UI_ONLY_TYPES:  # virtual: passes on its input at that slot, whatever its mode
-            sockets = node.get("inputs") or []
-            if slot < len(sockets) and sockets[slot].get("link") is not None:
-                return self.resolve(sockets[slot]["link"], typ, where, seen)
-            return None
-        return origin, slot
+        resolves to nothing (the input then keeps its widget value). A muted origin is returned like any other.
+        A loop, not recursion: a chain of thousands of reroutes must not end in a ``RecursionError``."""
+        seen: set[tuple[str, int]] = set()
+        while True:
+            origin, slot = self.link(link_id, where)
+            node = self.nodes.get(origin)
+            if node is None:
+                raise WorkflowError(f"{where} is linked to node {origin}, which the workflow does not contain")
+            if (origin, slot) in seen:
+                raise WorkflowError(f"{where}: the links form a cycle through reroute/bypassed nodes")
+            seen.add((origin, slot))
+            if node.get("mode", 0) == MODE_BYPASS:
+                sockets = editor_sockets(node, self.object_info.get(node.get("type")))
+                index = self._bypass_index(node, sockets, slot, typ)
+                if index < 0 or sockets[index].get("link") is None:
+                    return None
+                link_id, typ = sockets[index]["link"], sockets[index].get("type")
+            elif node.get("type") in UI_ONLY_TYPES:  # virtual: passes on its input at that slot, whatever its mode
+                sockets = node.get("inputs") or []
+                if not (0 <= slot < len(sockets) and sockets[slot].get("link") is not None):
+                    return None
+                link_id = sockets[slot]["link"]
+            else:
+                return origin, slot
 
     def _bypass_index(self, node: dict, sockets: list[dict], slot: int, typ: Any) -> int:
         """The input a bypassed node passes on for its output ``slot`` (frontend ``getBypassSlotIndex``), or -1."""
@@ -245,15 +259,16 @@ class _Graph:
         directly (frontend ``PrimitiveNode.applyToGraph``, run for every primitive whatever its mode)."""
         values: dict[str, dict[str, Any]] = {}
         for node in self.nodes.values():
-            if node.get("type") != "PrimitiveNode" or not node.get("widgets_values"):
+            widgets = node.get("widgets_values")
+            if node.get("type") != "PrimitiveNode" or not isinstance(widgets, list) or not widgets:
                 continue
             for link_id in (node.get("outputs") or [{}])[0].get("links") or []:
-                record = self.links.get(int(link_id))
+                record = self.links.get(link_id) if isinstance(link_id, int) else None
                 target = self.nodes.get(str(record[2])) if record else None
                 socket = next((inp for inp in (target or {}).get("inputs") or [] if inp.get("link") == link_id), {})
                 name = (socket.get("widget") or {}).get("name")
                 if name:
-                    values.setdefault(str(target.get("id")), {})[name] = node["widgets_values"][0]
+                    values.setdefault(str(target.get("id")), {})[name] = widgets[0]
         return values
 
 
@@ -277,6 +292,7 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
     """Convert an editor workflow to an API prompt using ``object_info`` (``GET /object_info``)."""
     if not is_ui_workflow(workflow):
         raise WorkflowError("the workflow has no 'nodes' list, so it is not an editor (UI-format) workflow")
+    check_ui_nodes(workflow)
     _check_no_subgraphs(workflow)
     graph = _Graph(workflow, object_info)
     from_primitives = graph.primitive_values()
@@ -352,7 +368,10 @@ def apply_overrides(prompt: dict, overrides: Iterable[tuple[str, str, Any]], obj
                 if name not in declared:
                     raise WorkflowError(f"--set {selector}.{name}: node {nid} ({node['class_type']}) has no input "
                                         f"{name!r} (its inputs: {', '.join(declared) or 'none'})")
-            node.setdefault("inputs", {})[name] = value
+            if not isinstance(node.setdefault("inputs", {}), dict):
+                raise WorkflowError(f"--set {selector}.{name}: node {nid}'s 'inputs' is {short_repr(node['inputs'])}, "
+                                    f"not an object of input name -> value; fix the workflow file")
+            node["inputs"][name] = value
     return result
 
 

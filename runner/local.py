@@ -52,6 +52,24 @@ def comfyui_python(comfyui_path: Path, python: Optional[str] = None) -> str:
     return sys.executable
 
 
+ACCELERATOR_PROBE = ("import torch; print(torch.cuda.is_available() or torch.backends.mps.is_available() "
+                     "or (hasattr(torch, 'xpu') and torch.xpu.is_available()))")
+
+
+def torch_has_accelerator(python: str, cwd: Optional[Path] = None, timeout: float = 120.0) -> Optional[bool]:
+    """Whether ``python``'s torch sees a GPU (CUDA/ROCm, MPS or XPU), asked in a subprocess; ``None`` when it cannot
+    say (no torch, the interpreter fails, ``timeout`` seconds pass). Why: ComfyUI without ``--cpu`` dies on a torch
+    built without CUDA, and only that interpreter knows its torch."""
+    try:
+        done = subprocess.run([python, "-c", ACCELERATOR_PROBE], cwd=cwd, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.info("could not ask %s whether its torch has a GPU: %s", python, exc)
+        return None
+    answer = (done.stdout.strip().splitlines() or [""])[-1]
+    return {"True": True, "False": False}.get(answer) if done.returncode == 0 else None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -166,3 +166,21 @@ def compiled_unet_fn(engine: LeanEngine) -> UNetFn:
         return module(x, t, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
 
     return call
+
+
+def compile_errors() -> tuple:
+    """The exception types that mean "torch.compile failed" (dynamo's and inductor's, raised at the first call)."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return ()
+    return (TorchDynamoException,)
+
+
+def compile_failure(exc: BaseException) -> str:
+    """One line saying why torch.compile failed: the backend's own error (dynamo wraps it in paragraphs that end
+    in advice to set ``suppress_errors``, which would hide the failure)."""
+    inner = getattr(exc, "inner_exception", None) or exc
+    lines = [ln.strip() for ln in str(inner).splitlines() if ln.strip()]
+    text = f"{type(inner).__name__}: {lines[0] if lines else 'no message'}"
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -41,7 +41,9 @@ from ..memory.budget import ensure_room
 from ..memory.engine import LeanEngine
 from . import ddim
 from .cfg import Conditioning, encode_conditioning, unet_calls
-from .compile import compiled_unet_fn, eager_unet_fn
+from .fallback import ChunkNoise, attempts, conditioning_rows, run_with_fallback
+from .latent_input import batch_index_of, batch_latents, check_latent, check_latent_size, initial_noise
+from .compile import compile_errors, compile_failure, compiled_unet_fn, eager_unet_fn
 from .graph_runner import GraphRunner, default_runner
 from .program import STATE_DTYPE, StepProgram, plain_allocator
 from .settings import Acceleration, SamplerSettings
@@ -54,64 +56,6 @@ _RUN_AHEAD = 2
 def vae_scale_factor(engine: LeanEngine) -> int:
     """Pixels per latent cell (8 for every SD VAE): 2 ** (number of VAE levels - 1), as diffusers computes it."""
     return 2 ** (len(engine.parts.vae.config.block_out_channels) - 1)
-
-
-def _check_latent(engine: LeanEngine, latent_image: Any) -> torch.Tensor:
-    if not isinstance(latent_image, dict) or "samples" not in latent_image:
-        raise TypeError("latent_image: expected a LATENT dict with a 'samples' tensor (as VAEEncode or "
-                        f"EmptyLatentImage give), got {type(latent_image).__name__}")
-    if latent_image.get("noise_mask") is not None:
-        raise ValueError("latent_image has a 'noise_mask' (inpainting); the Fused DDIM Sampler does not inpaint - "
-                         "remove the SetLatentNoiseMask node or use ComfyUI's KSampler")
-    samples = latent_image["samples"]
-    if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or not samples.is_floating_point():
-        raise ValueError(f"latent_image['samples']: expected a float tensor [B, C, h, w], got "
-                         f"{getattr(samples, 'shape', type(samples).__name__)}")
-    channels = engine.parts.latent_channels
-    if samples.shape[1] != channels:
-        raise ValueError(f"latent_image has {samples.shape[1]} channels but this model's VAE uses {channels}; "
-                         f"encode the image with this model's VAE (or use a latent made for this model family)")
-    if samples.shape[0] < 1 or samples.shape[2] < 1 or samples.shape[3] < 1:
-        raise ValueError(f"latent_image['samples'] is empty: shape {tuple(samples.shape)}")
-    return samples
-
-
-def _batch_latents(samples: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Repeat an input latent batch to ``max(batch_size, B)`` rows (diffusers' img2img rule: a multiple of B)."""
-    b = samples.shape[0]
-    total = max(batch_size, b)
-    if total % b:
-        raise ValueError(f"batch_size={batch_size} is not a multiple of the latent_image batch ({b}); use a "
-                         f"multiple of {b} or batch_size=1 to sample the latent batch as it is")
-    return torch.cat([samples] * (total // b)) if total > b else samples
-
-
-def _batch_index(latent_image: dict, rows: int, total: int) -> Optional[list]:
-    """The LATENT's ``batch_index`` (one non-negative int per row), repeated to ``total`` rows the way ComfyUI's
-    Repeat Latent Batch extends it; ``None`` when the LATENT has none."""
-    index = latent_image.get("batch_index")
-    if index is None:
-        return None
-    if isinstance(index, torch.Tensor):
-        index = index.tolist()
-    if not isinstance(index, (list, tuple)) or len(index) != rows \
-            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in index):
-        raise ValueError(f"latent_image['batch_index'] = {index!r}: expected {rows} non-negative ints, one per "
-                         f"latent row (as Latent From Batch writes it); remove the key or rebuild the latent")
-    index = list(index)
-    offset = max(index) - min(index) + 1
-    return index + [i + k * offset for k in range(1, total // rows) for i in index]
-
-
-def initial_noise(shape: tuple, generator: torch.Generator, batch_index: Optional[list] = None) -> torch.Tensor:
-    """The run's starting noise (float32, CPU): one draw of the whole ``shape``, or with a ``batch_index`` one
-    ``[1, C, h, w]`` draw per index ``0..max`` with row ``i`` taking draw ``batch_index[i]`` (ComfyUI's
-    ``comfy.sample.prepare_noise``)."""
-    if batch_index is None:
-        return torch.randn(shape, generator=generator, dtype=torch.float32)
-    draws = [torch.randn((1,) + tuple(shape[1:]), generator=generator, dtype=torch.float32)
-             for _ in range(max(batch_index) + 1)]
-    return torch.cat([draws[i] for i in batch_index])
 
 
 def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional[dict] = None,
@@ -133,9 +77,10 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
     init = None
     batch_index = None
     if latent_image is not None:
-        rows = _check_latent(engine, latent_image)
-        init = _batch_latents(rows.float().cpu(), s.batch_size)
-        batch_index = _batch_index(latent_image, rows.shape[0], init.shape[0])
+        rows = check_latent(engine, latent_image)
+        check_latent_size(rows.shape, factor, s.batch_size)
+        init = batch_latents(rows.float().cpu(), s.batch_size)
+        batch_index = batch_index_of(latent_image, rows.shape[0], init.shape[0])
         height, width = init.shape[2] * factor, init.shape[3] * factor
     else:
         height, width = s.height, s.width
@@ -158,13 +103,37 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
     elif conditioning.batch != shape[0] or conditioning.guided != s.guided:
         raise ValueError(f"conditioning has batch {conditioning.batch} (guided={conditioning.guided}); this run "
                          f"needs batch {shape[0]} (guided={s.guided})")
-    with engine.session("unet"):
-        x = denoise(engine, conditioning, x_init, schedule, s.cfg, s.cfg_mode, s.acceleration, generator,
-                    runner=runner, quiet=quiet)
+    with engine.session("unet"), torch.no_grad():
+        x = _denoise_degrading(engine, conditioning, x_init, schedule, s, generator, runner, quiet)
     out = {"samples": x.float().cpu() / scale}
     if batch_index is not None:
         out["batch_index"] = batch_index
     return out
+
+
+def _denoise_degrading(engine: LeanEngine, conditioning: Conditioning, x_init: torch.Tensor,
+                       schedule: ddim.DDIMSchedule, s: SamplerSettings, generator: torch.Generator,
+                       runner: Optional[GraphRunner], quiet: bool) -> torch.Tensor:
+    """``denoise``, retried in lower-memory configurations when memory runs out (``sampling.fallback``)."""
+    batch = x_init.shape[0]
+
+    def run(attempt, bar) -> torch.Tensor:
+        spans = attempt.chunks(batch)
+        if len(spans) == 1:
+            prepared = prepare_steps(engine, conditioning, x_init, schedule, s.cfg, attempt.cfg_mode, s.acceleration,
+                                     runner)
+            return run_steps(prepared, generator, lambda i: bar.update(1))
+        noise = ChunkNoise(tuple(x_init.shape), len(schedule), generator) if schedule.eta > 0 else None
+        finished = []
+        for a, b in spans:
+            prepared = prepare_steps(engine, conditioning_rows(conditioning, a, b), x_init[a:b], schedule, s.cfg,
+                                     attempt.cfg_mode, s.acceleration, runner)
+            finished.append(run_steps(prepared, None, lambda i: bar.update(1), noise.rows(a, b) if noise else None))
+            prepared = None
+        return torch.cat(finished)
+
+    plan = attempts(batch, conditioning.guided, s.cfg_mode)
+    return run_with_fallback(run, plan, batch, len(schedule), engine.device, generator, quiet)
 
 
 def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional[GraphRunner]) -> str:
@@ -189,24 +158,6 @@ def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional
                            "using cuda_graph without compile", reason)
             return Acceleration.CUDA_GRAPH.value
     return acceleration
-
-
-def _compile_errors() -> tuple:
-    """The exception types that mean "torch.compile failed" (dynamo's and inductor's, raised at the first call)."""
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return ()
-    return (TorchDynamoException,)
-
-
-def compile_failure(exc: BaseException) -> str:
-    """One line saying why torch.compile failed: the backend's own error (dynamo wraps it in paragraphs that end
-    in advice to set ``suppress_errors``, which would hide the failure)."""
-    inner = getattr(exc, "inner_exception", None) or exc
-    lines = [ln.strip() for ln in str(inner).splitlines() if ln.strip()]
-    text = f"{type(inner).__name__}: {lines[0] if lines else 'no message'}"
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _allocator(engine: LeanEngine):
@@ -306,7 +257,7 @@ def _capture(engine: LeanEngine, mode: str, key: tuple, build: Callable, prepare
             captured = runner.step_for(engine, key, lambda: build(graph_fn), prepare, compiled=compiled)
         except torch.cuda.OutOfMemoryError as exc:
             error = str(exc)
-        except _compile_errors() as exc:
+        except compile_errors() as exc:
             if not compiled:
                 raise
             raise RuntimeError(
@@ -324,13 +275,15 @@ def _capture(engine: LeanEngine, mode: str, key: tuple, build: Callable, prepare
 
 
 def run_steps(prepared: PreparedSteps, generator: Optional[torch.Generator],
-              on_step: Callable[[int], None]) -> torch.Tensor:
+              on_step: Callable[[int], None],
+              step_noise: Optional[Callable[[int], torch.Tensor]] = None) -> torch.Tensor:
     """Run the schedule; returns the final scaled latents (float32, on the device, a new tensor).
 
     Per step: interruption check, the next step's values into the buffers, run or replay, bounded run-ahead (the
     host enqueues at most ``_RUN_AHEAD`` steps ahead of the device), then ``on_step(i)``. ``generator`` (CPU)
-    supplies the eta noise. A cached program must not keep its engine alive (the cache is weak in the model), so
-    the UNet call is bound for this run only; a real CUDA graph replays without calling it.
+    supplies the eta noise, or ``step_noise(i)`` when given (rows of draws made for a larger batch). A cached
+    program must not keep its engine alive (the cache is weak in the model), so the UNet call is bound for this
+    run only; a real CUDA graph replays without calling it.
     """
     program, shape = prepared.program, prepared.shape
     device = prepared.table.device
@@ -340,7 +293,10 @@ def run_steps(prepared: PreparedSteps, generator: Optional[torch.Generator],
     try:
         for i in range(prepared.t_table.shape[0]):
             bridge.check_interrupted()
-            noise = torch.randn(shape, generator=generator, dtype=STATE_DTYPE) if prepared.has_noise else None
+            noise = None
+            if prepared.has_noise:
+                noise = step_noise(i) if step_noise is not None else \
+                    torch.randn(shape, generator=generator, dtype=STATE_DTYPE)
             if noise is not None and cuda:
                 noise = noise.pin_memory()  # async upload; the host allocator keeps it until the copy is done
             program.set_step(prepared.t_table[i], prepared.table[i], noise)

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from .. import bridge
+from ..memory.finite import refuse_non_finite_input
 from ..torchfile import load_tensors, read_safetensors
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,19 @@ def _concat_matching(tensors: list, width: int) -> Optional[torch.Tensor]:
     return torch.cat(rows, dim=0) if rows else None
 
 
+_LORA_MARKS = ("lora_down", "lora_up", "lora_A", "lora_B", ".alpha", "hada_w", "lokr_w", "lora.down", "lora.up")
+
+
+def _refuse_lora(obj: dict, name: str) -> None:
+    """``ValueError`` for a LoRA file named as an embedding: its first tensor is a LoRA factor or a scalar alpha."""
+    lora_keys = [k for k in obj if isinstance(k, str) and any(m in k for m in _LORA_MARKS)]
+    if lora_keys:
+        sample = ", ".join(sorted(lora_keys)[:3])
+        raise ValueError(
+            f"embedding:{name} is a LoRA file (keys such as {sample}), not a textual-inversion embedding; remove "
+            f"embedding:{name} from the prompt and load the file with the LoRA injector node instead")
+
+
 def _select(obj, key: str, width: int, name: str) -> torch.Tensor:
     if isinstance(obj, dict) and "string_to_param" in obj:
         params = obj["string_to_param"]
@@ -81,6 +95,7 @@ def _select(obj, key: str, width: int, name: str) -> torch.Tensor:
             bundled = [obj[k] for k in obj if k.startswith("bundle_emb.") and k.endswith(suffix)]
             if bundled:
                 return torch.cat(bundled, dim=0)
+        _refuse_lora(obj, name)
         tensors = [v for v in obj.values() if torch.is_tensor(v)]
         if tensors:
             return tensors[0]
@@ -101,7 +116,11 @@ def load_embedding(relative: str, key: str, width: int) -> torch.Tensor:
     tensor = _select(obj, key, width, relative)
     if not torch.is_tensor(tensor):
         raise ValueError(f"embedding:{relative}: expected a tensor under the selected key, got {type(tensor).__name__}")
+    if tensor.dim() == 0:
+        raise ValueError(f"embedding:{relative}: the selected tensor is a single number, not [vectors, {width}]; "
+                         f"this is not a textual-inversion embedding, use an embedding file trained for this model")
     vectors = tensor.detach().reshape(-1, tensor.shape[-1]).to(torch.float32)
+    refuse_non_finite_input(vectors, f"embedding:{relative}", "the file is corrupt; use another embedding file")
     if vectors.shape[-1] != width:
         raise ValueError(
             f"embedding:{relative} has vectors of width {vectors.shape[-1]}, but the {key} text encoder expects "

@@ -27,6 +27,7 @@ commas (``embedding:foo,``), the stripped commas going back into the text.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -37,6 +38,12 @@ DEFAULT_SYNTAX = "comfyui"
 EMPHASIS = 1.1
 DEEMPHASIS = 1 / 1.1
 EMBEDDING_PREFIX = "embedding:"
+# Deepest group nesting read; deeper groups are refused (a weight of 1.1**200 is already meaningless, and each level
+# is one Python frame, so an unbounded depth would end in RecursionError).
+MAX_NESTING = 200
+# Largest explicit weight ``(text:w)`` read: beyond it the embedding's scale only gives noise, and NaN / inf (which
+# Python's float() parses) or 1e308 would turn the whole conditioning non-finite.
+MAX_WEIGHT = 100.0
 
 # Private-use code points stand in for escaped brackets while groups are found.
 _ESCAPES = {"\\)": "\ue000", "\\(": "\ue001", "\\]": "\ue002", "\\[": "\ue003"}
@@ -63,6 +70,18 @@ def check_syntax(syntax: str) -> str:
     if syntax not in SYNTAXES:
         raise ValueError(f"syntax={syntax!r} is not a prompt syntax; use one of {', '.join(SYNTAXES)}")
     return syntax
+
+
+def check_text(text: str, input_name: str = "prompt") -> str:
+    """``text`` unchanged; ``ValueError`` for a lone surrogate code point, which no tokenizer can encode as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{input_name}: character {exc.start} is a lone surrogate ({text[exc.start]!r}), which is not valid "
+            f"text; remove it or replace it with the intended character (a broken copy-paste or a mis-decoded "
+            f"emoji usually leaves one)") from exc
+    return text
 
 
 def _top_level_items(text: str, openers: str, closers: str) -> list[str]:
@@ -96,19 +115,29 @@ def _explicit_weight(inner: str) -> tuple[str, Optional[float]]:
     if cut <= 0:
         return inner, None
     try:
-        return inner[:cut], float(inner[cut + 1:])
+        weight = float(inner[cut + 1:])
     except ValueError:
         return inner, None
+    if not (math.isfinite(weight) and abs(weight) <= MAX_WEIGHT):
+        raise ValueError(f"prompt: the weight of ({inner[:60]}) is {weight:g}; a weight must be a finite number within "
+                         f"+-{MAX_WEIGHT:g} (1.0 is neutral, 1.1-1.5 the usual emphasis)")
+    return inner[:cut], weight
 
 
-def _weigh(text: str, weight: float, brackets: bool, out: list[tuple[str, float]]) -> None:
+def _weigh(text: str, weight: float, brackets: bool, out: list[tuple[str, float]], depth: int = 0) -> None:
     openers, closers = ("([", ")]") if brackets else ("(", ")")
-    for item in _top_level_items(text, openers, closers):
+    items = _top_level_items(text, openers, closers)
+    if depth >= MAX_NESTING and any(len(i) >= 2 and i[0] in openers and i[-1] in closers for i in items):
+        raise ValueError(
+            f"prompt: its parentheses/brackets are nested more than {MAX_NESTING} levels deep; the nesting limit is "
+            f"{MAX_NESTING}: use an explicit weight such as (word:1.5) instead of deep nesting, or escape literal "
+            f"parentheses as \\( \\)")
+    for item in items:
         if len(item) >= 2 and item[0] == "(" and item[-1] == ")":
             inner, explicit = _explicit_weight(item[1:-1])
-            _weigh(inner, weight * EMPHASIS if explicit is None else explicit, brackets, out)
+            _weigh(inner, weight * EMPHASIS if explicit is None else explicit, brackets, out, depth + 1)
         elif brackets and len(item) >= 2 and item[0] == "[" and item[-1] == "]":
-            _weigh(item[1:-1], weight * DEEMPHASIS, brackets, out)
+            _weigh(item[1:-1], weight * DEEMPHASIS, brackets, out, depth + 1)
         else:
             out.append((item, weight))
 
@@ -117,6 +146,7 @@ def parse_weights(text: str, syntax: str = DEFAULT_SYNTAX) -> list[tuple[str, fl
     """``text`` -> ``[(segment, weight), ...]`` with escapes resolved (no embedding or BREAK handling)."""
     if not isinstance(text, str):
         raise TypeError(f"text: expected a prompt string, got {type(text).__name__}")
+    check_text(text)
     check_syntax(syntax)
     brackets = syntax == "extended"
     escaped = text

@@ -15,6 +15,9 @@ from .ddim import SPACINGS
 from .prompt_parser import SYNTAXES
 
 
+MAX_SIDE_PX = 8192  # the width/height widgets' limit, and the largest latent side (in pixels) the samplers take
+
+
 class CfgMode(str, Enum):
     BATCHED = "batched"  # one UNet call on [uncond, cond]
     SEQUENTIAL = "sequential"  # two UNet calls of half the batch: lower peak memory
@@ -84,7 +87,7 @@ class SamplerSettingsBase:
         check_int("seed", self.seed, 0, MAX_SEED)
         check_int("steps", self.steps, 1, 1000)
         for name in ("width", "height"):
-            value = check_int(name, getattr(self, name), 64, 8192)
+            value = check_int(name, getattr(self, name), 64, MAX_SIDE_PX)
             if value % 8:
                 raise ValueError(f"{name}={value} is not a multiple of 8 (the VAE downsamples by 8); use "
                                  f"{value // 8 * 8} or {value // 8 * 8 + 8}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's one quickstart command: sets up ComfyUI with this pack (scripts/setup_comfyui.sh: uses COMFYUI_PATH
-# when set, else clones ComfyUI into ~/.cache/leandiffusion/ComfyUI), runs workflows/quickstart.api.json headless
+# when set, else clones ComfyUI into ~/.cache/leandiffusion/ComfyUI), runs workflows_api/quickstart.api.json headless
 # through the runner (a private ComfyUI on a free local port, stopped afterwards) and says where the images went.
 #
 #   OUT=DIR             where to save the images (default: ./out/quickstart in the pack folder)
@@ -26,7 +26,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   EXTRA+=(--cpu --set LeanFusedDDIMSampler.acceleration=none)
 fi
 set +e
-PYTHONPATH="$LINKS${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m leandiffusion.run "$PACK/workflows/quickstart.api.json" \
+PYTHONPATH="$LINKS${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m leandiffusion.run "$PACK/workflows_api/quickstart.api.json" \
   --comfyui "$COMFYUI_PATH" --out "$OUT" ${EXTRA[@]+"${EXTRA[@]}"} "$@"
 code=$?
 set -e

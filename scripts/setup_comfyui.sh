@@ -49,7 +49,12 @@ if [ ! -f "$DEST/main.py" ]; then
     REF="${COMFYUI_REF:-v0.3.64}"
     say "cloning ComfyUI $REF from $SOURCE into $DEST"
     rmdir "$DEST" 2>/dev/null || true
-    git clone --quiet --depth 1 --branch "$REF" "$SOURCE" "$DEST"
+    if ! git clone --quiet --depth 1 --branch "$REF" "$SOURCE" "$DEST"; then
+      say "could not clone ComfyUI $REF from $SOURCE into $DEST (offline, or no such ref?)."
+      say "Set COMFYUI_PATH to an existing ComfyUI folder (one with main.py), or COMFYUI_SOURCE to a local git"
+      say "directory holding ComfyUI (COMFYUI_REF picks the tag or commit), and run this again."
+      exit 1
+    fi
   fi
 fi
 [ -f "$DEST/main.py" ] || { say "no ComfyUI main.py in $DEST"; exit 1; }
@@ -83,8 +88,12 @@ fi
 grep -v -i -E '^[[:space:]]*torchaudio([^a-z0-9_-]|$)' "$DEST/requirements.txt" > "$WORK/requirements.txt"
 "$PY" "$PACK/scripts/pack_requirements.py" "$PACK/pyproject.toml" > "$WORK/pack-requirements.txt"
 printf '%s\n' requests "websocket-client>=1.7" "tqdm>=4.60" pyyaml >> "$WORK/pack-requirements.txt"
+# The stamp hashes what is asked for: torch's release without its local label (the first run pins `torch==2.13.0`,
+# the next reads back the installed `2.13.0+cpu`) and the requirement files. The torchvision pin is left out: it
+# follows torch, and it is known on the first run only when torch is 2.13.0 but read back from the interpreter after.
 STAMP="$("$PY" -c 'import sys; print(sys.prefix)')/.leandiffusion-setup"
-WANT="$(cat "$WORK/constraints.txt" "$WORK/requirements.txt" "$WORK/pack-requirements.txt" | sha256sum | cut -d' ' -f1)"
+WANT="$({ echo "torch==${TORCH_VERSION%%+*}"; cat "$WORK/requirements.txt" "$WORK/pack-requirements.txt"; } \
+  | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
   say "installing ComfyUI's requirements and the pack's and the runner's dependencies (torch $TORCH_VERSION)"
   "$PY" -m pip install -q -c "$WORK/constraints.txt" -r "$WORK/requirements.txt" -r "$WORK/pack-requirements.txt"

@@ -112,3 +112,17 @@ def _process_state_unchanged(request):
         lines = "\n".join(f"  {name}: {old!r:.300} -> {new!r:.300}" for name, (old, new) in sorted(changed.items()))
         pytest.fail(f"{request.node.nodeid} left process-wide state changed (before -> after):\n{lines}",
                     pytrace=False)
+
+
+FAKE_COMFYUI = os.path.join(os.path.dirname(__file__), "fixtures", "fake_comfyui.py")
+
+
+@pytest.fixture
+def fake_comfyui_dir(tmp_path, monkeypatch):
+    """A ComfyUI folder whose main.py runs the fake server (tests/fixtures/fake_comfyui.py) for the runner's tests."""
+    folder = tmp_path / "ComfyUI"
+    folder.mkdir()
+    (folder / "main.py").write_text(f"import runpy\nrunpy.run_path({FAKE_COMFYUI!r}, run_name='__main__')\n")
+    monkeypatch.setenv("FAKE_COMFYUI_PIDFILE", str(tmp_path / "server.pid"))
+    monkeypatch.delenv("COMFYUI_PYTHON", raising=False)
+    return folder

@@ -91,6 +91,33 @@ def test_resolve_still_refuses_name_escapes_with_links_present(linked_models):
         bridge.resolve_model("checkpoints", "dangling.safetensors", "model")
 
 
+@pytest.mark.parametrize("name", ["C:x.safetensors", "c:/x.safetensors", "\\x.safetensors",
+                                  "\\\\server\\share\\x.safetensors", "sub\\..\\..\\secret.safetensors",
+                                  "//server/share/x.safetensors"])
+def test_resolve_refuses_windows_escapes_on_every_os(models_dir, name):
+    """A model name comes from outside (a saved workflow, an API prompt) and may reach a Windows ComfyUI: a drive
+    (``C:x``), a drive's root (``\\x``), a share or a backslash ``..`` leaves the folder there, though POSIX reads each
+    as a plain name. Files so named exist here, so a POSIX-only check would resolve them instead of refusing."""
+    for literal in ("C:x.safetensors", "\\x.safetensors"):
+        (models_dir / "checkpoints" / literal).write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"^model='.+' points outside the 'checkpoints' model folder; give a name "
+                                         r"relative to that folder"):
+        bridge.resolve_model("checkpoints", name, "model")
+
+
+@pytest.mark.parametrize("name", ["x" * 5000 + ".safetensors", "a/" * 600 + "b.safetensors",
+                                  "\u00e9" * 128 + ".safetensors"])
+def test_resolve_refuses_over_long_names_naming_the_input(models_dir, name):
+    """A name longer than a file system allows (a 5000-character part, 1200 characters of short parts, a part of 128
+    two-byte characters: 256 bytes) is one ``ValueError`` naming the input, not the OS's bare ``OSError: File name too
+    long``; the message shows the start of the name and its length, not all of it."""
+    with pytest.raises(ValueError, match=r"^model='.+ is longer than a model file name can be \(at most 255 bytes a "
+                                         r"path part, 1024 characters in all\); pick a name from the node's menu$") as err:
+        bridge.resolve_model("checkpoints", name, "model")
+    assert len(str(err.value)) < 300
+    assert bridge.model_fingerprint("checkpoints", name) == name  # IS_CHANGED never raises
+
+
 def test_resolve_missing_names_folder(models_dir):
     with pytest.raises(ValueError, match="missing.safetensors.*checkpoints"):
         bridge.resolve_model("checkpoints", "missing.safetensors")

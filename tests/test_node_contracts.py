@@ -40,6 +40,17 @@ def test_every_output_has_a_tooltip(node_id, cls):
     assert all(isinstance(t, str) and t.strip() for t in tips), f"{node_id}: empty output tooltip"
 
 
+@pytest.mark.parametrize("node_id,op,other", [("LeanTiledVAEDecode", "decode", "encode"),
+                                              ("LeanTiledVAEEncode", "encode", "decode")])
+def test_tiled_vae_tooltips_speak_of_their_own_direction(node_id, op, other):
+    """The two tiled VAE nodes share their tiling widgets; the encoder's ``seam_mode`` tooltip said "decode"."""
+    spec = NODE_CLASS_MAPPINGS[node_id].INPUT_TYPES()
+    tips = {name: decl[1]["tooltip"] for section in spec.values() for name, decl in section.items()}
+    assert f"untiled {op}" in tips["seam_mode"]
+    wrong = {name: tip for name, tip in tips.items() if other in tip.lower()}
+    assert not wrong, f"{node_id}: tooltips that speak of the other direction ({other}): {wrong}"
+
+
 # Node -> (file-backed input, model folder, a file name in it). ComfyUI caches node outputs by their inputs alone, so
 # a model replaced on disk under the same name would not be picked up before the server restarted.
 FILE_INPUTS = {"LeanLoraInjector": ("lora_name", "loras", "style.safetensors"),

@@ -21,16 +21,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 FAKE = FIXTURES / "fake_comfyui.py"
 
 
-@pytest.fixture
-def fake_comfyui_dir(tmp_path, monkeypatch):
-    folder = tmp_path / "ComfyUI"
-    folder.mkdir()
-    (folder / "main.py").write_text(f"import runpy\nrunpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
-    monkeypatch.setenv("FAKE_COMFYUI_PIDFILE", str(tmp_path / "server.pid"))
-    monkeypatch.delenv("COMFYUI_PYTHON", raising=False)
-    return folder
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -185,7 +175,7 @@ def test_pack_that_failed_to_import_is_named_not_unknown_nodes(fake_comfyui_dir,
         "print(f\"Cannot import {nodes}/leandiffusion module for custom nodes: No module named 'diffusers'\", "
         "flush=True)\n"
         f"runpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
-    workflow = PACK_ROOT / "workflows" / "quickstart.api.json"
+    workflow = PACK_ROOT / "workflows_api" / "quickstart.api.json"
     code = main([str(workflow), "--comfyui", str(fake_comfyui_dir), "--python", sys.executable, "-q",
                  "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err

@@ -42,6 +42,6 @@ def test_run_py_as_a_script_from_any_folder_name(tmp_path):
 def test_run_py_as_a_script_reads_the_workflow(tmp_path):
     """Past argument parsing: the workflow is read and checked through the bootstrapped package; without a server
     or ComfyUI folder the runner says how to name one (exit 2), as ``python -m leandiffusion.run`` does."""
-    proc = _run(ROOT / "run.py", str(ROOT / "workflows" / "quickstart.api.json"), cwd=tmp_path)
+    proc = _run(ROOT / "run.py", str(ROOT / "workflows_api" / "quickstart.api.json"), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "say where ComfyUI is" in proc.stderr

@@ -28,10 +28,65 @@ def test_a_pickle_with_code_is_refused_never_run(tmp_path, monkeypatch):
 
     assert "LEANDIFFUSION_PICKLE_RAN" not in os.environ
     message = str(err.value)
-    assert message.startswith("upscaler file 'evil.ckpt' could not be read as a torch weights file: it refers to "
-                              "Python code or classes, which are refused for safety (")
-    assert "exec" in message  # the refused global is named
-    assert "\n" not in message and len(message) < 400 and "weights_only=False" not in message
+    assert message.startswith("upscaler file 'evil.ckpt' is refused: loading it would run code (it refers to the "
+                              "Python global exec), which is refused for safety; use a .safetensors file")
+    assert "\n" not in message and len(message) < 400 and "weights_only" not in message
+
+
+class _RunsShell:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo LEANDIFFUSION_PICKLE_RAN",))  # pickled as posix.system on POSIX
+
+
+@pytest.mark.parametrize("saver", ["torch.save", "pickle protocol 2"])
+def test_a_shell_payload_is_refused_naming_the_global_without_torchs_advice(tmp_path, capfd, saver):
+    """A real attack's payload: a reduce that calls ``os.system``. torch refuses it as a global of a blocked module,
+    in a message with no ``WeightsUnpickler error:`` line, around advice to re-run with ``weights_only=False``: the
+    refusal kept that advice and lost the reason. It must say the file would run code, name the global, point to
+    ``.safetensors``, and never mention ``weights_only``."""
+    import os
+
+    path = tmp_path / "evil.pt"
+    if saver == "torch.save":
+        torch.save({"x": _RunsShell()}, path)
+    else:
+        path.write_bytes(pickle.dumps({"x": _RunsShell()}, protocol=2))
+    with pytest.raises(ValueError) as err:
+        load_tensors(path, "lora file")
+    assert "LEANDIFFUSION_PICKLE_RAN" not in capfd.readouterr().out
+    message = str(err.value)
+    assert message == (f"lora file 'evil.pt' is refused: loading it would run code (it refers to the Python global "
+                       f"{os.system.__module__}.system), which is refused for safety; use a .safetensors file of "
+                       f"these weights instead (safetensors files hold tensors only)")
+
+
+def test_reasons_never_carry_torchs_advice():
+    """Every form of torch's weights-only refusal keeps its reason and drops its advice (``weights_only=False``,
+    ``add_safe_globals``, "file an issue", the documentation link)."""
+    from leandiffusion.torchfile import load_error_reason
+
+    unsafe = ("In PyTorch 2.6, we changed the default value of the `weights_only` argument in `torch.load` from `False`"
+              " to `True`. Re-running `torch.load` with `weights_only` set to `False` will likely succeed, but it can "
+              "result in arbitrary code execution. Do it only if you got the file from a trusted source.")
+    docs = "\n\nCheck the documentation of torch.load to learn more about types accepted by default with weights_only."
+    cases = {
+        f"Weights only load failed. {unsafe}\n\n\nTrying to load unsupported GLOBAL nt.system whose module nt is "
+        f"blocked.{docs}": "loading it would run code (it refers to the Python global nt.system), which is refused "
+                           "for safety",
+        f"Weights only load failed. {unsafe}\nPlease file an issue with the following so that we can make "
+        f"`weights_only=True` compatible with your use case: WeightsUnpickler error: \n\nUnsupported operand 149{docs}":
+            "not a torch weights file, or corrupt (the safe unpickler stopped: Unsupported operand 149)",
+        f"Weights only load failed. ``torch.nested`` and ``torch._dynamo`` must be imported to load nested jagged "
+        f"tensors (NJTs)\n {unsafe}\n{docs}": "not a torch weights file, or corrupt (the safe unpickler stopped: "
+                                              "``torch.nested`` and ``torch._dynamo`` must be imported to load nested "
+                                              "jagged tensors (NJTs))",
+        f"Cannot use ``weights_only=True`` with TorchScript archives passed to ``torch.load``. {unsafe}":
+            "a TorchScript archive, which holds code: refused for safety",
+    }
+    for text, want in cases.items():
+        assert load_error_reason(pickle.UnpicklingError(text)) == want
 
 
 @pytest.mark.parametrize("content", [b"", b"\x80\x04garbage", "half"])

@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..bridge import default_device, free_comfy_memory
+from ..memory.finite import refuse_non_finite_input
 from .descriptor import Upscaler
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ MAX_TILE = 2048
 MAX_OVERLAP = 256
 WORK_CAP_GPU = int(1.25 * 2 ** 30)  # activation budget per window on the GPU (weights and staging come on top)
 WORK_CAP_CPU = 2 * 2 ** 30
+PIXEL_TOLERANCE = 0.5  # resamplers without a clamp (bicubic, lanczos) overshoot 0..1 a little; 0..255 is far out
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -49,6 +51,15 @@ def check_options(images, output_scale, device: str, tile_size, tile_overlap, pr
                         f"{type(images).__name__} {tuple(getattr(images, 'shape', ()))}")
     if images.shape[0] == 0:
         raise ValueError("image: the batch is empty")
+    if images.shape[1] == 0 or images.shape[2] == 0 or images.shape[3] == 0:
+        raise ValueError(f"image: shape {tuple(images.shape)} has no pixels (height, width or channels is 0); "
+                         f"connect an IMAGE of at least 1x1 pixels [B, H, W, C]")
+    low, high = (float(v) for v in torch.aminmax(images))  # one fused reduction: IMAGE is 0..1; NaN propagates
+    if not (math.isfinite(low) and math.isfinite(high)):
+        refuse_non_finite_input(images, "image", "find the node upstream that produced them")
+    if low < -PIXEL_TOLERANCE or high > 1 + PIXEL_TOLERANCE:
+        raise ValueError(f"image: values range over {low:g}..{high:g}, but a ComfyUI IMAGE holds 0..1; divide "
+                         f"8-bit (0..255) pixels by 255 before connecting them")
     for name, value, kind in (("output_scale", output_scale, (int, float)), ("tile_size", tile_size, int),
                               ("tile_overlap", tile_overlap, int)):
         if isinstance(value, bool) or not isinstance(value, kind):

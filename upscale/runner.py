@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..batch import BatchProgress, release_frames
 from ..bridge import ProgressBar, check_interrupted, soft_empty_cache
+from ..memory.host_memory import check_host_bytes
 from .descriptor import Upscaler
 from .options import (MIN_TILE, auto_tile, check_options, choose_device, choose_dtype, resolve_layout,
                       work_budget)
@@ -209,6 +210,16 @@ def _keeps_alpha(upscaler: Upscaler, channels: int) -> bool:
     return channels == 4 and upscaler.in_channels == 3
 
 
+def _check_output_fits(upscaler: Upscaler, images: torch.Tensor, output_scale: float) -> None:
+    """Refuse, naming ``image``, an output batch the host cannot hold (before the model is placed)."""
+    b, h, w, c = images.shape
+    scale = output_scale or upscaler.native_output_scale
+    oh, ow = max(1, round(h * scale)), max(1, round(w * scale))
+    channels = upscaler.out_channels + _keeps_alpha(upscaler, c)
+    check_host_bytes(b * oh * ow * channels * 4, "image", f"the upscaled batch ({b} x {ow}x{oh} px, float32)",
+                     "upscale fewer or smaller images at a time, or a lower output_scale")
+
+
 def _sizes(upscaler: Upscaler, device: torch.device, dtype: torch.dtype, h: int, w: int, output_scale: float,
            tile_size: int, overlap: int, work_cap: Optional[int]) -> _Sizes:
     """Padded input, output size, and the first tile size with its work budget (``tile_size`` 0: automatic). Read
@@ -268,6 +279,7 @@ def upscale_images(upscaler: Upscaler, images: torch.Tensor, output_scale: float
     only (``None``: ``CUDNN_BENCHMARK``).
     """
     _validate(upscaler, images, output_scale, device, tile_size, tile_overlap, precision)
+    _check_output_fits(upscaler, images, output_scale)
     layout = resolve_layout(layout, upscaler)
     dev = choose_device(device, upscaler, tile_overlap)
     dtype = choose_dtype(precision, dev, upscaler)

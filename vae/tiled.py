@@ -34,6 +34,8 @@ import torch
 from .. import bridge
 from ..batch import BatchProgress, release_frames
 from ..memory.free_vram import usable_free_bytes
+from ..memory.finite import refuse_non_finite_input
+from ..memory.host_memory import check_host_bytes
 from .adapters import decoder_program, encoder_program
 from .blend import axis_tiles, run_blend
 from .exact import ExactConfig, run_exact
@@ -169,11 +171,16 @@ def _check_latents(latents, channels: int) -> torch.Tensor:
     if not isinstance(latents, torch.Tensor) or latents.ndim != 4:
         raise ValueError(f"samples: expected a LATENT tensor [B, C, h, w], got "
                          f"{getattr(latents, 'shape', type(latents).__name__)}")
+    if not latents.is_floating_point():
+        raise TypeError(f"samples: expected a floating-point LATENT, got a {latents.dtype} tensor; connect a LATENT "
+                        f"from a sampler, VAE encode or EmptyLatentImage (or convert it with .float())")
     if latents.shape[1] != channels:
         raise ValueError(f"samples has {latents.shape[1]} channels but this VAE takes {channels}-channel latents; "
                          f"connect a LATENT made for this VAE (SD1/SD2/SDXL latents have 4 channels)")
     if latents.shape[2] < 1 or latents.shape[3] < 1:
         raise ValueError(f"samples: empty latent of shape {tuple(latents.shape)}")
+    refuse_non_finite_input(latents, "samples", "find the node upstream that produced them (a diverged sampler, "
+                            "an fp16 VAE overflow)")
     return latents
 
 
@@ -190,7 +197,24 @@ def _check_pixels(pixels, channels: int) -> torch.Tensor:
             got += "; channels first?)" if pixels.shape[1] in (channels, channels + 1) else ")"
         raise ValueError(f"pixels: expected an IMAGE [B, H, W, {channels}] (or with alpha, {channels + 1} channels), "
                          f"got {got}; pass an RGB(A) image with the channels on the last axis")
+    check_unit_range(pixels, "pixels")
     return pixels
+
+
+PIXEL_TOLERANCE = 0.5  # resamplers without a clamp (bicubic, lanczos) overshoot 0..1 a little; 0..255 is far out
+
+
+def check_unit_range(pixels: torch.Tensor, input_name: str) -> None:
+    """``ValueError`` when an IMAGE's values leave ``[-PIXEL_TOLERANCE, 1 + PIXEL_TOLERANCE]``: IMAGE is 0..1, and
+    0..255 pixels would otherwise encode silently to a white blow-out. One fused min/max reduction."""
+    if pixels.numel() == 0:
+        return
+    low, high = (float(v) for v in torch.aminmax(pixels))  # NaN propagates: one reduction decides both checks
+    if not (math.isfinite(low) and math.isfinite(high)):
+        refuse_non_finite_input(pixels, input_name, "find the node upstream that produced them")
+    if low < -PIXEL_TOLERANCE or high > 1 + PIXEL_TOLERANCE:
+        raise ValueError(f"{input_name}: values range over {low:g}..{high:g}, but a ComfyUI IMAGE holds 0..1; "
+                         f"divide 8-bit (0..255) pixels by 255 before connecting them")
 
 
 @torch.no_grad()
@@ -202,6 +226,9 @@ def tiled_decode(target: VaeTarget, latents: torch.Tensor, tile_size: int = 0, o
     latents = _check_latents(latents, program.latent_channels)
     b, _, h, w = latents.shape
     f = program.factor
+    check_host_bytes(b * f * h * f * w * program.out_channels * 4, "samples",
+                     f"the decoded IMAGE ({b} x {f * w}x{f * h} px, float32)",
+                     "decode fewer or smaller latents at a time")
     with target.enter():
         budget = activation_budget(target, budget_bytes)
         if seam_mode == "exact":
@@ -254,6 +281,8 @@ def tiled_encode(target: VaeTarget, pixels: torch.Tensor, tile_size: int = 0, ov
                          f"smallest image this VAE encodes (one latent pixel); enlarge it first")
     pixels = crop_to_multiple(pixels, f)
     b, h, w, _ = pixels.shape
+    check_host_bytes(2 * h * w * program.in_channels * 4, "pixels", f"encoding a {w}x{h} px image (float32 copies)",
+                     "downscale the image before encoding it")
     lat = program.latent_channels
     enc_program = _with_input_affine(program)
     with target.enter():

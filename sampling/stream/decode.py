@@ -33,6 +33,7 @@ import torch
 
 from ... import bridge
 from ...memory.engine import LeanEngine
+from ...memory.out_of_memory import is_out_of_memory
 from ...vae.adapters import decoder_program
 from ...vae.exact import ExactConfig, run_exact
 from ...vae import untiled
@@ -183,7 +184,9 @@ class DecodeStage:
                         image = (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
                         images[j].copy_(image[0], non_blocking=cuda)
                         done = j + 1
-            except _OOM as exc:
+            except Exception as exc:  # noqa: BLE001 - only out-of-memory errors fall back to tiles
+                if not is_out_of_memory(exc):
+                    raise
                 oom = exc.with_traceback(None)
         if oom is not None:
             self.streams.release_cached()
@@ -212,7 +215,9 @@ class DecodeStage:
                     if tried:
                         self._fit = (tile, budget)
                     return image
-                except _OOM as exc:
+                except Exception as exc:  # noqa: BLE001 - only out-of-memory errors are retried
+                    if not is_out_of_memory(exc):
+                        raise
                     error = str(exc)  # the text only: the traceback would keep the failed attempt's tensors alive
                     tried.append(tile)
                 self.streams.release_cached()

@@ -41,6 +41,7 @@ Invariants
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -49,6 +50,8 @@ import torch
 from ... import bridge
 from ...batch import release_frames
 from ...memory.budget import run_cap_bytes
+from ...memory.host_memory import check_host_bytes
+from ...memory.out_of_memory import is_out_of_memory
 from ...memory.cap import allocator_cap, release_library_workspaces
 from ...memory.engine import LeanEngine
 from .. import ddim
@@ -146,6 +149,10 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     config = ddim.config_with(ddim.pipeline_config(parts.scheduler_config, parts.is_sdxl),
                               timestep_spacing=s.timestep_spacing)  # as the Fused DDIM Sampler
     schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
+    n = len(s.jobs())
+    check_host_bytes(n * (s.height * s.width * 3 + math.prod(latent_shape)) * 4, "prompts",
+                     f"{n} images of {s.width}x{s.height} px and their latents (float32)",
+                     "sample fewer prompts or images_per_prompt per run, or at a smaller size")
     args = (engine, s, latent_shape, schedule, runner, timeline, quiet, positive_cond, negative_cond)
     if not engine.placement.budget.hard:
         return _run(*args)
@@ -250,7 +257,9 @@ class _Cycles:
             with span, engine.session("unet"):
                 final = denoise_batch(engine, current.conditioning, x_init, self.schedule, s.cfg, s.acceleration,
                                       lambda i, a=start, b=stop - start: progress.at(a, b, i), self.runner)
-        except _OOM as exc:
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory errors are retried; the rest re-raise
+            if not is_out_of_memory(exc):
+                raise
             return None, exc.with_traceback(None)  # drop the failed frames (and their tensors) before retrying
         return final, None
 

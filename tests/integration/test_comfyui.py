@@ -26,9 +26,9 @@ from leandiffusion.tests.integration.model_files import write_input_images, writ
 pytestmark = pytest.mark.comfyui
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-WORKFLOWS = sorted((PACK_ROOT / "workflows").glob("*.api.json"))
-UI_TWINS = [p for p in sorted((PACK_ROOT / "workflows").glob("*.json"))
-            if not p.name.endswith(".api.json") and p.with_name(p.name[:-5] + ".api.json").exists()]
+API_DIR = PACK_ROOT / "workflows_api"
+WORKFLOWS = sorted(API_DIR.glob("*.api.json"))
+UI_TWINS = [p for p in sorted((PACK_ROOT / "workflows").glob("*.json")) if (API_DIR / f"{p.stem}.api.json").exists()]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # How the shipped workflows are shrunk to the tiny model on the CPU: (class type, input) -> value. Applied where
 # the node declares that input. The tiny LoRA and upscaler files are written into the session's models folder by
@@ -131,7 +131,7 @@ def test_ui_fixture_converts_like_the_editor_and_runs(comfyui, object_info, tmp_
 @pytest.mark.parametrize("ui_path", UI_TWINS, ids=lambda p: p.name)
 def test_shipped_ui_workflow_converts_to_its_api_twin(object_info, ui_path):
     _, workflow = load_workflow(ui_path.read_text())
-    _, api = load_workflow(ui_path.with_name(ui_path.name[:-5] + ".api.json").read_text())
+    _, api = load_workflow((API_DIR / f"{ui_path.stem}.api.json").read_text())
     assert _strip_meta(ui_to_api(workflow, object_info)) == _strip_meta(api)
 
 

@@ -45,7 +45,8 @@ if CHROMIUM is None:
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 WORKFLOWS = PACK_ROOT / "workflows"
-UI_FILES = sorted(p for p in WORKFLOWS.glob("*.json") if not p.name.endswith(".api.json"))
+API_DIR = PACK_ROOT / "workflows_api"
+UI_FILES = sorted(WORKFLOWS.glob("*.json"))
 NODES = sorted(leandiffusion.NODE_CLASS_MAPPINGS)
 CONTROL = "control_after_generate"
 
@@ -65,7 +66,7 @@ def object_info(comfyui):
 
 @pytest.fixture(scope="module")
 def editor(comfyui, object_info):
-    for api in WORKFLOWS.glob("*.api.json"):
+    for api in API_DIR.glob("*.api.json"):
         write_input_images(json.loads(api.read_text()), comfyui.input_dir)
     page = Editor(comfyui.url, CHROMIUM)
     for name, spec in editor_graphs.SPECS.items():
@@ -87,15 +88,15 @@ def templates(comfyui):
 
 
 def test_shipped_workflows_are_all_checked():
-    assert len(UI_FILES) == len(list(WORKFLOWS.glob("*.api.json"))) > 0
-    assert all(p.with_name(p.name[:-5] + ".api.json").exists() for p in UI_FILES)
+    assert len(UI_FILES) == len(list(API_DIR.glob("*.api.json"))) > 0
+    assert all((API_DIR / f"{p.stem}.api.json").exists() for p in UI_FILES)
 
 
 # --------------------------------------------------------------------------------------------- shipped workflows
 @pytest.mark.parametrize("ui_path", UI_FILES, ids=lambda p: p.stem)
 def test_editor_loads_the_workflow_and_queues_its_api_twin(editor, object_info, templates, ui_path):
     workflow = json.loads(ui_path.read_text())
-    twin = json.loads(ui_path.with_name(ui_path.name[:-5] + ".api.json").read_text())
+    twin = json.loads((API_DIR / f"{ui_path.stem}.api.json").read_text())
     assert is_api_prompt(twin)
     result = editor.load(f"{templates}/{ui_path.name}")  # as the template browser opens it
     assert result["problems"] == [], f"the editor reported problems loading {ui_path.name}"

@@ -34,7 +34,7 @@ def _comfyui_noise(shape, seed, batch_index):
 
 
 def test_initial_noise_follows_comfyuis_rule():
-    from leandiffusion.sampling.loop import initial_noise
+    from leandiffusion.sampling.latent_input import initial_noise
 
     shape = (3, 4, 5, 3)  # 60 values a row: a whole-batch draw differs from row-by-row draws at this size
     for index in ([2, 0, 2], [4, 5, 6], [0, 1, 2]):
@@ -95,7 +95,7 @@ def test_initial_noise_equals_comfyuis_prepare_noise():
 
     import numpy as np
 
-    from leandiffusion.sampling.loop import initial_noise
+    from leandiffusion.sampling.latent_input import initial_noise
 
     source = open(os.path.join(os.environ["COMFYUI_PATH"], "comfy", "sample.py")).read()
     func = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "prepare_noise")

@@ -50,23 +50,26 @@ def _close(got, ref, rel=1e-5):
 class OOMUNet(torch.nn.Module):
     """Wraps a UNet; raises out-of-memory on the calls ``fail(rows, call_index)`` selects."""
 
-    def __init__(self, unet, fail):
+    def __init__(self, unet, fail, error=None):
         super().__init__()
         self.inner = unet
         self.config = unet.config
         self.fail = fail
+        self.error = error
         self.calls = []
 
     def forward(self, sample, *args, **kwargs):
         index = len(self.calls)
         self.calls.append(sample.shape[0])
         if self.fail(sample.shape[0], index):
+            if self.error is not None:
+                raise self.error()
             raise OOM(f"injected: CUDA out of memory (batch rows {sample.shape[0]})")
         return self.inner(sample, *args, **kwargs)
 
 
-def _with_unet(engine, fail):
-    wrapper = OOMUNet(engine.parts.unet, fail)
+def _with_unet(engine, fail, error=None):
+    wrapper = OOMUNet(engine.parts.unet, fail, error)
     return engine.with_changes(parts=dataclasses.replace(engine.parts, unet=wrapper)), wrapper
 
 
@@ -125,6 +128,23 @@ def test_oom_on_every_large_batch_shrinks_until_it_fits(engine):
     result = run_stream(eng, s, quiet=True)
     assert result.batch_sizes == (1, 1, 1) and result.oom_retries == 1
     _close(result.latents, _refs(engine, s))
+
+
+def test_a_cpu_allocation_failure_shrinks_the_batch_like_an_out_of_memory_error(engine):
+    """torch's CPU allocator raises a RuntimeError, not OutOfMemoryError; the batch must shrink all the same."""
+    message = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 120000000000 bytes"
+    eng, _ = _with_unet(engine, lambda rows, i: rows > 2, error=lambda: RuntimeError(message))
+    s = _settings(max_batch=3)
+    result = run_stream(eng, s, quiet=True)
+    assert result.batch_sizes == (1, 1, 1) and result.oom_retries == 1
+    _close(result.latents, _refs(engine, s))
+
+
+def test_an_error_that_is_not_out_of_memory_is_not_retried(engine):
+    eng, wrapper = _with_unet(engine, lambda rows, i: True, error=lambda: RuntimeError("a real bug"))
+    with pytest.raises(RuntimeError, match="a real bug"):
+        run_stream(eng, _settings(max_batch=3), quiet=True)
+    assert len(wrapper.calls) == 1
 
 
 def test_oom_inside_a_streamed_block_is_recovered_under_the_stream_policy():

@@ -1,7 +1,8 @@
 """ESRGAN Upscale node error paths (each test names the failure it guards).
 
-Guards: inputs that need no model (the image's type, the numbers, the device and precision choices) are refused
-before the model file is read (the node read and built the upscaler first, then refused a bad tile size); the ncnn
+Guards: inputs that need no model (the image's type, shape and 0..1 range, the numbers, the device and precision
+choices) are refused before the model file is read (the node read and built the upscaler first, then refused a bad
+tile size; a [1, 0, 0, 3] IMAGE died in torch; 0..255 pixels were upscaled silently); the ncnn
 converter CLI reports a failed write in one line and leaves no file behind;
 weights holding NaN/inf are refused by name; a file of another kind (checkpoint, LoRA, VAE, ...) is named with
 the folder it belongs in; an unknown file says whether spandrel was asked; the converter refuses an output name
@@ -24,6 +25,11 @@ IMAGE = torch.rand(1, 16, 16, 3)
     (IMAGE, dict(precision="fp8"), r"precision='fp8': expected one of"),
     (torch.rand(0, 16, 16, 3), {}, r"image: the batch is empty"),
     ("not an image", {}, r"image: expected a float tensor"),
+    (torch.rand(1, 0, 0, 3), {}, r"image: shape \(1, 0, 0, 3\) has no pixels"),  # was a raw RuntimeError
+    (torch.rand(1, 16, 0, 3), {}, r"image: shape \(1, 16, 0, 3\) has no pixels"),
+    (IMAGE * 255, {}, r"image: values range over .*\.\.2\d\d\.\d*, but a ComfyUI IMAGE holds 0\.\.1; divide"),
+    (IMAGE - 2, {}, r"image: values range over -\d.*but a ComfyUI IMAGE holds 0\.\.1"),  # was upscaled silently
+    (IMAGE.to(torch.complex64), {}, r"image: expected a float tensor"),
 ])
 def test_inputs_needing_no_model_are_refused_before_the_file_is_read(monkeypatch, image, kwargs, match):
     read = []

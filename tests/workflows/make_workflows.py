@@ -1,4 +1,7 @@
-"""Write the shipped workflows: ``workflows/NAME.json`` (editor), ``NAME.api.json`` (API) and ``NAME.jpg`` (thumbnail).
+"""Write the shipped workflows: ``workflows/NAME.json`` (editor), ``NAME.jpg``, ``workflows_api/NAME.api.json`` (API).
+
+The API files live outside ``workflows/`` because ComfyUI's template browser lists every ``*.json`` there and an
+API-format file opens as an empty canvas.
 
     python -m leandiffusion.tests.workflows.make_workflows [--check]
 
@@ -25,7 +28,7 @@ from typing import Any
 
 from leandiffusion.runner.convert import input_names, widget_slots
 
-from .specs import WORKFLOWS_DIR, combined
+from .specs import API_WORKFLOWS_DIR, WORKFLOWS_DIR, combined
 
 SAMPLING_STR = {"tooltip": "provisional (issue contract)"}
 PROVISIONAL_INPUTS = {  # (node, section, name) -> conf: the samplers' positive_cond / negative_cond
@@ -421,22 +424,23 @@ def _dump(data) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only report files that differ; write nothing")
-    parser.add_argument("--out", default=str(WORKFLOWS_DIR), help="output folder (default: the pack's workflows/)")
+    parser.add_argument("--out", default=str(WORKFLOWS_DIR), help="editor files and thumbnails (default: workflows/)")
+    parser.add_argument("--api-out", default=str(API_WORKFLOWS_DIR), help="API files (default: workflows_api/)")
     args = parser.parse_args(argv)
     from .thumbnails import icon, thumbnail
 
     specs, _, used = build_specs()
-    out, stale = Path(args.out), []
+    out, api_out, stale = Path(args.out), Path(args.api_out), []
     for wf in WORKFLOWS:
         ui, api = build(wf, specs, _provisional(used))
-        files = {f"{wf.name}.json": _dump(ui).encode(), f"{wf.name}.api.json": _dump(api).encode(),
-                 f"{wf.name}.jpg": thumbnail(wf, specs)}
-        for name, data in files.items():
-            path = out / name
+        files = {out / f"{wf.name}.json": _dump(ui).encode(), api_out / f"{wf.name}.api.json": _dump(api).encode(),
+                 out / f"{wf.name}.jpg": thumbnail(wf, specs)}
+        for path, data in files.items():
             if path.exists() and path.read_bytes() == data:
                 continue
-            stale.append(name)
+            stale.append(path.name)
             if not args.check:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
     path = out / "icon.png"  # the registry icon named in pyproject.toml [tool.comfy]
     if not (path.exists() and path.read_bytes() == icon()):

@@ -21,7 +21,8 @@ from typing import Any
 
 PACK_ROOT = Path(__file__).resolve().parent.parent.parent
 CORE_SNAPSHOT = PACK_ROOT / "tests" / "fixtures" / "core_object_info.json"
-WORKFLOWS_DIR = PACK_ROOT / "workflows"
+WORKFLOWS_DIR = PACK_ROOT / "workflows"  # editor files: ComfyUI's template browser lists this folder
+API_WORKFLOWS_DIR = PACK_ROOT / "workflows_api"  # their API twins: a folder the template browser does not list
 PROBE = "zz_probe"
 PROBE_FOLDERS = ("checkpoints", "diffusers", "loras", "upscale_models", "vae", "embeddings", "text_encoders", "clip")
 PROBE_EXTENSIONS = (".safetensors", ".sft", ".pth", ".pt", ".ckpt", ".bin")

@@ -1,11 +1,12 @@
 """The shipped workflows are consistent with the nodes they use, without ComfyUI.
 
-For every ``workflows/NAME.json`` (editor) and its ``NAME.api.json`` twin: both describe the same graph and values
-(the editor file converted by the runner's converter equals the API file), every node type and input exists in the
-pack (its own ``INPUT_TYPES``/``RETURN_TYPES``) or in ComfyUI core (``tests/fixtures/core_object_info.json``, recorded
-by ``snapshot_core_nodes.py``), every link joins outputs and inputs of the same type, and fixed COMBO values are
-legal. A failure lists one line per problem naming the node, its type and the input, so a pack node that has not
-landed yet reads ``node 2 (LeanStreamSampler): unknown node type ...``.
+For every ``workflows/NAME.json`` (editor) and its ``workflows_api/NAME.api.json`` twin: both describe the same
+graph and values (the editor file converted by the runner's converter equals the API file), every node type and
+input exists in the pack (its own ``INPUT_TYPES``/``RETURN_TYPES``) or in ComfyUI core
+(``tests/fixtures/core_object_info.json``, recorded by ``snapshot_core_nodes.py``), every link joins outputs and
+inputs of the same type, and fixed COMBO values are legal; the template browser lists only editor files. A failure
+lists one line per problem naming the node, its type and the input, so a pack node that has not landed yet reads
+``node 2 (LeanStreamSampler): unknown node type ...``.
 
 The negative tests mutate copies of a hand-written core-node fixture (the runner's ``tests/fixtures/core_image*``)
 and of the quickstart pair, and prove the checker fails on a missing node, a missing or undeclared input, a wrong
@@ -19,12 +20,12 @@ import pytest
 
 from leandiffusion import NODE_CLASS_MAPPINGS
 from leandiffusion.tests.workflows.checker import check_api, check_pair, check_ui
-from leandiffusion.tests.workflows.specs import WORKFLOWS_DIR, combined, core_snapshot
+from leandiffusion.tests.workflows.specs import API_WORKFLOWS_DIR, PACK_ROOT, WORKFLOWS_DIR, combined, core_snapshot
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ISSUE_WORKFLOWS = {"quickstart", "sdxl_4gb_product_shot", "sd15_fast", "lora_hot_swap", "batch_catalogue",
                    "image_edit", "upscale_only", "comfy_conditioning"}
-UI_FILES = sorted(p for p in WORKFLOWS_DIR.glob("*.json") if not p.name.endswith(".api.json"))
+UI_FILES = sorted(WORKFLOWS_DIR.glob("*.json"))
 NAMES = [p.name[:-len(".json")] for p in UI_FILES]
 QUICKSTART_NODES = {"LeanModelLoader", "LeanFusedDDIMSampler", "LeanTiledVAEDecode"}
 needs_quickstart_nodes = pytest.mark.skipif(
@@ -39,19 +40,40 @@ def specs():
 
 def _pair(name):
     return (json.loads((WORKFLOWS_DIR / f"{name}.json").read_text()),
-            json.loads((WORKFLOWS_DIR / f"{name}.api.json").read_text()))
+            json.loads((API_WORKFLOWS_DIR / f"{name}.api.json").read_text()))
 
 
 # --------------------------------------------------------------------------------------------- the shipped files
 def test_every_issue_workflow_ships_with_api_twin_and_thumbnail():
-    missing = [f"{name}{ext}" for name in sorted(ISSUE_WORKFLOWS) for ext in (".json", ".api.json", ".jpg")
-               if not (WORKFLOWS_DIR / f"{name}{ext}").is_file()]
-    assert not missing, f"workflows/ lacks {missing}"
-    orphans = [p.name for p in WORKFLOWS_DIR.glob("*.api.json") if not p.with_name(p.name[:-9] + ".json").exists()]
+    missing = [f"{folder.name}/{name}{ext}" for name in sorted(ISSUE_WORKFLOWS)
+               for folder, ext in ((WORKFLOWS_DIR, ".json"), (API_WORKFLOWS_DIR, ".api.json"),
+                                   (WORKFLOWS_DIR, ".jpg"))
+               if not (folder / f"{name}{ext}").is_file()]
+    assert not missing, f"missing: {missing}"
+    orphans = [p.name for p in API_WORKFLOWS_DIR.glob("*.api.json")
+               if not (WORKFLOWS_DIR / f"{p.name[:-len('.api.json')]}.json").exists()]
     assert not orphans, f"API files without an editor twin: {orphans}"
     for name in NAMES:
-        assert (WORKFLOWS_DIR / f"{name}.api.json").is_file(), f"{name}.json has no API twin"
+        assert (API_WORKFLOWS_DIR / f"{name}.api.json").is_file(), f"{name}.json has no API twin"
         assert (WORKFLOWS_DIR / f"{name}.jpg").read_bytes()[:3] == b"\xff\xd8\xff", f"{name}.jpg is not a JPEG"
+
+
+# ComfyUI's template browser (app/custom_node_manager.py, ComfyUI 0.3.64) lists ``<pack>/<folder>/*.json`` for these
+TEMPLATE_FOLDERS = ("example_workflows", "example", "examples", "workflow", "workflows")
+
+
+def test_the_template_browser_lists_only_editor_workflows():
+    """Every file the template browser lists opens in the editor: an API-format file listed there showed a blank
+    thumbnail and opened as an empty canvas with a schema-version alert."""
+    listed = sorted(p for folder in TEMPLATE_FOLDERS for p in (PACK_ROOT / folder).glob("*.json"))
+    assert listed, "no workflow is listed in the template browser"
+    not_editor = []
+    for path in listed:
+        data = json.loads(path.read_text())
+        if not (isinstance(data, dict) and isinstance(data.get("nodes"), list) and "links" in data):
+            not_editor.append(f"{path.parent.name}/{path.name}")
+    assert not not_editor, f"not editor workflows, move them to workflows_api/: {not_editor}"
+    assert API_WORKFLOWS_DIR.name not in TEMPLATE_FOLDERS
 
 
 @pytest.mark.parametrize("name", NAMES)
