@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..batch import BatchProgress, release_frames
 from ..bridge import ProgressBar, check_interrupted, soft_empty_cache
 from ..memory.host_memory import check_host_bytes
+from ..memory.out_of_memory import is_out_of_memory
 from .descriptor import Upscaler
 from .options import (MIN_TILE, auto_tile, check_options, choose_device, choose_dtype, resolve_layout,
                       work_budget)
@@ -154,7 +155,9 @@ def _upscale_with_retry(run: _Run, chw: torch.Tensor, tile: int, work_bytes: int
             y = _upscale_one(run, chw, tile, work_bytes, progress.tick, out)
             progress.image_done()
             return y, tile, work_bytes
-        except torch.OutOfMemoryError as exc:
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory errors (CUDA's or the CPU allocator's) retry
+            if not is_out_of_memory(exc):
+                raise
             tried.append(tile)
             if tile // 2 < MIN_TILE:
                 raise RuntimeError(

@@ -36,6 +36,7 @@ from ..batch import BatchProgress, release_frames
 from ..memory.free_vram import usable_free_bytes
 from ..memory.finite import refuse_non_finite_input
 from ..memory.host_memory import check_host_bytes
+from ..memory.out_of_memory import is_out_of_memory
 from .adapters import decoder_program, encoder_program
 from .blend import axis_tiles, run_blend
 from .exact import ExactConfig, run_exact
@@ -128,7 +129,9 @@ def _run_with_retry(run, tile: int, budget: int, device: torch.device, what: str
     while True:
         try:
             return run(tile, budget), tile, budget
-        except _OOM as exc:
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory errors (CUDA's or the CPU allocator's) retry
+            if not is_out_of_memory(exc):
+                raise
             tried.append(tile)
             error = str(exc)  # the text only: the exception's traceback would keep the failed attempt's tensors
         _free_after_oom(device)  # outside the except block, so the failed frames' tensors are released

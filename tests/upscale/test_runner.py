@@ -46,20 +46,21 @@ def test_unshuffle_rrdb_tiled_equals_untiled():
 class _Spy(torch.nn.Module):
     """Wraps a module; records window sizes and raises OOM above ``limit`` pixels."""
 
-    def __init__(self, inner, limit=None):
+    def __init__(self, inner, limit=None, error=None):
         super().__init__()
         self.inner, self.limit, self.sizes = inner, limit, []
+        self.error = error or (lambda: torch.OutOfMemoryError("injected: CUDA out of memory"))
 
     def forward(self, x):
         self.sizes.append(tuple(x.shape[-2:]))
         if self.limit is not None and x.shape[-1] * x.shape[-2] > self.limit:
-            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+            raise self.error()
         return self.inner(x)
 
 
-def _spied(limit=None):
+def _spied(limit=None, error=None):
     base = build_upscaler(H.random_compact(num_conv=3))
-    spy = _Spy(base.module, limit)
+    spy = _Spy(base.module, limit, error)
     from dataclasses import replace
 
     return replace(base, module=spy), spy, base
@@ -73,6 +74,20 @@ def test_oom_halves_the_tile_and_recovers(caplog):
     assert spy.sizes[0] == (100, 100) and max(h * w for h, w in spy.sizes[1:]) <= 70 * 70
     assert "retrying with tile 50" in caplog.text
     torch.testing.assert_close(out, upscale_images(base, img, device="cpu", quiet=True), atol=1e-5, rtol=0)
+
+
+def test_a_cpu_allocation_failure_halves_the_tile_too_and_other_errors_do_not():
+    """torch's CPU allocator raises a RuntimeError, not OutOfMemoryError: the tile must shrink all the same."""
+    up, spy, base = _spied(70 * 70, lambda: RuntimeError("DefaultCPUAllocator: not enough memory: you tried to "
+                                                          "allocate 9000000000 bytes"))
+    img = H.random_image(1, 100, 100)
+    out = upscale_images(up, img, device="cpu", tile_size=256, tile_overlap=8, quiet=True)
+    assert spy.sizes[0] == (100, 100) and max(h * w for h, w in spy.sizes[1:]) <= 70 * 70
+    torch.testing.assert_close(out, upscale_images(base, img, device="cpu", quiet=True), atol=1e-5, rtol=0)
+    up, spy, _ = _spied(70 * 70, lambda: RuntimeError("a real bug"))
+    with pytest.raises(RuntimeError, match="a real bug"):
+        upscale_images(up, img, device="cpu", tile_size=256, tile_overlap=8, quiet=True)
+    assert spy.sizes == [(100, 100)]
 
 
 class _OomOnCall(torch.nn.Module):

@@ -132,6 +132,34 @@ def test_oom_halves_tile_and_retries(engine, monkeypatch, caplog):
     assert (img - ref).abs().max().item() <= 1e-4
 
 
+def test_a_cpu_allocation_failure_halves_the_tile_too_and_other_errors_do_not(engine, monkeypatch):
+    """torch's CPU allocator raises a RuntimeError, not OutOfMemoryError: the tile must shrink all the same, while
+    any other error propagates at once."""
+    real = tiled.run_exact
+    seen = []
+
+    def flaky(program, sample, cfg, *args, **kwargs):
+        seen.append(cfg.tile_px)
+        if cfg.tile_px > 256:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9000000000 bytes")
+        return real(program, sample, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(tiled, "run_exact", flaky)
+    tiled.tiled_decode(from_module(engine.parts.vae), torch.randn(1, 4, 9, 7), tile_size=512, overlap=64, quiet=True)
+    assert seen == [512, 256]
+
+    def broken(program, sample, cfg, *args, **kwargs):
+        seen.append(cfg.tile_px)
+        raise RuntimeError("a real bug")
+
+    seen.clear()
+    monkeypatch.setattr(tiled, "run_exact", broken)
+    with pytest.raises(RuntimeError, match="a real bug"):
+        tiled.tiled_decode(from_module(engine.parts.vae), torch.randn(1, 4, 9, 7), tile_size=512, overlap=64,
+                           quiet=True)
+    assert seen == [512]
+
+
 def test_oom_down_to_128_then_clear_error(engine, monkeypatch):
     seen = []
 
