@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional, Protocol
 
 import torch
 
+from .families import is_dit_family
 from .unet_patches import fused_geglus
 from .vram_budget import UNBUDGETED, VramBudget
 
@@ -38,9 +39,12 @@ TIME_IDS_DTYPE = torch.float32
 
 @dataclass(frozen=True, eq=False)
 class ModelParts:
-    """The modules of one checkpoint. Shared by every view of it; never replaced in place."""
+    """The modules of one checkpoint. Shared by every view of it; never replaced in place.
 
-    family: str  # "sd1", "sd2", "sd2-v", "sdxl"
+    ``unet`` holds the family's denoiser, whatever its architecture (a UNet, or a DiT such as Z-Image's
+    transformer): the ``unet`` stage runs it, so policies, streaming and adapters treat every family alike."""
+
+    family: str  # "sd1", "sd2", "sd2-v", "sdxl", "zimage"
     unet: torch.nn.Module
     vae: torch.nn.Module
     text_encoder: torch.nn.Module
@@ -61,6 +65,22 @@ class ModelParts:
     @property
     def vae_scaling_factor(self) -> float:
         return float(self.vae.config.scaling_factor)
+
+    @property
+    def vae_shift_factor(self) -> float:
+        """Subtracted before scaling (``(raw - shift) * scale``); 0 for the SD VAEs, which have none."""
+        shift = getattr(self.vae.config, "shift_factor", None)
+        return float(shift) if shift is not None else 0.0
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The family's denoiser (UNet or DiT); the same module as ``unet``."""
+        return self.unet
+
+    @property
+    def is_flow(self) -> bool:
+        """A flow-matching DiT family (Z-Image), sampled by the flow sampler rather than DDIM."""
+        return is_dit_family(self.family)
 
     @property
     def latent_channels(self) -> int:
@@ -254,9 +274,11 @@ def engine_from_parts(parts: ModelParts, device: str | torch.device = "cpu", dty
 
 
 def parts_from_components(components: dict, name: str = "") -> ModelParts:
-    """ModelParts from a dict with diffusers module names (as ``memory.tiny.build_tiny_components`` returns)."""
+    """ModelParts from a dict with diffusers module names (as ``memory.tiny.build_tiny_components`` or
+    ``memory.tiny_zimage.build_tiny_zimage`` return; a DiT's ``transformer`` becomes the ``unet`` slot)."""
+    denoiser = components["unet"] if "unet" in components else components["transformer"]
     return ModelParts(
-        family=components["family"], unet=components["unet"], vae=components["vae"],
+        family=components["family"], unet=denoiser, vae=components["vae"],
         text_encoder=components["text_encoder"], tokenizer=components["tokenizer"],
         scheduler_config=dict(components["scheduler_config"]),
         text_encoder_2=components.get("text_encoder_2"), tokenizer_2=components.get("tokenizer_2"), name=name)

@@ -13,6 +13,7 @@ loudly at load time, never silently.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,10 +214,23 @@ _DEFAULTS_FILE = Path(__file__).resolve().parent / "configs" / "families.json"
 
 
 def family_defaults(name: str) -> dict:
-    """Shipped per-family defaults (scheduler config, VAE scaling, native size, fp16 VAE overflow); see the JSON."""
+    """Shipped per-family defaults (scheduler config, VAE scaling, native size, fp16 VAE overflow); see the JSON.
+    Returns a fresh copy: callers may change it."""
+    import copy
+
+    table = _defaults_table()
+    if name not in table or name.startswith("_"):
+        raise ValueError(f"family={name!r}: expected one of {', '.join(k for k in table if not k.startswith('_'))}")
+    return copy.deepcopy(table[name])
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults_table() -> dict:
     import json
 
-    table = json.loads(_DEFAULTS_FILE.read_text())
-    if name not in table or name.startswith("_"):
-        raise ValueError(f"family={name!r}: expected one of sd1, sd2, sd2-v, sdxl")
-    return table[name]
+    return json.loads(_DEFAULTS_FILE.read_text())
+
+
+def is_dit_family(name: str) -> bool:
+    """Whether ``name``'s denoiser is a flow-matching DiT (sampled by the flow sampler, not DDIM)."""
+    return family_defaults(name).get("denoiser") == "dit"

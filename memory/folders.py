@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 # pipeline class -> "sd" (SD1 or SD2, told apart by the UNet), "sdxl", or a refused family's description.
 PIPELINES = {
     "StableDiffusionPipeline": "sd", "StableDiffusionImg2ImgPipeline": "sd", "StableDiffusionXLPipeline": "sdxl",
-    "StableDiffusionXLImg2ImgPipeline": "sdxl",
+    "StableDiffusionXLImg2ImgPipeline": "sdxl", "ZImagePipeline": "zimage", "ZImageImg2ImgPipeline": "zimage",
 }
 REFUSED = {
     "StableDiffusion3Pipeline": "sd3 (Stable Diffusion 3 / 3.5)", "FluxPipeline": "flux (Flux)",
@@ -61,7 +61,9 @@ def load_diffusers_folder(folder: Path) -> dict:
     kind = PIPELINES.get(cls)
     if kind is None:
         raise UnsupportedFamilyError(f"model={folder.name!r}: pipeline class {cls!r} is not an SD1.x/SD2.x/SDXL "
-                                     f"text-to-image pipeline")
+                                     f"or Z-Image text-to-image pipeline")
+    if kind == "zimage":
+        return load_zimage_folder(folder)
     for part in ("unet", "vae", "text_encoder") + (("text_encoder_2",) if kind == "sdxl" else ()):
         if not (folder / part).is_dir():
             what = "an SDXL refiner (no first text encoder)" if part == "text_encoder" and kind == "sdxl" else "incomplete"
@@ -88,6 +90,31 @@ def load_diffusers_folder(folder: Path) -> dict:
     components["tokenizer"] = _tokenizer(folder, "tokenizer", OPENCLIP_PAD if openclip_first else None)
     if kind == "sdxl":
         components["tokenizer_2"] = _tokenizer(folder, "tokenizer_2", OPENCLIP_PAD)
+    return components
+
+
+def load_zimage_folder(folder: Path) -> dict:
+    """A Z-Image components dict (``transformer``, Qwen3 ``text_encoder``, ``tokenizer``, 16-channel ``vae``,
+    ``scheduler_config``) from a ``ZImagePipeline`` folder, as ``memory.tiny_zimage.build_tiny_zimage`` returns."""
+    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    from transformers import AutoTokenizer, Qwen3Model
+
+    for part in ("transformer", "vae", "text_encoder", "tokenizer"):
+        if not (folder / part).is_dir():
+            raise UnsupportedFamilyError(f"model={folder.name!r}: the Z-Image folder has no '{part}' sub-folder "
+                                         f"(incomplete download); re-download the whole folder")
+    kw = dict(local_files_only=True)
+    components = {"family": "zimage", "transformer": _component(folder, "transformer", ZImageTransformer2DModel, kw),
+                  "text_encoder": _component(folder, "text_encoder", Qwen3Model, kw),
+                  "vae": _component(folder, "vae", AutoencoderKL, kw)}
+    try:
+        components["tokenizer"] = AutoTokenizer.from_pretrained(str(folder / "tokenizer"), **kw)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model={folder.name!r}: the 'tokenizer' sub-folder could not be loaded "
+                         f"({load_error_reason(exc)}); re-download the folder") from exc
+    _, components["scheduler_config"] = _scheduler_config(folder, "zimage")
+    for module in ("transformer", "text_encoder", "vae"):
+        components[module].eval().requires_grad_(False)
     return components
 
 

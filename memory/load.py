@@ -1,7 +1,7 @@
 """The loader's package entry: a model choice -> modules -> an engine under a VRAM policy.
 
 Model choices (the node's ``model`` COMBO): ``tiny-random (test)`` (``memory/tiny.py``'s SD1.x-like model, built
-once per process and copied per load), a ``.safetensors`` name in ComfyUI's ``checkpoints`` folder, or a folder
+once per process and copied per load), ``tiny-random Z-Image (test)`` (``memory/tiny_zimage.py``, likewise), a ``.safetensors`` name in ComfyUI's ``checkpoints`` folder, or a folder
 name in its ``diffusers`` folder (outside ComfyUI: ``$LEANDIFFUSION_MODELS/<folder>``).
 
 Invariant: each load builds its own modules (a placement owns where its modules live, so two engines with
@@ -28,6 +28,7 @@ from .pool import BufferPool
 logger = logging.getLogger(__name__)
 
 TINY_CHOICE = "tiny-random (test)"
+TINY_ZIMAGE_CHOICE = "tiny-random Z-Image (test)"
 WEIGHT_DTYPES = ("auto", "fp16", "bf16", "fp32")
 VAE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 
@@ -35,7 +36,7 @@ VAE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 def model_choices() -> list[str]:
     """The node's ``model`` COMBO: the tiny model, checkpoints (``.safetensors``) and diffusers folders (any
     sub-folder of ``diffusers/`` holding a ``model_index.json``, at any depth, as ComfyUI's DiffusersLoader)."""
-    return [TINY_CHOICE] + bridge.list_models("checkpoints", (".safetensors",)) + \
+    return [TINY_CHOICE, TINY_ZIMAGE_CHOICE] + bridge.list_models("checkpoints", (".safetensors",)) + \
         bridge.list_models("diffusers", marker="model_index.json")
 
 
@@ -46,13 +47,25 @@ def _tiny_cached() -> dict:
     return build_tiny_components("sd1", seed=0)
 
 
+@functools.lru_cache(maxsize=1)
+def _tiny_zimage_cached() -> dict:
+    from .tiny_zimage import build_tiny_zimage
+
+    return build_tiny_zimage(seed=0)
+
+
+def _copied(cached: dict) -> dict:
+    return {k: (copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v) for k, v in cached.items()}
+
+
 def load_components(choice: str) -> tuple[dict, str]:
     """Modules for ``choice`` (CPU, file dtype) and a display name."""
     if not isinstance(choice, str) or not choice:
         raise ValueError(f"model={choice!r}: expected a name from the node's model list")
     if choice == TINY_CHOICE:
-        cached = _tiny_cached()
-        return {k: (copy.deepcopy(v) if isinstance(v, torch.nn.Module) else v) for k, v in cached.items()}, "tiny-sd1"
+        return _copied(_tiny_cached()), "tiny-sd1"
+    if choice == TINY_ZIMAGE_CHOICE:
+        return _copied(_tiny_zimage_cached()), "tiny-zimage"
     if choice.lower().endswith(".safetensors"):
         return load_ldm_checkpoint(bridge.resolve_model("checkpoints", choice, "model")), Path(choice).stem
     path = bridge.resolve_model("diffusers", choice, "model")

@@ -27,7 +27,8 @@ from .hostmem import FlatLayout
 GiB = 2 ** 30
 WORKSPACE_CUDA = 576 * 2 ** 20  # library workspaces + reserved-over-allocated slack of one UNet step (docstring)
 FRAGMENTATION = 1.3
-TRANSIENT_FACTOR = {"transformer": 18, "resnet": 6, "downsample": 2, "upsample": 3}
+# "dit": a DiT block's SwiGLU feed-forward holds two hidden-width (8/3 x dim) halves and their product
+TRANSIENT_FACTOR = {"transformer": 18, "resnet": 6, "downsample": 2, "upsample": 3, "dit": 9}
 
 
 def module_bytes(module: Optional[torch.nn.Module], dtype: torch.dtype) -> int:

@@ -26,7 +26,7 @@ from .free_vram import FREE_FRACTION, usable_free_bytes
 from .plan import GiB, MemoryPlan, activation_bytes, gb, module_bytes
 from .policy_config import PolicyConfig, VramPolicy, dtype_name
 from .stream_schedule import StreamSchedule, minimum_arena_bytes, plan_schedule
-from .unet_units import trace_units
+from .units import trace_units
 from .vram_budget import HEADROOM, StageMode, VramBudget
 
 

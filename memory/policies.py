@@ -40,7 +40,7 @@ from .placement import ModelPlacement
 from .plan import GiB, activation_bytes, module_bytes
 from .planner import plan_placement, stream_minimum_bytes
 from .policy_config import DTYPES, PolicyConfig, VramPolicy
-from .unet_units import trace_units
+from .units import trace_units
 
 
 def check_policy_args(policy: str | VramPolicy, vram_budget_gb: float) -> VramPolicy:
@@ -54,6 +54,23 @@ def check_policy_args(policy: str | VramPolicy, vram_budget_gb: float) -> VramPo
             or not math.isfinite(vram_budget_gb):
         raise ValueError(f"vram_budget_gb={vram_budget_gb!r}: expected a positive number of GB")
     return requested
+
+
+def default_dtype(family: str, device: torch.device) -> torch.dtype:
+    """The weight dtype ``auto`` means: fp32 on the CPU; on CUDA the family's ``default_dtype`` (bf16 for the DiTs,
+    whose activations overflow fp16), else fp16."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    return DTYPES[family_defaults(family).get("default_dtype", "fp16")]
+
+
+def default_working_shape(parts: ModelParts) -> tuple[int, int, int]:
+    """(batch, latent_h, latent_w) the activation estimate assumes: batch 2 (guidance) at the family's native
+    size (a UNet's ``sample_size``; a DiT's ``native_px / 8``)."""
+    size = getattr(parts.unet.config, "sample_size", None)
+    if size is None:
+        size = family_defaults(parts.family)["native_px"] // 8
+    return (2, int(size), int(size))
 
 
 def apply_vram_policy(parts: ModelParts, policy: str | VramPolicy = "auto", *, device=None,
@@ -78,13 +95,12 @@ def apply_vram_policy(parts: ModelParts, policy: str | VramPolicy = "auto", *, d
     for arg, value in (("dtype", dtype), ("vae_dtype", vae_dtype)):
         if value is not None and value not in DTYPES.values():
             raise ValueError(f"{arg}={value!r}: expected torch.float16, torch.bfloat16 or torch.float32")
-    dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
+    dtype = dtype or default_dtype(parts.family, dev)
     if vae_dtype is None:
         overflows = family_defaults(parts.family)["vae_fp16_overflows"]
         vae_dtype = torch.float32 if (dev.type == "cpu" or (overflows and dtype == torch.float16)) else dtype
     if working_shape is None:
-        s = int(parts.unet.config.sample_size)
-        working_shape = (2, s, s)
+        working_shape = default_working_shape(parts)
     if len(working_shape) != 3 or any(int(v) < 1 for v in working_shape):
         raise ValueError(f"working_shape={working_shape!r}: expected (batch, latent_h, latent_w) of positive ints")
     config = PolicyConfig(requested if requested != VramPolicy.AUTO else VramPolicy.FULL, requested, dev, dtype,
@@ -97,10 +113,9 @@ def stream_working_minimum_gb(parts: ModelParts, device=None, dtype: Optional[to
                               working_shape: Optional[tuple] = None) -> float:
     """The smallest ``vram_budget_gb`` the ``stream`` policy accepts for ``parts`` (same estimate as the plan)."""
     dev = torch.device(device) if device is not None else bridge.default_device()
-    dtype = dtype or (torch.float16 if dev.type == "cuda" else torch.float32)
+    dtype = dtype or default_dtype(parts.family, dev)
     if working_shape is None:
-        s = int(parts.unet.config.sample_size)
-        working_shape = (2, s, s)
+        working_shape = default_working_shape(parts)
     units = trace_units(parts.unet, tuple(working_shape), dtype)
     act = activation_bytes(units, torch.empty((), dtype=dtype).element_size(), dev.type)
     return stream_minimum_bytes(units, act, module_bytes(parts.unet, dtype)) / GiB

@@ -55,7 +55,7 @@ def meta_inputs(config, batch: int, latent_h: int, latent_w: int) -> tuple:
     return args, kwargs
 
 
-def trace_units(unet: torch.nn.Module, working_shape: tuple[int, int, int], dtype: torch.dtype) -> list[Unit]:
+def trace_unet_units(unet: torch.nn.Module, working_shape: tuple[int, int, int], dtype: torch.dtype) -> list[Unit]:
     """Units in execution order with their flat sizes and FLOP estimates (one ``meta`` forward)."""
     types = stream_unit_types()
     batch, h, w = working_shape

@@ -5,7 +5,7 @@ Argument plumbing only; the work is in ``memory/load.py`` (loading) and ``memory
 from __future__ import annotations
 
 from .. import bridge
-from ..memory.load import TINY_CHOICE, VAE_DTYPES, WEIGHT_DTYPES, load_engine, model_choices
+from ..memory.load import TINY_CHOICE, TINY_ZIMAGE_CHOICE, VAE_DTYPES, WEIGHT_DTYPES, load_engine, model_choices
 from ..memory.policies import VramPolicy
 
 POLICIES = [p.value for p in VramPolicy]
@@ -27,7 +27,8 @@ class LeanModelLoader:
         return {"required": {
             "model": (model_choices(), {"default": TINY_CHOICE, "tooltip": (
                 "Checkpoint to load: a .safetensors file from models/checkpoints, a folder from models/diffusers, "
-                "or 'tiny-random (test)', a tiny random SD1.x-like model that runs anywhere (for testing graphs).")}),
+                "a Z-Image diffusers folder (ZImagePipeline), or 'tiny-random (test)' / 'tiny-random Z-Image (test)', "
+                "tiny random SD1.x-like / Z-Image-like models that run anywhere (for testing graphs).")}),
             "vram_policy": (POLICIES, {"default": "auto", "tooltip": (
                 "full: everything on the GPU. balanced: UNet on the GPU, text encoders and VAE only while used. "
                 "lowvram: text encoders on the CPU, VAE on the GPU only while decoding. stream: UNet weights split "
@@ -38,7 +39,8 @@ class LeanModelLoader:
                 "prompt encoding, VAE decode/encode): weights kept on the GPU plus working memory. Too small a "
                 "budget gives an error stating the model's minimum.")}),
             "weight_dtype": (list(WEIGHT_DTYPES), {"default": "auto", "tooltip": (
-                "Precision of UNet and text encoder weights. auto: fp16 on the GPU, fp32 on the CPU.")}),
+                "Precision of the denoiser (UNet or DiT) and text encoder weights. auto: fp16 on the GPU (bf16 for "
+                "Z-Image), fp32 on the CPU.")}),
             "vae_dtype": (list(VAE_DTYPES), {"default": "auto", "tooltip": (
                 "Precision of the VAE. auto keeps the VAE in fp32 where fp16 is known to overflow (SDXL), as "
                 "ComfyUI's --no-half-vae does, and uses the weight precision otherwise.")}),
@@ -48,8 +50,8 @@ class LeanModelLoader:
     def IS_CHANGED(cls, model, **_):
         """The checkpoint file's (or diffusers folder's files') identity: a model replaced on disk under the same name
         loads again; the built-in tiny model never changes."""
-        if model == TINY_CHOICE:
-            return TINY_CHOICE
+        if model in (TINY_CHOICE, TINY_ZIMAGE_CHOICE):
+            return model
         if str(model).lower().endswith(".safetensors"):
             return bridge.model_fingerprint("checkpoints", model)
         return bridge.model_fingerprint("diffusers", model)

@@ -32,7 +32,7 @@ import torch
 from ...memory.engine import LeanEngine
 from ...memory.free_vram import usable_free_bytes
 from ...memory.plan import WORKSPACE_CUDA, activation_bytes
-from ...memory.unet_units import trace_units
+from ...memory.units import trace_units
 
 AUTO_BATCH_CAP = 16
 MIN_BATCHES = 1

@@ -65,7 +65,7 @@ def _nine_channel_unet(folder):
      r"model='sd3': detected family 'sd3 \(Stable Diffusion 3 / 3.5\)' \(StableDiffusion3Pipeline\), which "
      r"LeanDiffusion does not run; supported families are SD1.x, SD2.x and SDXL base"),
     ("audio", "sd1", _set_class("AudioLDMPipeline"), UnsupportedFamilyError,
-     r"model='audio': pipeline class 'AudioLDMPipeline' is not an SD1.x/SD2.x/SDXL text-to-image pipeline"),
+     r"model='audio': pipeline class 'AudioLDMPipeline' is not an SD1.x/SD2.x/SDXL or Z-Image text-to-image pipeline"),
     ("refiner", "sdxl", lambda f: shutil.rmtree(f / "text_encoder"), UnsupportedFamilyError,
      r"model='refiner': the folder has no 'text_encoder' sub-folder \(an SDXL refiner \(no first text encoder\)\)"),
     ("no_vae", "sd1", lambda f: shutil.rmtree(f / "vae"), UnsupportedFamilyError,

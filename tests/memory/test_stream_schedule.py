@@ -119,7 +119,8 @@ def test_unit_flops_agree_with_a_flop_count_of_the_forward():
     from torch.utils.flop_counter import FlopCounterMode
 
     from leandiffusion.bench.models import SDXL_UNET
-    from leandiffusion.memory.unet_units import meta_inputs, trace_units
+    from leandiffusion.memory.unet_units import meta_inputs
+    from leandiffusion.memory.units import trace_units
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**SDXL_UNET)
@@ -152,7 +153,7 @@ def test_sdxl_plan_at_4gib_leaves_no_more_than_one_block_idle():
     from leandiffusion.bench.models import SDXL_UNET
     from leandiffusion.memory import planner, policies
     from leandiffusion.memory.plan import GiB, activation_bytes, module_bytes
-    from leandiffusion.memory.unet_units import trace_units
+    from leandiffusion.memory.units import trace_units
 
     with torch.device("meta"):
         unet = UNet2DConditionModel(**SDXL_UNET).half()

@@ -1,0 +1,18 @@
+"""The denoiser's streamable units, whatever its architecture: one entry point for planners and streamers.
+
+Invariant: ``trace_units`` returns the units of a UNet (``unet_units``) or of a DiT (``dit_units``) in execution
+order, each with its flat size in ``dtype``, its FLOPs and its output size at ``working_shape``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dit_units import is_zimage_transformer, trace_dit_units
+from .unet_units import Unit, trace_unet_units
+
+
+def trace_units(denoiser: torch.nn.Module, working_shape: tuple[int, int, int], dtype: torch.dtype) -> list[Unit]:
+    """Units of ``denoiser`` (the ``unet`` slot of ``ModelParts``) at ``working_shape`` = (batch, latent h, w)."""
+    if is_zimage_transformer(denoiser):
+        return trace_dit_units(denoiser, working_shape, dtype)
+    return trace_unet_units(denoiser, working_shape, dtype)
