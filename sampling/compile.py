@@ -83,6 +83,12 @@ def compile_mode() -> str:
     return mode
 
 
+def compile_options(mode: str) -> dict:
+    """``torch.compile`` keyword arguments of a ``LEANDIFFUSION_COMPILE_MODE`` preset (a fresh copy)."""
+    preset = _PRESETS[mode]
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in preset.items()}
+
+
 def compile_scope() -> str:
     """The ``LEANDIFFUSION_COMPILE_SCOPE`` choice (default ``DEFAULT_SCOPE``)."""
     scope = os.environ.get(ENV_COMPILE_SCOPE, DEFAULT_SCOPE).strip() or DEFAULT_SCOPE

@@ -68,6 +68,9 @@ def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional
     """
     if not isinstance(engine, LeanEngine):
         raise TypeError(f"lean_model: expected a LEAN_MODEL from the Memory Pool Loader, got {type(engine).__name__}")
+    if engine.parts.is_flow:
+        raise ValueError(f"lean_model is a {engine.family} model (a flow-matching DiT); the Fused DDIM Sampler runs "
+                         f"SD1.x/SD2.x/SDXL: use the Fused Flow Sampler for it")
     s = settings.validated()
     parts = engine.parts
     config = ddim.config_with(ddim.pipeline_config(parts.scheduler_config, parts.is_sdxl),
@@ -160,7 +163,8 @@ def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional
     return acceleration
 
 
-def _allocator(engine: LeanEngine):
+def step_allocator(engine: LeanEngine):
+    """The engine's buffer pool as a step program's allocator (plain allocation without a pool)."""
     pool = engine.pool
     get = getattr(pool, "get", None) if pool is not None else None
     if callable(get):
@@ -218,7 +222,7 @@ def prepare_steps(engine: LeanEngine, conditioning: Conditioning, x_init: torch.
 
     def build(unet_fn) -> StepProgram:
         return StepProgram(unet_fn, shape, model_dtype, calls, copies, has_noise, conditioning.guided,
-                           schedule.prediction_type, _allocator(engine))
+                           schedule.prediction_type, step_allocator(engine))
 
     def prepare(program: StepProgram) -> None:
         program.load(calls, x_init.to(device))

@@ -1,0 +1,156 @@
+"""The Fused Flow Sampler loop: prompts (or Qwen3 CONDITIONING) + seed (+ a LATENT) -> LATENT, as ZImagePipeline.
+
+Invariants (what makes the output equal ``ZImagePipeline(prompt, negative_prompt, num_inference_steps=steps,
+guidance_scale=cfg - 1, width, height, num_images_per_prompt=batch, generator=torch.Generator("cpu")
+.manual_seed(seed), output_type="latent")`` converted to raw VAE space, ``latents / scaling_factor + shift_factor``):
+- Schedule: ``schedule.flow_sigmas`` from the model's scheduler config; model timestep ``(1000 - 1000 sigma) / 1000``.
+- Noise: one ``torch.Generator("cpu").manual_seed(seed)`` draw of the whole ``[B, 16, h, w]`` float32 shape (or
+  ComfyUI's per-``batch_index`` draws for a LATENT that carries one); txt2img starts from it.
+- img2img (a ``latent_image`` with ``denoise`` < 1, or ``denoise`` < 1 from an empty latent, as ComfyUI's
+  EmptyLatentImage gives): ComfyUI's rule, the last ``steps + 1`` sigmas of an ``int(steps / denoise)`` schedule,
+  starting from ``sigma0 noise + (1 - sigma0) x0`` with ``x0 = (raw - shift) * scale``.
+- Guidance: ``cfg > 1`` runs the DiT on ``[cond x B, uncond x B]`` and combines ``u + cfg (c - u)``; otherwise one
+  pass on the positive prompt only.
+- Every model call runs inside ``engine.session(...)``; ``bridge.check_interrupted()`` runs before every step and
+  the progress bar advances after it; on the GPU the host runs at most two steps ahead.
+
+Why hand-written rather than calling the pipeline (the tests' reference): static caption buffers
+(``dit_forward``), the fused update kernel, CUDA-graph replay and placement sessions do not fit its ``__call__``.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ... import bridge
+from ...memory.engine import LeanEngine
+from ..graph_runner import GraphRunner, default_runner
+from ..latent_input import batch_index_of, batch_latents, check_latent, check_latent_size, initial_noise
+from ..loop import resolve_acceleration, step_allocator, vae_scale_factor
+from ..settings import Acceleration
+from .accel import compiled_dit_fn, eager_dit_fn
+from .captions import flow_captions
+from .dit_forward import ImageGrid, caption_capacity, caption_layout
+from .program import FlowStepProgram
+from .schedule import flow_sigmas, model_timesteps
+from .settings import FlowSettings
+
+logger = logging.getLogger(__name__)
+
+_RUN_AHEAD = 2
+
+
+def check_flow_engine(engine: Any) -> LeanEngine:
+    if not isinstance(engine, LeanEngine):
+        raise TypeError(f"lean_model: expected a LEAN_MODEL from a Memory Pool Loader, got {type(engine).__name__}")
+    if not engine.parts.is_flow:
+        raise ValueError(f"lean_model is a {engine.family} model; the Fused Flow Sampler runs flow-matching DiTs "
+                         f"(Z-Image): use the Fused DDIM Sampler for {engine.family}, or load a Z-Image model")
+    return engine
+
+
+def sample_flow(engine: LeanEngine, settings: FlowSettings, latent_image: Optional[dict] = None,
+                positive_cond: Any = None, negative_cond: Any = None, runner: Optional[GraphRunner] = None,
+                quiet: bool = False) -> dict:
+    """Run the sampler; returns ``{"samples": raw latents [B, C, h, w] float32 on the CPU}`` (module docstring)."""
+    check_flow_engine(engine)
+    s = settings.validated()
+    parts = engine.parts
+    factor = vae_scale_factor(engine)
+    init, batch_index = None, None
+    if latent_image is not None:
+        rows = check_latent(engine, latent_image)
+        check_latent_size(rows.shape, factor, s.batch_size)
+        init = batch_latents(rows.float().cpu(), s.batch_size)
+        batch_index = batch_index_of(latent_image, rows.shape[0], init.shape[0])
+        shape = tuple(init.shape)
+    else:
+        shape = (s.batch_size, parts.latent_channels, s.height // factor, s.width // factor)
+    grid = ImageGrid.of(shape[2], shape[3], int(parts.unet.config.all_patch_size[0]))
+    img2img = s.denoise < 1.0
+    sigmas = flow_sigmas(parts.scheduler_config, s.steps, shape[2], shape[3], s.denoise if img2img else 1.0)
+    generator = torch.Generator(device="cpu").manual_seed(s.seed)
+    x = initial_noise(shape, generator, batch_index)
+    scale, shift = parts.vae_scaling_factor, parts.vae_shift_factor
+    if img2img:
+        x0 = ((init if init is not None else torch.zeros(shape)) - shift) * scale
+        x = sigmas[0] * x + (1.0 - sigmas[0]) * x0
+    bridge.check_interrupted()
+    captions = flow_captions(engine, s, shape[0], positive_cond, negative_cond)
+    with engine.session("unet"), torch.no_grad():
+        x = _denoise(engine, captions, x, sigmas, grid, s, runner, quiet)
+    out = {"samples": x.float().cpu() / scale + shift}
+    if batch_index is not None:
+        out["batch_index"] = batch_index
+    return out
+
+
+@dataclass
+class _Prepared:
+    program: FlowStepProgram
+    advance: Callable[[], None]
+    dit_fn: Callable
+    timesteps: torch.Tensor  # [steps] float32 on the device
+    coeffs: torch.Tensor  # [steps, 2] float32 on the device
+
+
+def _prepare(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.Tensor, grid: ImageGrid,
+             s: FlowSettings, runner: Optional[GraphRunner]) -> _Prepared:
+    device, dit = engine.device, engine.parts.unet
+    capacity = caption_capacity([int(c.shape[0]) for c in captions])
+    layout = caption_layout(dit, captions, grid, capacity, engine.dtype, device)
+    timesteps = model_timesteps(sigmas).to(device)
+    steps = sigmas[:-1] - sigmas[1:]
+    coeffs = torch.stack([torch.full_like(steps, s.cfg), steps], dim=1).to(device)
+    x_dev = x.to(device)
+    mode = resolve_acceleration(engine, s.acceleration, runner)
+
+    def build(fn) -> FlowStepProgram:
+        return FlowStepProgram(fn, x.shape[0], x.shape[1], grid, layout, engine.dtype, s.guided,
+                               step_allocator(engine))
+
+    def prepare(program: FlowStepProgram) -> None:
+        program.load(layout, x_dev)
+        program.set_step(timesteps[0], coeffs[0])
+
+    eager = eager_dit_fn(dit)
+    if mode == Acceleration.NONE.value:
+        program = build(eager)
+        prepare(program)
+        return _Prepared(program, program.step, eager, timesteps, coeffs)
+    runner = runner if runner is not None else default_runner()
+    compiled = mode == Acceleration.COMPILE.value
+    fn = compiled_dit_fn(engine) if compiled else eager
+    key = ("flow", tuple(x.shape), engine.dtype, s.guided, capacity, str(layout.caption_freqs.dtype))
+    captured = runner.step_for(engine, key, lambda: build(fn), prepare, compiled=compiled)
+    return _Prepared(captured.program, captured.replay, fn, timesteps, coeffs)
+
+
+def _denoise(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.Tensor, grid: ImageGrid,
+             s: FlowSettings, runner: Optional[GraphRunner], quiet: bool) -> torch.Tensor:
+    """The steps; returns the final model-space latents (float32, a new tensor on the device)."""
+    prepared = _prepare(engine, captions, x, sigmas, grid, s, runner)
+    program = prepared.program
+    cuda = engine.device.type == "cuda"
+    in_flight: collections.deque = collections.deque()
+    program.dit_fn = prepared.dit_fn  # bound for this run only: a cached program must not keep the engine alive
+    try:
+        with bridge.ProgressBar(prepared.timesteps.shape[0], desc="Fused Flow", quiet=quiet) as bar:
+            for i in range(prepared.timesteps.shape[0]):
+                bridge.check_interrupted()
+                program.set_step(prepared.timesteps[i], prepared.coeffs[i])
+                prepared.advance()
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                    in_flight.append(event)
+                    if len(in_flight) > _RUN_AHEAD:
+                        in_flight.popleft().synchronize()
+                bar.update(1)
+        return program.sample.clone()
+    finally:
+        program.dit_fn = None
