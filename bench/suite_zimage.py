@@ -1,0 +1,169 @@
+"""Z-Image suite: the Fused Flow Sampler against diffusers' ZImagePipeline on the full-size architecture.
+
+Case ``1024_9steps`` (random weights scaled so activations stay O(1), bf16, one process, one GPU; prompt -> latent
+end to end, text encoding included on both sides, cfg 1 as Z-Image-Turbo runs):
+- peer: ``ZImagePipeline(prompt, num_inference_steps=9, guidance_scale=0, 1024x1024, output_type="latent")`` over
+  the same modules (SDPA attention, diffusers' default);
+- ours: ``sampling.flow.loop.sample_flow`` on an engine over the same modules (``full`` policy) with ``none``,
+  ``cuda_graph`` and ``compile+cuda_graph``.
+Records: ``e2e_ms`` per acceleration with the speed-up over the peer (targets: cuda_graph >= 1.0x, compile+cuda_graph
+>= 1.25x), ``dit_forward_ms`` (one eager forward of each side, the GEMM-bound floor), ``peak_reserved_gb`` of each
+side's timed runs, and fidelity: the relative L2 distance of the bf16 latents from diffusers' fp32 pipeline on the
+same weights and noise (ours: target <= 1e-2; and no further than diffusers' own bf16 pipeline, recorded as a ratio
+>= 1). The fp32 reference runs once (a float copy of the DiT and text encoder, freed afterwards).
+
+Timing: one warm-up run (capture and compile for ours, outside the timing), then the median of ``repeat`` runs
+(CUDA events, ``harness.time_ms``); the peer is re-timed after our runs and the faster peer timing is the
+denominator. ``ctx.smoke``: the tiny Z-Image on the CPU through the same code (numbers are meaningless).
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+
+import torch
+
+from .harness import BenchContext, peak_memory, time_ms
+
+logger = logging.getLogger(__name__)
+
+SUITE = "zimage"
+SMOKE_BUDGET_S = 30
+QUICK_BUDGET_S = 330  # the full-size build, the fp32 reference run and the regional compile dominate
+FULL_BUDGET_S = 540
+
+PROMPT = "a photograph of a lighthouse on a cliff at dusk, warm light in the windows, waves breaking below"
+CASE = "1024_9steps"
+TARGETS = {"cuda_graph": 1.0, "compile+cuda_graph": 1.25}
+FIDELITY_TARGET = 1e-2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _components(ctx: BenchContext):
+    if ctx.smoke or ctx.device.type != "cuda":
+        from ..memory.tiny_zimage import build_tiny_zimage
+
+        return build_tiny_zimage(seed=0), 64, 2
+    from .zimage_models import full_zimage_components
+
+    return full_zimage_components(ctx.device), 1024, 9
+
+
+def _peer_fn(pipe, size: int, steps: int):
+    def run() -> torch.Tensor:
+        return pipe(PROMPT, num_inference_steps=steps, guidance_scale=0.0, height=size, width=size,
+                    generator=torch.Generator("cpu").manual_seed(0), output_type="latent").images
+
+    return run
+
+
+def _ours_fn(engine, size: int, steps: int, acceleration: str):
+    from ..sampling.flow.loop import sample_flow
+    from ..sampling.flow.settings import FlowSettings
+
+    settings = FlowSettings(PROMPT, steps=steps, cfg=1.0, width=size, height=size, acceleration=acceleration)
+    scale, shift = engine.parts.vae_scaling_factor, engine.parts.vae_shift_factor
+
+    def run() -> torch.Tensor:  # back to the pipeline's model space, so both sides compare like for like
+        return (sample_flow(engine, settings, quiet=True)["samples"] - shift) * scale
+
+    return run
+
+
+def _dit_forward_ms(ctx: BenchContext, comps: dict, engine, size: int) -> None:
+    from ..sampling.flow.dit_forward import ImageGrid, caption_layout
+    from ..sampling.flow.accel import eager_dit_fn
+
+    dit, dev = comps["transformer"], ctx.device
+    dtype = next(dit.parameters()).dtype
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, size // 8, size // 8, generator=g).to(dev, dtype)
+    t = torch.full((1,), 0.5, device=dev)
+    cap = torch.randn(48, dit.config.cap_feat_dim, generator=g).to(dev, dtype)
+    grid = ImageGrid.of(size // 8, size // 8, 2)
+    layout = caption_layout(dit, [cap], grid, 128, dtype, dev)
+    ours = eager_dit_fn(dit)
+    with torch.no_grad(), engine.session("unet"):
+        mine = time_ms(lambda: ours(x, t, layout, grid), warmup=1, repeat=3, device=dev)
+        theirs = time_ms(lambda: dit([x[0].unsqueeze(1)], t, [cap], return_dict=False), warmup=1, repeat=3,
+                         device=dev)
+    ctx.record(CASE, "dit_forward_ms", mine, theirs, "diffusers forward (unmasked caption)", unit="ms",
+               notes="one eager DiT forward, caption bucket 128 with masked slots vs diffusers' exact padding")
+
+
+def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, repeat: int) -> dict:
+    dev = ctx.device
+    peer = _peer_fn(pipe, size, steps)
+    with peak_memory(dev) as peer_mem:
+        peer_ms = [time_ms(peer, warmup=1, repeat=repeat, device=dev)]
+    latents = {"diffusers_bf16": peer().float().cpu()}
+    for acceleration in ("none", "cuda_graph", "compile+cuda_graph"):
+        if not ctx.has_time(120 if acceleration.startswith("compile") else 30):
+            ctx.skip(f"{CASE}/{acceleration}", "no time left in the suite's budget")
+            continue
+        ours = _ours_fn(engine, size, steps, acceleration)
+        with peak_memory(dev) as mem:
+            ms = time_ms(ours, warmup=1, repeat=repeat, device=dev)
+        latents[acceleration] = ours().float().cpu()
+        peer_ms.append(time_ms(peer, warmup=0, repeat=repeat, device=dev))
+        target = TARGETS.get(acceleration)
+        ctx.record(CASE, f"e2e_ms_{acceleration}", ms, min(peer_ms), "diffusers ZImagePipeline bf16", target=target,
+                   target_kind="ratio>=" if target else "", unit="ms",
+                   notes=f"prompt -> latent, {steps} steps; peer timings {[round(p, 1) for p in peer_ms]}")
+        ctx.record(CASE, f"peak_reserved_gb_{acceleration}", mem["reserved_gb"], peer_mem["reserved_gb"],
+                   "diffusers ZImagePipeline bf16", unit="GB")
+    return latents
+
+
+def _fidelity(ctx: BenchContext, comps: dict, latents: dict, size: int, steps: int) -> None:
+    from .zimage_models import zimage_pipeline
+
+    if not ctx.has_time(60):
+        ctx.skip(f"{CASE}/fidelity", "no time left for the fp32 reference")
+        return
+    fp32 = dict(comps, transformer=copy.deepcopy(comps["transformer"]).float(),
+                text_encoder=copy.deepcopy(comps["text_encoder"]).float())
+    reference = _peer_fn(zimage_pipeline(fp32), size, steps)().float().cpu()
+    del fp32
+    gc.collect()
+    torch.cuda.empty_cache()
+    theirs = _rel(latents["diffusers_bf16"], reference)
+    ctx.record(CASE, "diffusers_bf16_rel_vs_fp32", theirs, unit="rel L2",
+               notes="diffusers' own bf16 pipeline against its fp32 run (same weights, same noise)")
+    for acceleration in ("cuda_graph", "compile+cuda_graph"):
+        if acceleration not in latents:
+            continue
+        mine = _rel(latents[acceleration], reference)
+        ctx.record(CASE, f"rel_vs_fp32_{acceleration}", mine, target=FIDELITY_TARGET, target_kind="ours<=",
+                   unit="rel L2", notes="bf16 latent vs diffusers' fp32 pipeline on the same weights and noise")
+        ctx.record(CASE, f"rel_vs_fp32_against_diffusers_bf16_{acceleration}", mine, theirs,
+                   "diffusers bf16 distance", target=1.0, target_kind="ratio>=", unit="rel L2",
+                   notes="ratio >= 1: ours no further from fp32 than diffusers' own bf16 pipeline")
+
+
+def run(ctx: BenchContext) -> None:
+    from ..memory.engine import parts_from_components
+    from ..memory.load import build_engine
+    from .zimage_models import zimage_pipeline
+
+    comps, size, steps = _components(ctx)
+    cuda = ctx.device.type == "cuda"
+    pipe = zimage_pipeline(comps)
+    if not cuda:
+        pipe.to(ctx.device)
+    dtype = "bf16" if cuda else "fp32"
+    engine = build_engine(parts_from_components(comps, name="zimage-random"), "full", weight_dtype=dtype,
+                          vae_dtype=dtype, device=ctx.device)
+    repeat = 1 if ctx.smoke else (2 if ctx.quick else 3)
+    if cuda:
+        _dit_forward_ms(ctx, comps, engine, size)
+    latents = _speed(ctx, comps, pipe, engine, size, steps, repeat)
+    if cuda:
+        _fidelity(ctx, comps, latents, size, steps)
+    else:
+        ctx.record(CASE, "smoke_rel_vs_diffusers", _rel(latents["none"], latents["diffusers_bf16"]), target=1e-4,
+                   target_kind="ours<=", unit="rel L2", notes="CPU fp32 tiny model: plumbing check")
