@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from .attention import installed
+
 SEQ_MULTIPLE = 32
 CAPTION_BUCKETS = (128, 256, 512)
 
@@ -127,7 +129,14 @@ def unpatchify(tokens: torch.Tensor, grid: ImageGrid, channels: int) -> torch.Te
 def dit_forward(dit: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, layout: CaptionLayout,
                 grid: ImageGrid) -> torch.Tensor:
     """The DiT's prediction for latents ``x`` [B, C, H, W] (model dtype) at model timesteps ``t`` [B] (float32),
-    conditioned on ``layout``; shapes depend only on B, the grid and the layout's capacity."""
+    conditioned on ``layout``; shapes depend only on B, the grid and the layout's capacity. Attention runs through
+    ``attention.ZImageAttnProcessor`` (the masked slots at flash-attention speed)."""
+    with installed(dit):
+        return _forward(dit, x, t, layout, grid)
+
+
+def _forward(dit: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, layout: CaptionLayout,
+             grid: ImageGrid) -> torch.Tensor:
     key = f"{grid.patch}-1"
     adaln = dit.t_embedder(t * dit.t_scale).type_as(x)
     image = dit.all_x_embedder[key](patchify(x, grid))
