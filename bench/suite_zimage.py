@@ -88,11 +88,15 @@ def _dit_forward_ms(ctx: BenchContext, comps: dict, engine, size: int) -> None:
     layout = caption_layout(dit, [cap], grid, 128, dtype, dev)
     ours = eager_dit_fn(dit)
     with torch.no_grad(), engine.session("unet"):
-        mine = time_ms(lambda: ours(x, t, layout, grid), warmup=1, repeat=3, device=dev)
-        theirs = time_ms(lambda: dit([x[0].unsqueeze(1)], t, [cap], return_dict=False), warmup=1, repeat=3,
-                         device=dev)
+        with peak_memory(dev) as mine_mem:
+            mine = time_ms(lambda: ours(x, t, layout, grid), warmup=1, repeat=3, device=dev)
+        with peak_memory(dev) as theirs_mem:
+            theirs = time_ms(lambda: dit([x[0].unsqueeze(1)], t, [cap], return_dict=False), warmup=1, repeat=3,
+                             device=dev)
     ctx.record(CASE, "dit_forward_ms", mine, theirs, "diffusers forward (unmasked caption)", unit="ms",
                notes="one eager DiT forward, caption bucket 128 with masked slots vs diffusers' exact padding")
+    ctx.record(CASE, "dit_forward_peak_reserved_gb", mine_mem["reserved_gb"], theirs_mem["reserved_gb"],
+               "diffusers forward", unit="GB", notes="weights of every stage resident, one forward's activations")
 
 
 def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, repeat: int) -> dict:
@@ -162,6 +166,7 @@ def run(ctx: BenchContext) -> None:
     if cuda:
         _dit_forward_ms(ctx, comps, engine, size)
     latents = _speed(ctx, comps, pipe, engine, size, steps, repeat)
+    logger.info("%s", engine.placement.report())
     if cuda:
         _fidelity(ctx, comps, latents, size, steps)
     else:
