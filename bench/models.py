@@ -61,12 +61,14 @@ def _materialise(cls, config: dict, device, dtype, seed: int):
     with init_empty_weights(include_buffers=False):
         module = cls(**config) if not hasattr(cls, "config_class") else cls(config)
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    module.to_empty(device=device)
+    # cast on the meta device, then allocate: the weights are created in their final dtype, so no wider copy
+    # passes through the allocator and leaves holes that a later peak-memory reading would count
+    module.to(dtype).to_empty(device=device)
     with torch.no_grad():
         for name, b in module.named_buffers():
             b.copy_(buffers[name])
     randomize_(module, seed)
-    return module.to(dtype).eval().requires_grad_(False)
+    return module.eval().requires_grad_(False)
 
 
 def full_unet(kind: str = "sdxl", device="cuda", dtype=torch.float16, seed: int = 0):

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from .attention import installed
+from .block import installed
 
 SEQ_MULTIPLE = 32
 CAPTION_BUCKETS = (128, 256, 512)
@@ -129,8 +129,8 @@ def unpatchify(tokens: torch.Tensor, grid: ImageGrid, channels: int) -> torch.Te
 def dit_forward(dit: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, layout: CaptionLayout,
                 grid: ImageGrid) -> torch.Tensor:
     """The DiT's prediction for latents ``x`` [B, C, H, W] (model dtype) at model timesteps ``t`` [B] (float32),
-    conditioned on ``layout``; shapes depend only on B, the grid and the layout's capacity. Attention runs through
-    ``attention.ZImageAttnProcessor`` (the masked slots at flash-attention speed)."""
+    conditioned on ``layout``; shapes depend only on B, the grid and the layout's capacity. Blocks run ``block.lean_block_forward``
+    with ``attention.ZImageAttnProcessor``."""
     with installed(dit):
         return _forward(dit, x, t, layout, grid)
 

@@ -33,7 +33,6 @@ from ..latent_input import batch_index_of, batch_latents, check_latent, check_la
 from ..loop import resolve_acceleration, step_allocator, vae_scale_factor
 from ..settings import Acceleration
 from .accel import compiled_dit_fn, eager_dit_fn
-from .attention import prepare_attention
 from .captions import flow_captions
 from .dit_forward import ImageGrid, caption_capacity, caption_layout
 from .program import FlowStepProgram
@@ -108,7 +107,6 @@ def _prepare(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.
     steps = sigmas[:-1] - sigmas[1:]
     coeffs = torch.stack([torch.full_like(steps, s.cfg), steps], dim=1).to(device)
     x_dev = x.to(device)
-    prepare_attention(device, engine.dtype)
     mode = resolve_acceleration(engine, s.acceleration, runner)
 
     def build(fn) -> FlowStepProgram:

@@ -1,11 +1,13 @@
-"""Masked attention of the Z-Image blocks: the segment boundaries the varlen flash path uses, the CPU/SDPA path
-against a plain softmax, and (GPU) the varlen flash path against SDPA with the mask on every row a caller reads."""
+"""The flow sampler's attention and lean blocks: masked SDPA against a plain softmax, the fused RMSNorm against
+diffusers' RMSNorm, and a lean block against the block's own forward (with and without modulation and mask)."""
 import math
 
 import pytest
 import torch
 
-from leandiffusion.sampling.flow.attention import _segments, masked_attention, prepare_attention
+from leandiffusion.memory.tiny_zimage import build_tiny_zimage
+from leandiffusion.sampling.flow.attention import masked_attention, rms_norm
+from leandiffusion.sampling.flow.block import installed
 
 
 def _plain(q, k, v, mask):
@@ -14,39 +16,38 @@ def _plain(q, k, v, mask):
     return torch.einsum("bhlm,bmhd->blhd", scores.softmax(-1), v.double())
 
 
-def _case(device="cpu", dtype=torch.float32):
+def test_masked_attention_equals_a_plain_masked_softmax():
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(3, 70, 2, 32, generator=g).to(device, dtype) for _ in range(3))
-    mask = torch.zeros(3, 70, dtype=torch.bool, device=device)
+    q, k, v = (torch.randn(3, 70, 2, 32, generator=g) for _ in range(3))
+    mask = torch.zeros(3, 70, dtype=torch.bool)
     mask[0, :33] = True
     mask[1, :] = True
     mask[2, :1] = True
-    return q, k, v, mask
+    assert (masked_attention(q, k, v, mask).double() - _plain(q, k, v, mask)).abs().max().item() < 1e-5
 
 
-def test_segments_split_each_row_into_visible_head_and_tail():
-    mask = torch.zeros(3, 10, dtype=torch.bool)
-    mask[0, :4] = True
-    mask[1, :] = True
-    mask[2, :7] = True
-    assert _segments(mask).tolist() == [0, 4, 10, 20, 20, 27, 30]
+def test_rms_norm_equals_diffusers_rmsnorm():
+    from diffusers.models.normalization import RMSNorm
+
+    norm = RMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 5, 48) * 3
+    assert (rms_norm(x, norm) - norm(x)).abs().max().item() < 1e-5
 
 
-def test_cpu_path_equals_plain_masked_softmax_on_visible_rows():
-    q, k, v, mask = _case()
-    out = masked_attention(q, k, v, mask)
-    ref = _plain(q, k, v, mask)
-    assert (out.double() - ref).abs().max().item() < 1e-5
-    assert not prepare_attention(torch.device("cpu"), torch.float32)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_varlen_flash_equals_sdpa_on_rows_read():
-    q, k, v, mask = _case("cuda", torch.bfloat16)
-    assert prepare_attention(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
-    out = masked_attention(q, k, v, mask).double()
-    ref = _plain(q, k, v, mask)
-    for row in range(3):  # the visible head segment holds the rows callers read
-        visible = int(mask[row].sum())
-        assert (out[row, :visible] - ref[row, :visible]).abs().max().item() < 2e-2
+@pytest.mark.parametrize("group", ["noise_refiner", "context_refiner", "layers"])
+def test_lean_block_equals_the_block_forward(group):
+    dit = build_tiny_zimage(seed=4)["transformer"]
+    block = getattr(dit, group)[0]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 40, dit.config.dim, generator=g)
+    freqs = dit.rope_embedder(torch.randint(0, 50, (80, 3), generator=g, dtype=torch.int32)).reshape(2, 40, -1)
+    adaln = torch.randn(2, 64, generator=g) if block.modulation else None
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, 25:] = False
+    ref = block(x, mask, freqs, adaln)
+    with installed(dit):
+        out = block(x, mask, freqs, adaln)
+    assert (out - ref).abs().max().item() < 1e-5
+    assert block.forward.__func__ is type(block).forward  # restored after the call
