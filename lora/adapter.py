@@ -1,7 +1,8 @@
 """The LoRA adapter an engine view carries, and ``inject_lora``, the one public entry point.
 
 Invariants
-- ``inject_lora`` never touches a module: it reads and validates the file, resolves every key and shape,
+- ``inject_lora`` never touches a module: it reads and validates the file, refuses a LoRA made for another model
+  architecture (``architectures.check_family``: SD on Z-Image or the reverse), resolves every key and shape,
   applies ``target_blocks`` and returns ``engine.with_adapter(adapter)``. Any error leaves the input engine (and
   its modules) exactly as they were. The LoRA acts only inside ``engine.session(...)`` of the returned view.
 - ``LoraAdapter.graph_key`` identifies the adapter's *structure* (file identity, device/dtype, targeted modules,
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from .architectures import check_family
 from .keymap import Target, resolve
 from .loader import load_lora
 from .merged import MergedBinding
@@ -160,6 +162,8 @@ def inject_lora(engine, lora_path: str | Path, strength: float = 1.0, strength_t
     else:
         loads = [load_lora(path, unet_dev, unet_dt, ["unet"]),
                  load_lora(path, text_dev, text_dt, ["text_encoder", "text_encoder_2"])]
+    for loaded in loads:  # a LoRA made for another architecture, named before any key is resolved
+        check_family(loaded.parsed, engine.family, name or path.name)
     targets: list[Target] = []
     for loaded in loads:
         if loaded.parsed.layers:

@@ -1,7 +1,8 @@
 """LoRA file formats: read a file and parse it into per-module low-rank factors (no model needed).
 
 Supported layouts: the spellings ComfyUI 0.3.64's LoRA loader reads for SD1.x / SD2.x / SDXL (checked against its
-key maps on the full-size layouts in ``tests/lora/test_key_spellings.py``; the few exceptions are in docs/lora.md)
+key maps on the full-size layouts in ``tests/lora/test_key_spellings.py``; the few exceptions are in docs/lora.md),
+which also carry Z-Image LoRAs (its original and fused names resolve in ``keymap`` / ``zimage_names``)
 - prefixed ("kohya") layout, ``PREFIXES``: kohya-ss / A1111 ``lora_unet_<module>``, ``lora_te_<module>`` (=
   ``lora_te1_``), ``lora_te2_<module>``, SimpleTuner's ``lycoris_<module>``, where ``<module>`` is the module's dotted
   name with ``.`` spelled ``_``, in diffusers naming (``down_blocks_0_attentions_0_...``, SD1.x trainers) or LDM
@@ -15,7 +16,8 @@ key maps on the full-size layouts in ``tests/lora/test_key_spellings.py``; the f
   spelling ``<attn>.processor.to_q_lora.down.weight`` / ``<self_attn>.to_q_lora.down.weight``, where ``to_out_lora``
   is the UNet's ``to_out.0`` and the text encoders' ``to_q/k/v/out`` are ``q/k/v/out_proj``; ComfyUI's key-map
   spelling ``<attn>.processor.to_q`` with any factor suffix is the same module), ``<component>`` one
-  of ``unet``, ``text_encoder``, ``text_encoder_2``. Alphas come from ``<module>.alpha`` keys or from the
+  of ``unet``, ``text_encoder``, ``text_encoder_2``, or ``transformer`` (a DiT's, e.g. Z-Image's: the engine's
+  ``unet``; its metadata keys keep the file's ``transformer.`` prefix). Alphas come from ``<module>.alpha`` keys or from the
   ``lora_adapter_metadata`` JSON diffusers writes into the safetensors header (``<component>.lora_alpha``,
   ``.alpha_pattern``, ``.use_rslora``); with neither, alpha = rank (PEFT's and diffusers' convention).
 - LyCORIS LoHa / LoKr in the prefixed layout (``hada_w1_a``..., ``lokr_w1``...), and DoRA (``dora_scale``) on any
@@ -53,6 +55,9 @@ from .lycoris import LYCORIS_SUFFIXES, alpha_value, lycoris_kind, parse_lycoris
 logger = logging.getLogger(__name__)
 
 COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+# diffusers/PEFT component names -> the engine's: a DiT's LoRA is saved as ``transformer`` (Z-Image), the engine
+# runs the DiT in its ``unet`` slot
+_FILE_COMPONENTS = {"transformer": "unet"}
 # The prefixed ("kohya") layout: file key prefix -> (component, how the rest spells the module). Checked longest
 # first. The dotted ones are what ComfyUI's own LoRA trainer and "Extract and Save Lora" node write (its model's
 # state-dict names: LDM UNet names, ``text_encoders.clip_l.transformer.text_model...``); ``lycoris_`` is
@@ -301,13 +306,14 @@ def _peft_split(key: str) -> tuple[str, str]:
     return key, ""
 
 
-def _component_of(name: str) -> tuple[str, str]:
-    for comp in sorted(COMPONENTS, key=len, reverse=True):
-        if name.startswith(comp + "."):
-            return comp, name[len(comp) + 1:]
+def _component_of(name: str) -> tuple[str, str, str]:
+    """(component, module name, the file's own component name: the ``lora_adapter_metadata`` key prefix)."""
+    for prefix in sorted((*COMPONENTS, *_FILE_COMPONENTS), key=len, reverse=True):
+        if name.startswith(prefix + "."):
+            return _FILE_COMPONENTS.get(prefix, prefix), name[len(prefix) + 1:], prefix
     if name.startswith("base_model.model."):
-        return "unet", name[len("base_model.model."):]
-    return "unet", name
+        return "unet", name[len("base_model.model."):], "unet"
+    return "unet", name, "unet"
 
 
 def _peft_metadata(metadata: Mapping[str, str], source: str) -> dict:
@@ -351,17 +357,17 @@ def _parse_peft(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     layers = []
     for base in sorted(groups):
         g = groups[base]
-        comp, module = _component_of(base)
+        comp, module, prefix = _component_of(base)
         rank = _check_pair(g["down"], g["up"], base, source)
         if "alpha" in g:
             alpha = alpha_value(g["alpha"], base, source)
         else:
-            pattern = _pattern_value(meta.get(f"{comp}.alpha_pattern") or {}, module)
-            alpha = pattern if pattern is not None else float(meta.get(f"{comp}.lora_alpha", rank))
+            pattern = _pattern_value(meta.get(f"{prefix}.alpha_pattern") or {}, module)
+            alpha = pattern if pattern is not None else float(meta.get(f"{prefix}.lora_alpha", rank))
         if not math.isfinite(alpha):  # the header's JSON may spell NaN / Infinity (tensors: refuse_non_finite)
             raise ValueError(f"lora {source}: layer {base} has alpha {alpha} (from the {METADATA_KEY} header); "
                              f"expected a finite number; the file is corrupt: re-export it")
-        denom = math.sqrt(rank) if meta.get(f"{comp}.use_rslora") else rank
+        denom = math.sqrt(rank) if meta.get(f"{prefix}.use_rslora") else rank
         layers.append(LoraLayer(comp, module, "dotted", g["down"], g["up"], alpha / denom, base))
     return tuple(layers)
 
@@ -377,20 +383,3 @@ def _check_pair(down: torch.Tensor, up: torch.Tensor, name: str, source: str) ->
         raise ValueError(f"lora {source}: layer {name} has inconsistent factors down {tuple(down.shape)} / "
                          f"up {tuple(up.shape)}; expected down [r, in, ...] and up [out, r] or [out, r, 1, 1]")
     return rank
-
-
-def family_hint(parsed: ParsedLora) -> str:
-    """A best guess of the model family a LoRA was trained for, from tensor widths real models have ('' if none).
-
-    Cross-attention key projections read the text context: 768 wide in SD1.x, 1024 in SD2.x, 2048 in SDXL.
-    """
-    if "text_encoder_2" in parsed.components():
-        return "SDXL"
-    widths = {768: "SD1.x", 1024: "SD2.x", 2048: "SDXL"}
-    for layer in parsed.layers:
-        if layer.component == "unet" and re.search(r"attn2[._]to_k$", layer.name):
-            return widths.get(layer.in_dim, "")
-    if any(re.match(r"(input_blocks[._][78][._]1|output_blocks[._][0-2][._]1)[._]transformer_blocks[._]9", layer.name)
-           for layer in parsed.layers):
-        return "SDXL"
-    return ""

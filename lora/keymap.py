@@ -2,6 +2,7 @@
 
 Invariant: every layer of a file resolves to exactly one module of one component, or the whole mapping fails
 with a ``ValueError`` listing every key that matched nothing (never a silent skip), before any module is touched.
+Two layers on one module are refused, except a Z-Image file's redundant copy whose delta equals the other's.
 
 Names
 - PEFT files use the module's dotted diffusers/transformers name: looked up directly.
@@ -17,6 +18,10 @@ Names
   time_emb_proj, skip_connection = conv_shortcut.
 - ComfyUI's files (``diffusion_model.<LDM name>``) use the dotted LDM names: looked up in the dotted table, next
   to the diffusers names.
+- Z-Image (a DiT in the ``unet`` slot): diffusers' names, plus the model's original names (``zimage_names``:
+  ``attention.out``, ``x_embedder``, ``final_layer.*``) in both spellings; a fused ``attention.qkv`` layer is split
+  onto ``to_q/to_k/to_v`` first, and a redundant copy of a layer (same delta) is dropped. Which alias table applies
+  is the model family's ``lora_arch`` (``architectures``).
 - Text-encoder layers for modules the engine leaves out because no image depends on them (CLIP-L's
   ``text_projection``, SD2.x's last OpenCLIP layer; ComfyUI patches them to no effect) are skipped with a warning
   that names them (``_left_out``): the picture is what ComfyUI makes from the same file. Any other layer that
@@ -31,8 +36,10 @@ from typing import Optional
 
 import torch
 
+from .architectures import family_hint, model_arch
 from .dora import magnitude_problem
-from .formats import LoraLayer, ParsedLora, family_hint
+from .formats import LoraLayer, ParsedLora
+from .zimage_names import original_aliases, same_delta, split_fused
 
 logger = logging.getLogger(__name__)
 
@@ -117,17 +124,26 @@ def ldm_unet_names(unet: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-class ModuleIndex:
-    """Lookup of one component's Linear/Conv2d modules by dotted, kohya and (UNet) kohya-LDM names."""
+def _ldm_aliases(root: torch.nn.Module, modules: dict) -> list[tuple[str, str]]:
+    return [(ldm, n) for n, ldm in ldm_unet_names(root).items()]
 
-    def __init__(self, component: str, root: torch.nn.Module):
+
+# the denoiser's other spellings, per LoRA architecture (``architectures.ARCHES``): (alias, module name) pairs
+UNET_ALIASES = {"sd-unet": _ldm_aliases, "zimage": lambda root, modules: original_aliases(modules)}
+
+
+class ModuleIndex:
+    """Lookup of one component's Linear/Conv2d modules by dotted and kohya names, and for the denoiser by the
+    other names of its architecture (``UNET_ALIASES``: LDM names of a UNet, a DiT's original names)."""
+
+    def __init__(self, component: str, root: torch.nn.Module, arch: str = "sd-unet"):
         self.component = component
         self.modules = targetable_modules(root)
         self.dotted: dict[str, Optional[str]] = {}
         self.kohya: dict[str, Optional[str]] = {}
         aliases = [(n, n) for n in self.modules]
         if component == "unet":
-            aliases += [(ldm, n) for n, ldm in ldm_unet_names(root).items()]
+            aliases += UNET_ALIASES[arch](root, self.modules)
         else:
             aliases += [(alias, n) for n in self.modules if (alias := _text_model_alias(root, n))]
         for alias, name in aliases:
@@ -159,18 +175,24 @@ def resolve(parsed: ParsedLora, roots: dict[str, Optional[torch.nn.Module]], mod
     if missing_components:
         raise ValueError(f"lora {parsed.source}: has layers for {', '.join(missing_components)}, which the "
                          f"{model_family} model does not have{about}; use a LoRA made for this model family")
-    indexes = {c: ModuleIndex(c, roots[c]) for c in parsed.components()}
+    arch = model_arch(model_family)
+    indexes = {c: ModuleIndex(c, roots[c], arch.name) for c in parsed.components()}
+    layers = split_fused(parsed.layers, parsed.source) if arch.fused_qkv else parsed.layers
     targets, unmatched, left_out, seen = [], [], [], {}
-    for layer in parsed.layers:
+    for layer in layers:
         name = indexes[layer.component].lookup(layer)
         if name is None:
             dropped = _left_out(layer, roots[layer.component], model_family)
             (left_out if dropped else unmatched).append(layer.source)
             continue
-        if (layer.component, name) in seen:
-            raise ValueError(f"lora {parsed.source}: layers {seen[(layer.component, name)]} and {layer.source} "
-                             f"both target {layer.component}.{name}; the file is inconsistent")
-        seen[(layer.component, name)] = layer.source
+        first = seen.get((layer.component, name))
+        if first is not None:
+            if arch.fused_qkv and same_delta(first, layer):
+                continue  # a redundant copy (``zimage_names``: a fused qkv or bare out next to the split layers)
+            differ = " with different deltas" if arch.fused_qkv else ""
+            raise ValueError(f"lora {parsed.source}: layers {first.source} and {layer.source} both target "
+                             f"{layer.component}.{name}{differ}; the file is inconsistent")
+        seen[(layer.component, name)] = layer
         targets.append(Target(layer.component, name, indexes[layer.component].modules[name], layer))
     if left_out:
         logger.warning("lora %s: skipping %d layers for text-encoder modules that no image depends on, which the %s "

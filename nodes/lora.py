@@ -24,20 +24,23 @@ class LeanLoraInjector:
         return {"required": {
             "lean_model": ("LEAN_MODEL", {"tooltip": "The model to add the LoRA to (left unchanged)."}),
             "lora_name": (bridge.list_models("loras", LORA_EXTENSIONS), {
-                "tooltip": "A LoRA file from ComfyUI's loras folder: kohya (lora_unet_/lora_te_) or diffusers/PEFT "
-                           "(lora_A/lora_B), LoRA or LoCon, SD1.x / SD2.x / SDXL; LyCORIS LoHa, LoKr, Tucker "
-                           "LoCon and DoRA in the kohya layout."}),
+                "tooltip": "A LoRA file from ComfyUI's loras folder, made for the model's family. SD1.x / SD2.x / "
+                           "SDXL: kohya (lora_unet_/lora_te_) or diffusers/PEFT (lora_A/lora_B), LoRA or LoCon; "
+                           "LyCORIS LoHa, LoKr, Tucker LoCon and DoRA in the kohya layout. Z-Image: diffusers/PEFT "
+                           "(transformer.*, as ZImagePipeline.save_lora_weights writes) or ComfyUI/kohya "
+                           "(diffusion_model.* / lora_unet_*, fused qkv included)."}),
             "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
-                                   "tooltip": "Multiplier of the LoRA on the UNet. 0 gives the base model "
-                                              "(bit-exactly on the CPU; on the GPU up to rounding)."}),
+                                   "tooltip": "Multiplier of the LoRA on the UNet (Z-Image: the DiT). 0 gives the "
+                                              "base model (bit-exactly on the CPU; on the GPU up to rounding)."}),
             "strength_text_encoder": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
                                                 "tooltip": "Multiplier of the LoRA on the text encoder(s)."}),
             "target_blocks": ("STRING", {"default": "", "multiline": False,
                                          "tooltip": "Empty: every layer the LoRA covers. Else comma-separated blocks: "
                                                     "diffusers names ('mid_block, up_blocks.2'), ComfyUI/LDM names "
                                                     "('middle_block, output_blocks.3') or LoRA Block Weight indices "
-                                                    "('MID, OUT03'); add 'text_encoder' (and 'text_encoder_2') to keep "
-                                                    "the text-encoder part."}),
+                                                    "('MID, OUT03'); Z-Image: module names ('layers.3, noise_refiner'); "
+                                                    "add 'text_encoder' (and 'text_encoder_2') to keep the "
+                                                    "text-encoder part."}),
             "mode": (["unmerged", "merged"], {"default": "unmerged",
                                               "tooltip": "unmerged: LoRA computed at run time (free strength changes). "
                                                          "merged: written into the weights per run (fastest steps, "
