@@ -7,7 +7,7 @@ loaded them (``sys.modules``), so a plain Python process never pulls ComfyUI in 
 Outside ComfyUI:
 - progress bars are tqdm bars (or silent when ``quiet``),
 - the interruption check is a no-op,
-- model folders resolve against ``$LEANDIFFUSION_MODELS/<folder>`` (same sub-folder names as ComfyUI's ``models/``),
+- model folders resolve against ``$LEANDIFFUSION_MODELS/<folder>`` (ComfyUI's ``models/`` names, ``FOLDER_ALIASES``),
 - ComfyUI's memory manager hooks do nothing,
 - ComfyUI's bundled tokenizer path is ``None``.
 """
@@ -106,15 +106,20 @@ class Interrupted(Exception):
 
 
 # --------------------------------------------------------------------------------------------- model folders
+# A folder and its older names, all searched (ComfyUI's ``folder_paths.map_legacy``: ``unet``, ``clip``).
+FOLDER_ALIASES = {"diffusion_models": ("diffusion_models", "unet"), "text_encoders": ("text_encoders", "clip")}
+
+
 def _folder_roots(folder: str) -> list[Path]:
-    fp = _comfy_module("folder_paths")
-    if fp is not None:
+    fp, base = _comfy_module("folder_paths"), os.environ.get(MODELS_ENV)
+    roots: list[Path] = []
+    for name in FOLDER_ALIASES.get(folder, (folder,)):
         try:
-            return [Path(p) for p in fp.get_folder_paths(folder)]
-        except KeyError:
-            return []
-    base = os.environ.get(MODELS_ENV)
-    return [Path(base) / folder] if base else []
+            found = fp.get_folder_paths(name) if fp is not None else ([Path(base) / name] if base else [])
+        except KeyError:  # a ComfyUI without this folder name
+            found = []
+        roots += [Path(p) for p in found if Path(p) not in roots]
+    return roots
 
 
 def _in_link_cycle(dirpath: str, root: str) -> bool:
@@ -271,13 +276,23 @@ def soft_empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def comfy_tokenizer_dir() -> Optional[Path]:
-    """Folder of ComfyUI's bundled CLIP tokenizer files (``comfy/sd1_tokenizer``), or ``None`` outside ComfyUI."""
+def _comfy_files(sub: str) -> Optional[Path]:
+    """``comfy/<sub>`` of the running ComfyUI when it holds a ``vocab.json``, else ``None`` (also outside ComfyUI)."""
     mm = _comfy_module("comfy.model_management")
     if mm is None or not getattr(mm, "__file__", None):
         return None
-    path = Path(mm.__file__).resolve().parent / "sd1_tokenizer"
+    path = Path(mm.__file__).resolve().parent / sub
     return path if (path / "vocab.json").is_file() else None
+
+
+def comfy_tokenizer_dir() -> Optional[Path]:
+    """Folder of ComfyUI's bundled CLIP tokenizer files (``comfy/sd1_tokenizer``), or ``None`` outside ComfyUI."""
+    return _comfy_files("sd1_tokenizer")
+
+
+def comfy_qwen_tokenizer_dir() -> Optional[Path]:
+    """Folder of ComfyUI's bundled Qwen2.5 tokenizer files (Qwen3's vocabulary too), or ``None`` outside ComfyUI."""
+    return _comfy_files("text_encoders/qwen25_tokenizer")
 
 
 # --------------------------------------------------------------------------------------------- pack memory owners

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -37,19 +37,20 @@ from .tokenizers import OPENCLIP_PAD, find_tokenizer_dir, load_clip_tokenizer
 logger = logging.getLogger(__name__)
 
 
-def read_header(path: Path) -> dict[str, tuple]:
-    """Tensor names -> shapes from the safetensors header; ``ValueError`` for truncated or non-safetensors files."""
+def read_header(path: Path, arg: str = "model") -> dict[str, tuple]:
+    """Tensor names -> shapes from the safetensors header; ``ValueError`` naming the input ``arg`` for truncated or
+    non-safetensors files."""
     from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"model={path.name!r}: {path} is not a file")
+        raise ValueError(f"{arg}={path.name!r}: {path} is not a file")
     size = path.stat().st_size
     try:
         with safe_open(str(path), framework="pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as exc:  # safetensors raises its own SafetensorError (and OSError); both mean "unreadable"
-        raise ValueError(f"model={path.name!r} ({size} bytes) is truncated or not a safetensors checkpoint: {exc}. "
+        raise ValueError(f"{arg}={path.name!r} ({size} bytes) is truncated or not a safetensors checkpoint: {exc}. "
                          f"Re-download or re-save the file") from exc
     return shapes
 
@@ -68,27 +69,31 @@ def canonical_name(key: str) -> str:
     return key
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, under :func:`canonical_name` names."""
+def read_tensors(path: Path, arg: str = "model") -> dict[str, torch.Tensor]:
+    """Every tensor of the file, under :func:`canonical_name` names (errors name the input ``arg``)."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             return {canonical_name(k): f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # a file can pass the header check and still fail mid-read (truncated data)
-        raise ValueError(f"model={Path(path).name!r} could not be read completely ({exc}); the file is truncated or "
+        raise ValueError(f"{arg}={Path(path).name!r} could not be read completely ({exc}); the file is truncated or "
                          f"damaged") from exc
 
 
-def build_module(factory: Callable[[], torch.nn.Module], state_dict: dict, what: str) -> torch.nn.Module:
-    """``factory()`` on the meta device, then ``load_state_dict(strict=True, assign=True)`` from ``state_dict``."""
+def build_module(factory: Callable[[], torch.nn.Module], state_dict: dict, what: str,
+                 finish: Optional[Callable[[torch.nn.Module], None]] = None) -> torch.nn.Module:
+    """``factory()`` on the meta device, then ``load_state_dict(strict=True, assign=True)`` from ``state_dict``;
+    ``finish(module)`` then gives values to non-persistent buffers no file holds (a rotary embedding's frequencies)."""
     with torch.device("meta"):
         module = factory()
     try:
         module.load_state_dict(state_dict, strict=True, assign=True)
     except RuntimeError as exc:
         raise ValueError(f"{what}: the checkpoint's tensors do not fit the inferred architecture ({exc}); the file is "
-                         f"incomplete or not a standard LDM checkpoint: re-download it") from exc
+                         f"incomplete or not a standard checkpoint of its kind: re-download it") from exc
+    if finish is not None:
+        finish(module)
     for name, buf in list(module.named_buffers()):
         if buf.is_meta:  # non-persistent buffers are not in any state dict; CLIP's position ids are the only ones
             if not name.endswith("position_ids"):

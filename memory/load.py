@@ -14,7 +14,7 @@ import copy
 import functools
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -99,18 +99,26 @@ def build_engine(parts: ModelParts, vram_policy: str = "auto", vram_budget_gb: f
 
 def load_engine(model: str, vram_policy: str = "auto", vram_budget_gb: float = 4.0, weight_dtype: str = "auto",
                 vae_dtype: str = "auto", device=None) -> LeanEngine:
-    """The node's whole job: load ``model`` and place it under the policy; returns the engine.
+    """The node's whole job: load ``model`` and place it under the policy; returns the engine (see
+    :func:`load_engine_from`)."""
+    return load_engine_from(lambda: load_components(model), vram_policy, vram_budget_gb, weight_dtype, vae_dtype,
+                            device)
 
-    Progress counts three stages (read and convert the file, assemble the parts, place them under the policy);
+
+def load_engine_from(read: Callable[[], tuple[dict, str]], vram_policy: str = "auto", vram_budget_gb: float = 4.0,
+                     weight_dtype: str = "auto", vae_dtype: str = "auto", device=None) -> LeanEngine:
+    """An engine over the components ``read()`` returns (with a display name), placed under the policy.
+
+    Progress counts three stages (read and convert the files, assemble the parts, place them under the policy);
     Cancel is honoured between them. Nothing outlives a cancelled or failed load: the engine only exists once the
-    last stage returns. Inputs that need no model (policy, budget, dtypes) are checked before the file is read."""
+    last stage returns. Inputs that need no model (policy, budget, dtypes) are checked before ``read`` runs."""
     dev = torch.device(device) if device is not None else bridge.default_device()
     check_policy_args(vram_policy, vram_budget_gb)  # every input that needs no model, before the file is read
     resolve_dtype(weight_dtype, "weight_dtype", dev)
     resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True)
     with bridge.ProgressBar(3, desc="load model") as bar:
         bridge.check_interrupted()
-        components, name = load_components(model)
+        components, name = read()
         bar.update(1)
         bridge.check_interrupted()
         parts = parts_from_components(components, name=name)

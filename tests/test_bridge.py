@@ -384,3 +384,37 @@ def test_fingerprint_tells_apart_files_that_differ_only_in_inode(models_dir, mon
     assert bridge.model_fingerprint("checkpoints", "a.safetensors") == first
     inode[0] = 222
     assert bridge.model_fingerprint("checkpoints", "a.safetensors") != first
+
+
+def test_qwen_tokenizer_dir_is_comfyuis_qwen25_folder(monkeypatch, tmp_path):
+    """Split Z-Image files carry no tokenizer; inside ComfyUI its bundled Qwen files serve (Qwen3 shares Qwen2.5's
+    vocabulary). Outside ComfyUI, or without the files, there is none."""
+    assert bridge.comfy_qwen_tokenizer_dir() is None
+    mm = _RecordingModelManagement()
+    mm.__file__ = str(tmp_path / "comfy" / "model_management.py")
+    _inside_comfy(monkeypatch, mm)
+    folder = tmp_path / "comfy" / "text_encoders" / "qwen25_tokenizer"
+    folder.mkdir(parents=True)
+    assert bridge.comfy_qwen_tokenizer_dir() is None
+    (folder / "vocab.json").write_text("{}")
+    assert bridge.comfy_qwen_tokenizer_dir() == folder.resolve()
+
+
+def test_split_folders_include_their_older_names(tmp_path, monkeypatch):
+    """ComfyUI lists ``diffusion_models`` with ``unet`` and ``text_encoders`` with ``clip`` (``map_legacy``); outside
+    ComfyUI both sub-folders of ``LEANDIFFUSION_MODELS`` count too, and a name resolves in either."""
+    import types
+
+    for folder in ("diffusion_models", "unet", "text_encoders", "clip"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"{folder}.safetensors").write_bytes(b"x")
+    monkeypatch.setenv(bridge.MODELS_ENV, str(tmp_path))
+    assert bridge.list_models("diffusion_models") == ["diffusion_models.safetensors", "unet.safetensors"]
+    assert bridge.list_models("text_encoders") == ["clip.safetensors", "text_encoders.safetensors"]
+    assert bridge.resolve_model("text_encoders", "clip.safetensors") == (tmp_path / "clip" / "clip.safetensors").resolve()
+    fp = types.ModuleType("folder_paths")  # ComfyUI answers both names with the same two folders
+    both = [str(tmp_path / "unet"), str(tmp_path / "diffusion_models")]
+    fp.get_folder_paths = lambda name: {"unet": both, "diffusion_models": both}[name]
+    monkeypatch.setitem(sys.modules, "folder_paths", fp)
+    assert bridge._folder_roots("diffusion_models") == [tmp_path / "unet", tmp_path / "diffusion_models"]
+    assert bridge.list_models("diffusion_models") == ["diffusion_models.safetensors", "unet.safetensors"]

@@ -134,6 +134,18 @@ def test_loader():
     assert engine.parts.family == "sd1" and isinstance(plan, str) and plan
 
 
+def test_split_loader(models_dir):
+    from leandiffusion.memory.tiny_zimage import build_tiny_zimage, save_zimage_folder
+    from leandiffusion.tests.kit import zimage_split
+
+    components = zimage_split.bf16_grid(build_tiny_zimage(seed=0))
+    save_zimage_folder(components, models_dir / "diffusers" / "tiny-zimage")  # the tokenizer's source
+    names = zimage_split.write_split_files(components, models_dir, "tiny", dtype="fp8_scaled", comfy=True)
+    (engine, plan) = _call("LeanSplitModelLoader", "load", **names, vram_policy="full", vram_budget_gb=4.0,
+                           weight_dtype="auto", vae_dtype="auto")
+    assert engine.parts.family == "zimage" and isinstance(plan, str) and plan
+
+
 @pytest.mark.parametrize("mode", ["unmerged", "merged"])
 def test_lora_then_sampler(engine, device, mode):
     (view,) = _call("LeanLoraInjector", "inject", lean_model=engine, lora_name="style.safetensors", strength=0.8,

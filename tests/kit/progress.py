@@ -4,6 +4,7 @@ Invariant: like ComfyUI's ``comfy.utils.ProgressBar`` it has ``update(n)`` and t
 (ComfyUI's ``update_absolute``); ComfyUI clamps a value past its total to the total, so a run that overshoots sits
 at 100% while work remains. ``seen`` lists every (value, total) shown, so a test can check none passed its total.
 """
+from contextlib import contextmanager
 
 
 class ComfyLikeBar:
@@ -23,3 +24,23 @@ class ComfyLikeBar:
 
     def __exit__(self, *exc):
         return False
+
+
+@contextmanager
+def cancelled_at_check(n: int):
+    """Inside the block, the ``n``-th interruption check raises ``bridge.Interrupted`` (the user pressed Cancel);
+    yields the list of checks made. The hook is removed on exit."""
+    from ...bridge import Interrupted, set_interrupt_hook
+
+    checks = []
+
+    def hook():
+        checks.append(1)
+        if len(checks) == n:
+            raise Interrupted("cancel")
+
+    set_interrupt_hook(hook)
+    try:
+        yield checks
+    finally:
+        set_interrupt_hook(None)
