@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 PACK_ROOT = Path(__file__).resolve().parent.parent
 PACK_LINK_NAME = "leandiffusion"
-MODEL_FOLDERS = ("checkpoints", "diffusers", "loras", "upscale_models", "vae", "embeddings", "text_encoders")
+MODEL_FOLDERS = ("checkpoints", "diffusers", "loras", "upscale_models", "vae", "embeddings", "text_encoders",
+                 "diffusion_models")
 
 
 def comfyui_python(comfyui_path: Path, python: Optional[str] = None) -> str:

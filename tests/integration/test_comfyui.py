@@ -21,7 +21,8 @@ from leandiffusion.runner.errors import EXIT_EXECUTION, EXIT_INVALID, EXIT_OK
 from leandiffusion.runner.local import PACK_LINK_NAME, PACK_ROOT
 from leandiffusion.tests.kit.clip_l import CLIP_L_FILE, SD1_CLIP_L_CHECKPOINT
 from leandiffusion.tests.kit.runner_process import runner_env
-from leandiffusion.tests.integration.model_files import write_input_images, write_tiny_model_files
+from leandiffusion.tests.integration.model_files import (TINY_ZIMAGE_FILES, write_input_images,
+                                                        write_tiny_model_files)
 
 pytestmark = pytest.mark.comfyui
 
@@ -51,6 +52,10 @@ TINY_OVERRIDES = {
     ("LeanLoraInjector", "target_blocks"): "mid_block, up_blocks.1, text_encoder",
     ("LeanESRGANUpscale", "model_name"): TINY_UPSCALER,
     ("LeanESRGANUpscale", "device"): "cpu",
+    ("LeanFlowSampler", "width"): 64,
+    ("LeanFlowSampler", "height"): 48,
+    ("LeanFlowSampler", "steps"): 2,
+    ("LeanFlowSampler", "acceleration"): "none",
 }
 # Workflows that need more than the tiny model: ComfyUI's CLIP loader builds a full-size CLIP-L whatever the file,
 # so comfy_conditioning runs on a random full-size CLIP-L (text_encoders/) and a checkpoint holding the same CLIP-L
@@ -59,8 +64,11 @@ TINY_OVERRIDES = {
 WORKFLOW_OVERRIDES = {
     "comfy_conditioning.api.json": {("LeanModelLoader", "model"): SD1_CLIP_L_CHECKPOINT,
                                     ("CLIPLoader", "clip_name"): CLIP_L_FILE},
+    # the tiny Z-Image as split files (``zimage_split_model_files`` in conftest.py)
+    "z_image_turbo.api.json": {("LeanSplitModelLoader", name): value for name, value in TINY_ZIMAGE_FILES.items()},
 }
-WORKFLOW_FIXTURES = {"comfy_conditioning.api.json": "clip_l_model_files"}
+WORKFLOW_FIXTURES = {"comfy_conditioning.api.json": "clip_l_model_files",
+                     "z_image_turbo.api.json": "zimage_split_model_files"}
 
 
 def _strip_meta(prompt):

@@ -211,6 +211,24 @@ WORKFLOWS = [
         "Upscale any image with an ESRGAN / Real-ESRGAN model from models/upscale_models (output_scale 0 = the "
         "model's native 4x). Tiles see their neighbours as context, so seams do not show; device 'cpu' works "
         "without a GPU."),
+    W("z_image_turbo", "Z-Image-Turbo from ComfyUI's split files, inside 6 GB", [
+        N(1, "LeanSplitModelLoader", 0, values={
+            "diffusion_model": "z_image_turbo_bf16.safetensors", "text_encoder": "qwen_3_4b.safetensors",
+            "vae": "ae.safetensors", "vram_policy": "stream", "vram_budget_gb": 6.0, "weight_dtype": "auto",
+            "vae_dtype": "auto"}, width=360),
+        N(2, "LeanFlowSampler", 1, values={
+            "positive": "a cozy mountain cabin at dusk in deep snow, warm light glowing from the windows, pine "
+                        "forest, a clear starry sky, photorealistic, 35mm photograph",
+            "negative": "", "seed": 42, "steps": 9, "cfg": 1.0, "width": 1024, "height": 1024, "batch_size": 1,
+            "acceleration": "cuda_graph", "denoise": 1.0}, links={"lean_model": (1, 0)}, width=400),
+        _decode(3, 2, (2, 0), (1, 0)),
+        _save(4, 3, (3, 0), "leandiffusion_z_image_turbo"),
+    ], [("Z-Image-Turbo, every stage within 6 GB", [1], "#3f789e"), ("Sample 1024x1024, 9 steps", [2], "#8A8"),
+        ("Decode and save", [3, 4], "#b58b2a")],
+        "Z-Image-Turbo from the files ComfyUI users have: models/diffusion_models/z_image_turbo_bf16.safetensors, "
+        "models/text_encoders/qwen_3_4b.safetensors and models/vae/ae.safetensors (fp8 variants load too). The "
+        "'stream' policy keeps every stage, the 4B text encoder included, inside 6 GB. Turbo is distilled for 9 "
+        "steps at cfg 1 (no negative pass)."),
     W("comfy_conditioning", "ComfyUI CONDITIONING into the Fused DDIM Sampler", [
         _loader(1, SD15, "balanced"),
         N(2, "CLIPLoader", 0, 1, values={"clip_name": "clip_l.safetensors", "type": "stable_diffusion",
