@@ -24,7 +24,8 @@ CORE_SNAPSHOT = PACK_ROOT / "tests" / "fixtures" / "core_object_info.json"
 WORKFLOWS_DIR = PACK_ROOT / "workflows"  # editor files: ComfyUI's template browser lists this folder
 API_WORKFLOWS_DIR = PACK_ROOT / "workflows_api"  # their API twins: a folder the template browser does not list
 PROBE = "zz_probe"
-PROBE_FOLDERS = ("checkpoints", "diffusers", "loras", "upscale_models", "vae", "embeddings", "text_encoders", "clip")
+PROBE_FOLDERS = ("checkpoints", "diffusers", "loras", "upscale_models", "vae", "embeddings", "text_encoders", "clip",
+                 "diffusion_models", "unet")
 PROBE_EXTENSIONS = (".safetensors", ".sft", ".pth", ".pt", ".ckpt", ".bin")
 MODELS_ENV = "LEANDIFFUSION_MODELS"
 
