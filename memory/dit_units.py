@@ -6,9 +6,10 @@ refiner blocks, then the main blocks, each once, and a block uses its weights on
 layer, RoPE tables) is always resident.
 
 Token counts at a working shape ``(batch, latent_h, latent_w)``: image tokens ``ceil32(h/2 * w/2)`` (patch 2,
-padded to multiples of 32), caption tokens ``CAPTION_TOKENS`` (the sampler's caption capacity), the main blocks
-see both. FLOPs per unit: ``2 x tokens x weights`` plus self-attention's two ``N x N x C`` products; the output
-is ``tokens x dim`` elements. Sizes come from the config, so planning needs neither a trace nor a ``meta`` copy.
+padded to multiples of 32), caption tokens ``CAPTION_TOKENS`` (the flow sampler's largest caption bucket, so the
+activation estimate holds for every prompt it accepts), the main blocks see both. FLOPs per unit:
+``2 x tokens x weights`` plus self-attention's two ``N x N x C`` products; the output is ``tokens x dim`` elements.
+Sizes come from the config, so planning needs neither a trace nor a ``meta`` copy.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from .hostmem import FlatLayout
 from .unet_units import Unit, unit_params
 
-CAPTION_TOKENS = 128
+CAPTION_TOKENS = 512  # ``sampling/flow/dit_forward.py`` CAPTION_BUCKETS[-1]
 SEQ_MULTIPLE = 32
 
 
@@ -38,12 +39,16 @@ def trace_dit_units(dit: torch.nn.Module, working_shape: tuple[int, int, int], d
     caption = CAPTION_TOKENS
     dim = int(dit.config.dim)
     groups = (("noise_refiner", image), ("context_refiner", caption), ("layers", image + caption))
-    units = []
-    for group, tokens in groups:
-        for index, block in enumerate(getattr(dit, group)):
-            params = unit_params(block)
-            nbytes = FlatLayout.of(params, dtype).nbytes if params else 0
-            weights = sum(p.numel() for p in params)
-            flops = batch * (2.0 * tokens * weights + 4.0 * tokens ** 2 * dim)
-            units.append(Unit(f"{group}.{index}", nbytes, flops, batch * tokens * dim, "dit"))
-    return units
+    return [token_block_unit(f"{group}.{index}", block, dtype, batch, tokens, dim, dim, "dit")
+            for group, tokens in groups for index, block in enumerate(getattr(dit, group))]
+
+
+def token_block_unit(name: str, block: torch.nn.Module, dtype: torch.dtype, batch: int, tokens: int,
+                     attention_width: int, out_width: int, kind: str) -> Unit:
+    """A transformer block over ``tokens`` tokens per row as a unit: its flat size in ``dtype``; FLOPs
+    ``batch x (2 x tokens x weights + 4 x tokens^2 x attention_width)``; output ``batch x tokens x out_width``."""
+    params = unit_params(block)
+    nbytes = FlatLayout.of(params, dtype).nbytes if params else 0
+    weights = sum(p.numel() for p in params)
+    flops = batch * (2.0 * tokens * weights + 4.0 * tokens ** 2 * attention_width)
+    return Unit(name, nbytes, flops, batch * tokens * out_width, kind)

@@ -25,12 +25,14 @@ import torch
 
 from .. import bridge
 from .budget import release_device_caches, stage_budget
+from .dit_streaming import denoiser_streamer
 from .engine import ModelParts, modules_of_stage
 from .hostmem import ModuleSwap
 from .plan import GiB, MemoryPlan
 from .policy_config import DTYPES, PolicyConfig, VramPolicy
 from .stream_schedule import StreamSchedule
 from .streaming import BlockStreamer
+from .text_streaming import TextStreamer
 from .vram_budget import StageMode, VramBudget
 
 logger = logging.getLogger(__name__)
@@ -46,13 +48,14 @@ class ModelPlacement:
     """The runtime side of a policy (``engine.placement``): see the module docstring."""
 
     def __init__(self, parts: ModelParts, config: PolicyConfig, plan: MemoryPlan, budget: VramBudget,
-                 schedule: Optional[StreamSchedule]):
+                 schedule: Optional[StreamSchedule], text_schedule: Optional[StreamSchedule] = None):
         self.name = config.policy.value
         self.parts = parts
         self.config = config
         self.plan = plan  # the report (``render``)
         self.budget = budget  # what callers read: where the weights live, the hard limit, the room it leaves
         self.schedule = schedule
+        self.text_schedule = text_schedule  # a streamed text encoder's (``budget.text`` is STREAM), else None
         self.text_dtype = DTYPES[plan.text_dtype] if plan.text_dtype in DTYPES else config.dtype
         self.measured: dict[str, tuple[int, bool]] = {}
         self.epoch = 0
@@ -78,7 +81,7 @@ class ModelPlacement:
             for te in modules_of_stage(self.parts, "text"):
                 self._place(te, "text", budget.text, self.text_dtype)
             if budget.streams_unet:
-                self.streamer = BlockStreamer(self.parts.unet, self.schedule, dev, self.config.dtype)
+                self.streamer = denoiser_streamer(self.parts, self.schedule, dev, self.config.dtype)
             else:
                 self.parts.unet.to(device=dev, dtype=self.config.dtype)
             self._place(self.parts.vae, "vae", budget.vae, self.config.vae_dtype)
@@ -96,6 +99,8 @@ class ModelPlacement:
             module.to(device=self.device, dtype=dtype)
         elif mode is StageMode.CPU:
             module.to(device="cpu", dtype=dtype)
+        elif mode is StageMode.STREAM:  # block by block, its ring on the device only while the stage runs
+            self._swaps.setdefault(stage, []).append(TextStreamer(module, self.text_schedule, self.device, dtype))
         else:
             self._swaps.setdefault(stage, []).append(ModuleSwap(module, dtype, self.device))
 
@@ -142,8 +147,8 @@ class ModelPlacement:
         try:
             outermost = len(self._scopes.get(stage) or ()) <= 1  # a nested session exits inside a running forward
             if stage == "unet" and outermost and self.streamer is not None and self.streamer.end_unfinished():
-                logger.warning("a UNet forward of %s was cut short inside a streamed block (an interrupt that is "
-                               "not an Exception); its weight schedule was closed", self.plan.model)
+                logger.warning("a UNet forward of %s was cut short (an interrupt that is not an Exception, or an "
+                               "error between two streamed blocks); its weight schedule was closed", self.plan.model)
             for swap in self._swaps.get(stage, []):
                 swap.offload()
             if self.device.type == "cuda" and stage in self._marks:

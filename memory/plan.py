@@ -9,8 +9,12 @@ Estimates (bytes, in the run dtype):
   for the allocator, plus ``WORKSPACE_CUDA`` on CUDA (0 on the CPU) for cuBLAS/cuDNN workspaces and the caching
   allocator's reserved-over-allocated slack. The sum errs high of the reserved memory a UNet step takes above its
   weights, so a ``stream`` plan keeps no further headroom (``vram_budget.HEADROOM``);
-- text and VAE activations are small next to their weights for a prompt batch / a decode tile; the VAE stage's
-  working memory belongs to the decode node (tiling), so the plan counts VAE weights only.
+- DiT activations (Z-Image) at the working shape: no skips; the largest block transient, a main block over the
+  image tokens (4096 at 1024 px) and the largest caption bucket (``dit_units.CAPTION_TOKENS``): factor ``"dit"``;
+- text activations: a streamable text encoder's at a 512-token prompt batch (``memory/text_units.py``: its hidden
+  states, key/value cache and MLP transient); other text encoders' (CLIP, 77 tokens) are small next to their
+  weights and not counted; the VAE stage's working memory belongs to the decode node (tiling), so the plan counts
+  VAE weights only.
 
 The *working minimum* of ``stream`` is activations + always-resident weights + the minimum staging arena
 (3 x the largest block); a budget under it is refused with that number in the message.
@@ -27,8 +31,10 @@ from .hostmem import FlatLayout
 GiB = 2 ** 30
 WORKSPACE_CUDA = 576 * 2 ** 20  # library workspaces + reserved-over-allocated slack of one UNet step (docstring)
 FRAGMENTATION = 1.3
-# "dit": a DiT block's SwiGLU feed-forward holds two hidden-width (8/3 x dim) halves and their product
-TRANSIENT_FACTOR = {"transformer": 18, "resnet": 6, "downsample": 2, "upsample": 3, "dit": 9}
+# "dit": inside a DiT block's SwiGLU feed-forward: three hidden-width tensors (8/3 x dim each: w1's output after
+# SiLU, w3's, their product) = 8, beside the block input, its modulated copy and the glue's image/caption tokens
+# (3); attention peaks lower (q, k, v, one float32 RoPE temporary of 2, input, kept tokens: ~9)
+TRANSIENT_FACTOR = {"transformer": 18, "resnet": 6, "downsample": 2, "upsample": 3, "dit": 11}
 
 
 def module_bytes(module: Optional[torch.nn.Module], dtype: torch.dtype) -> int:
@@ -66,7 +72,7 @@ class MemoryPlan:
     text_dtype: str
     budget_bytes: Optional[int]
     working_shape: tuple
-    text_mode: str  # "resident", "while used", "cpu"
+    text_mode: str  # "resident", "while used", "cpu", "stream"
     vae_mode: str
     unet_mode: str  # "resident", "stream"
     text_bytes: int
@@ -83,10 +89,30 @@ class MemoryPlan:
     est_compute_ms: Optional[float] = None
     notes: tuple = ()
     peaks: dict = field(default_factory=dict)  # stage -> estimated peak device bytes
+    text_activation_bytes: int = 0  # a streamable text encoder's estimate at ``text_tokens`` (else 0)
+    text_tokens: int = 0
+    text_fixed_bytes: int = 0  # streamed text encoder: always on the device (final norm)
+    text_host_bytes: int = 0  # streamed text encoder: embedding table, looked up on the host
+    text_arena_bytes: int = 0  # streamed text encoder: staging ring, on the device while the text stage runs
+    text_streamed_units: int = 0
+    text_total_units: int = 0
 
     @property
     def peak_bytes(self) -> int:
         return max(self.peaks.values()) if self.peaks else 0
+
+    def _text_lines(self, where: dict, batch: int) -> list[str]:
+        if self.text_mode != "stream":
+            lines = [f"  text : {gb(self.text_bytes)} weights, {where[self.text_mode]}"]
+        else:
+            lines = [f"  text : {gb(self.text_bytes)} weights: streamed {self.text_streamed_units} of "
+                     f"{self.text_total_units} blocks per encoder forward through a {gb(self.text_arena_bytes)} staging "
+                     f"ring held only while the text stage runs; embedding table {gb(self.text_host_bytes)} on the "
+                     f"host (lookup there), resident {self.text_fixed_bytes / 2 ** 10:.1f} KB"]
+        if self.text_activation_bytes:
+            lines.append(f"         activations+workspace estimate {gb(self.text_activation_bytes)} at "
+                         f"{self.text_tokens} tokens, batch {batch}")
+        return lines
 
     def render(self, measured: Optional[dict] = None) -> str:
         """The memory plan as the loader's STRING output (and the log)."""
@@ -99,7 +125,7 @@ class MemoryPlan:
         lines = [head, f"  dtypes: UNet {self.dtype}, text {self.text_dtype}, VAE {self.vae_dtype}"]
         where = {"resident": "resident on the device", "while used": "on the device only while used",
                  "cpu": "on the CPU (only embeddings move)"}
-        lines.append(f"  text : {gb(self.text_bytes)} weights, {where[self.text_mode]}")
+        lines.extend(self._text_lines(where, b))
         if self.unet_mode == "stream":
             lines.append(f"  unet : {gb(self.unet_bytes)} weights: resident {gb(self.unet_fixed_bytes + self.unet_resident_bytes)}"
                          f", streamed {gb(self.unet_streamed_bytes)} per step ({self.streamed_units} of "

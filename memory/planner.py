@@ -1,12 +1,17 @@
 """Planning a VRAM policy before any weight moves: where each stage's weights live, the estimated peak per stage,
-the streaming schedule (``stream``) and the typed budget the placement exposes.
+the streaming schedules (``stream``) and the typed budget the placement exposes.
 
-Per policy (``T``, ``U``, ``V``: text, UNet, VAE weight bytes; ``act``: the UNet activation estimate, ``plan.py``):
-- ``full``: everything resident; peak ``T + U + V + act``.
-- ``balanced``: UNet resident, text and VAE on the device while used; peaks ``U + T``, ``U + act``, ``U + V``.
+Per policy (``T``, ``U``, ``V``: text, UNet, VAE weight bytes; ``act``: the UNet activation estimate, ``plan.py``;
+``ta``: a streamable text encoder's activation estimate, ``text_units.py``, else 0):
+- ``full``: everything resident; peaks ``T + U + V + ta``, ``T + U + V + act``, ``T + U + V``.
+- ``balanced``: UNet resident, text and VAE on the device while used; peaks ``U + T + ta``, ``U + act``, ``U + V``.
 - ``lowvram``: as ``balanced`` with the text encoders on the CPU in fp32.
-- ``stream``: the UNet's resident set fills ``budget - act - always-resident - headroom`` (``stream_schedule.py``),
-  the rest streams; text encoders on the device while used when they fit beside the resident set, else on the CPU.
+- ``stream``: the UNet's resident set fills ``budget - room - always-resident - headroom`` (``stream_schedule.py``),
+  the rest streams; ``room`` is what the other stages need beside it. First ``room = act``: the text encoders go on
+  the device while used when ``resident + T + ta`` fits the budget. Otherwise a text encoder that streams
+  (``text_units.py``: Qwen3) streams block by block through a ring held only while its stage runs, the UNet
+  planned again with ``room = max(act, text ring + ta)`` and the encoder's norm always resident (or, where that
+  costs the UNet less, stays whole with ``room = T + ta``); encoders that cannot stream (CLIP) run on the CPU.
   A budget below the working minimum (``stream_minimum_bytes``) is refused with that number.
 - ``auto``: the first of full > balanced > lowvram whose peak fits ``free_vram.usable_free_bytes``, else ``stream``
   at that many bytes (on the CPU: ``full``).
@@ -25,97 +30,147 @@ from .engine import ModelParts, modules_of_stage
 from .free_vram import FREE_FRACTION, usable_free_bytes
 from .plan import GiB, MemoryPlan, activation_bytes, gb, module_bytes
 from .policy_config import PolicyConfig, VramPolicy, dtype_name
-from .stream_schedule import StreamSchedule, minimum_arena_bytes, plan_schedule
+from .stream_schedule import StreamSchedule, minimum_arena_bytes, plan_all_streamed, plan_schedule
+from .text_units import TextStream, text_stream
 from .units import trace_units
 from .vram_budget import HEADROOM, StageMode, VramBudget
 
 
 @dataclass(frozen=True)
 class PolicyPlan:
-    """What ``apply_vram_policy`` places from: the resolved config, the report, the typed budget, the schedule."""
+    """What ``apply_vram_policy`` places from: the resolved config, the report, the typed budget, the schedules."""
 
     config: PolicyConfig
     plan: MemoryPlan
     budget: VramBudget
     schedule: Optional[StreamSchedule]
+    text_schedule: Optional[StreamSchedule] = None  # a streamed text encoder's (``stream``), else None
+
+
+@dataclass(frozen=True)
+class _Stream:
+    schedule: StreamSchedule
+    text_schedule: Optional[StreamSchedule]
+    resident: int
+    text: StageMode
+    peaks: dict
+    fields: dict
+
+
+def plan_inputs(parts: ModelParts, dtype: torch.dtype, vae_dtype: torch.dtype, device_type: str,
+                working_shape: tuple) -> tuple:
+    """(units, act, sizes, text): the UNet's units and activation estimate at ``working_shape``, the stages' weight
+    bytes, and the text stage's streaming numbers (``None`` when its encoders cannot stream)."""
+    units = trace_units(parts.unet, working_shape, dtype)
+    act = activation_bytes(units, torch.empty((), dtype=dtype).element_size(), device_type)
+    encoders = modules_of_stage(parts, "text")
+    sizes = dict(text=sum(module_bytes(m, dtype) for m in encoders), unet=module_bytes(parts.unet, dtype),
+                 vae=module_bytes(parts.vae, vae_dtype))
+    return units, act, sizes, text_stream(encoders, dtype, int(working_shape[0]), device_type)
 
 
 def plan_placement(parts: ModelParts, config: PolicyConfig, free: Optional[int], name: str) -> PolicyPlan:
     """Trace the UNet at the working shape, resolve ``auto`` against ``free`` bytes (default: the device's usable
     free memory) and plan the resolved policy."""
-    units = trace_units(parts.unet, config.working_shape, config.dtype)
-    elem = torch.empty((), dtype=config.dtype).element_size()
-    act = activation_bytes(units, elem, config.device.type)
-    sizes = dict(text=sum(module_bytes(m, config.dtype) for m in modules_of_stage(parts, "text")),
-                 unet=module_bytes(parts.unet, config.dtype), vae=module_bytes(parts.vae, config.vae_dtype))
+    units, act, sizes, text = plan_inputs(parts, config.dtype, config.vae_dtype, config.device.type,
+                                          config.working_shape)
     if config.requested == VramPolicy.AUTO:
-        config = _resolve_auto(parts, config, units, act, sizes, free)
-    return plan_policy(parts, config, units, act, sizes, name)
+        config = _resolve_auto(parts, config, units, act, sizes, free, text)
+    return plan_policy(parts, config, units, act, sizes, name, text)
 
 
-def _resolve_auto(parts, config: PolicyConfig, units, act: int, sizes: dict, free: Optional[int]) -> PolicyConfig:
+def _resolve_auto(parts, config: PolicyConfig, units, act: int, sizes: dict, free: Optional[int],
+                  text: Optional[TextStream]) -> PolicyConfig:
     if config.device.type != "cuda":
         return replace(config, policy=VramPolicy.FULL)
     usable = usable_free_bytes(config.device) if free is None else int(free * FREE_FRACTION)
     for pol in (VramPolicy.FULL, VramPolicy.BALANCED, VramPolicy.LOWVRAM):
         cand = replace(config, policy=pol)
-        if plan_policy(parts, cand, units, act, sizes, "").plan.peak_bytes <= usable:
+        if plan_policy(parts, cand, units, act, sizes, "", text).plan.peak_bytes <= usable:
             return cand
     return replace(config, policy=VramPolicy.STREAM, budget_bytes=min(config.budget_bytes, usable))
 
 
-def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name: str) -> PolicyPlan:
-    """The plan of ``config.policy`` (never AUTO) from the traced ``units``, the activation estimate ``act`` and
-    the stages' weight ``sizes`` (module docstring)."""
+def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name: str,
+                text: Optional[TextStream] = None) -> PolicyPlan:
+    """The plan of ``config.policy`` (never AUTO) from the traced ``units``, the activation estimate ``act``, the
+    stages' weight ``sizes`` and the text stage's streaming numbers ``text`` (module docstring)."""
     T, U, V = sizes["text"], sizes["unet"], sizes["vae"]
+    ta = text.activation_bytes if text is not None else 0
     pol = config.policy
-    text_dtype = config.dtype
-    schedule, stream_fields = None, {}
+    planned = None
     if pol == VramPolicy.FULL:
-        text, vae, resident = StageMode.RESIDENT, StageMode.RESIDENT, T + U + V
-        peaks = {"text": T + U + V, "unet": T + U + V + act, "vae": T + U + V}
+        text_mode, vae, resident = StageMode.RESIDENT, StageMode.RESIDENT, T + U + V
+        peaks = {"text": T + U + V + ta, "unet": T + U + V + act, "vae": T + U + V}
     elif pol == VramPolicy.BALANCED:
-        text, vae, resident = StageMode.WHILE_USED, StageMode.WHILE_USED, U
-        peaks = {"text": U + T, "unet": U + act, "vae": U + V}
+        text_mode, vae, resident = StageMode.WHILE_USED, StageMode.WHILE_USED, U
+        peaks = {"text": U + T + ta, "unet": U + act, "vae": U + V}
     elif pol == VramPolicy.LOWVRAM:
-        text, vae, resident = StageMode.CPU, StageMode.WHILE_USED, U
+        text_mode, vae, resident = StageMode.CPU, StageMode.WHILE_USED, U
         peaks = {"text": U, "unet": U + act, "vae": U + V}
     else:
-        schedule, resident, stream_fields = _stream_schedule(config, units, act, U)
-        text = StageMode.WHILE_USED if resident + T <= config.budget_bytes else StageMode.CPU
-        vae = StageMode.WHILE_USED
-        peaks = {"text": resident + (T if text is StageMode.WHILE_USED else 0), "unet": resident + act,
-                 "vae": resident + V}
-    if text is StageMode.CPU:
-        text_dtype = torch.float32
+        planned = _plan_stream(config, units, act, sizes, text)
+        text_mode, vae, resident, peaks = planned.text, StageMode.WHILE_USED, planned.resident, planned.peaks
     stream = pol == VramPolicy.STREAM
-    unet = StageMode.STREAM if stream else StageMode.RESIDENT
+    text_dtype = torch.float32 if text_mode is StageMode.CPU else config.dtype
+    ta = ta if text_mode is not StageMode.CPU else 0
+    schedule = planned.schedule if planned else None
+    text_schedule = planned.text_schedule if planned else None
+    text_arena = text_schedule.arena_bytes if text_schedule else 0
     plan = MemoryPlan(policy=pol.value, requested=config.requested.value, device=str(config.device), model=name,
                       family=parts.family, dtype=dtype_name(config.dtype), vae_dtype=dtype_name(config.vae_dtype),
                       text_dtype=dtype_name(text_dtype), budget_bytes=config.budget_bytes,
-                      working_shape=config.working_shape, text_mode=text.value, vae_mode=vae.value,
-                      unet_mode=unet.value, text_bytes=T, unet_bytes=U, vae_bytes=V, unet_activation_bytes=act,
-                      total_units=len(units), peaks=peaks, **stream_fields)
+                      working_shape=config.working_shape, text_mode=text_mode.value, vae_mode=vae.value,
+                      unet_mode=(StageMode.STREAM if stream else StageMode.RESIDENT).value, text_bytes=T,
+                      unet_bytes=U, vae_bytes=V, unet_activation_bytes=act, total_units=len(units), peaks=peaks,
+                      text_activation_bytes=ta, text_tokens=text.tokens if text is not None else 0,
+                      **(planned.fields if planned else {}))
     budget = VramBudget(limit_bytes=config.budget_bytes if stream else None,
                         headroom_bytes=int(HEADROOM * config.budget_bytes) if stream else 0,
                         resident_bytes=resident, streamed_bytes=schedule.streamed_bytes if schedule else 0,
-                        activation_bytes=act, text_bytes=T, vae_bytes=V, text=text, vae=vae, unet=unet)
-    return PolicyPlan(config, plan, budget, schedule)
+                        activation_bytes=act, text_bytes=T, vae_bytes=V, text_arena_bytes=text_arena,
+                        text_activation_bytes=ta, text=text_mode, vae=vae,
+                        unet=StageMode.STREAM if stream else StageMode.RESIDENT)
+    return PolicyPlan(config, plan, budget, schedule, text_schedule)
 
 
-def _stream_schedule(config: PolicyConfig, units, act: int, unet_bytes: int) -> tuple:
-    """(schedule, UNet bytes resident on the device, the plan's stream fields) under ``config.budget_bytes``."""
+def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optional[TextStream]) -> _Stream:
+    """The ``stream`` plan (module docstring): the UNet's schedule, where the text encoders go, the peaks."""
+    T, U, V = sizes["text"], sizes["unet"], sizes["vae"]
+    budget = config.budget_bytes
+    minimum = stream_minimum_bytes(units, act, U, text, T)
+    if budget < minimum:
+        raise ValueError(_below_minimum(config, units, act, U, text, minimum))
+    ta = text.activation_bytes if text is not None else 0
+    schedule, resident, fields = _stream_schedule(config, units, act, U)
+    text_schedule = None
+    if resident + T + ta <= budget:
+        mode, text_peak = StageMode.WHILE_USED, resident + T + ta
+    elif text is None:
+        mode, text_peak = StageMode.CPU, resident
+    elif T + ta <= max(act, text.minimum_stage_bytes) + text.fixed_bytes:  # whole costs the UNet no more room
+        schedule, resident, fields = _stream_schedule(config, units, T + ta, U)
+        mode, text_peak = StageMode.WHILE_USED, resident + T + ta
+    else:
+        schedule, resident, fields = _stream_schedule(config, units, max(act, text.minimum_stage_bytes), U,
+                                                      text.fixed_bytes)
+        headroom = int(HEADROOM * budget)
+        text_schedule = plan_all_streamed(list(text.units), budget - resident - ta - headroom)
+        mode, text_peak = StageMode.STREAM, resident + text_schedule.arena_bytes + ta
+        fields.update(text_fixed_bytes=text.fixed_bytes, text_host_bytes=text.host_bytes,
+                      text_arena_bytes=text_schedule.arena_bytes, text_streamed_units=len(text_schedule.streamed),
+                      text_total_units=len(text.units))
+    peaks = {"text": text_peak, "unet": resident + act, "vae": resident + V}
+    return _Stream(schedule, text_schedule, resident, mode, peaks, fields)
+
+
+def _stream_schedule(config: PolicyConfig, units, room: int, unet_bytes: int, extra_fixed: int = 0) -> tuple:
+    """(schedule, bytes resident on the device between stages, the plan's stream fields) when the UNet's resident
+    set leaves ``room`` of ``config.budget_bytes`` free beside ``extra_fixed`` other always-resident bytes."""
     fixed = unet_bytes - sum(u.nbytes for u in units)
-    minimum = stream_minimum_bytes(units, act, unet_bytes)
-    if config.budget_bytes < minimum:
-        raise ValueError(
-            f"vram_budget_gb={config.budget_bytes / GiB:.4g} is below the working minimum of "
-            f"{ceil_gb(minimum)} GB for this model under 'stream' (activations+workspace {gb(act)}, always-"
-            f"resident weights {gb(fixed)}, staging {gb(minimum_arena_bytes(units))} at latent "
-            f"{config.working_shape[1]}x{config.working_shape[2]}, batch {config.working_shape[0]}); raise "
-            f"vram_budget_gb to at least {ceil_gb(minimum)}")
-    schedule = plan_schedule(units, config.budget_bytes - act - fixed - int(HEADROOM * config.budget_bytes))
-    resident = fixed + schedule.resident_unit_bytes + schedule.arena_bytes
+    capacity = config.budget_bytes - room - fixed - extra_fixed - int(HEADROOM * config.budget_bytes)
+    schedule = plan_schedule(units, capacity)
+    resident = fixed + extra_fixed + schedule.resident_unit_bytes + schedule.arena_bytes
     notes = () if schedule.streamed else ("the whole UNet fits the budget: nothing streams",)
     est = schedule.est_step_s * 1e3 if config.device.type == "cuda" else None
     fields = dict(unet_fixed_bytes=fixed, unet_resident_bytes=schedule.resident_unit_bytes,
@@ -125,11 +180,35 @@ def _stream_schedule(config: PolicyConfig, units, act: int, unet_bytes: int) -> 
     return schedule, resident, fields
 
 
-def stream_minimum_bytes(units, act: int, unet_bytes: int) -> int:
-    """The smallest budget ``stream`` accepts: activations + always-resident weights + the minimum staging arena,
-    over ``1 - HEADROOM``."""
+def _below_minimum(config: PolicyConfig, units, act: int, unet_bytes: int, text: Optional[TextStream],
+                   minimum: int) -> str:
     fixed = unet_bytes - sum(u.nbytes for u in units)
-    return int((act + fixed + minimum_arena_bytes(units)) / (1 - HEADROOM)) + 1
+    shape = config.working_shape
+    text_part = "" if text is None else (
+        f", text stage: staging {gb(minimum_arena_bytes(list(text.units)))} + activations {gb(text.activation_bytes)}"
+        f" at {text.tokens} tokens")
+    return (f"vram_budget_gb={config.budget_bytes / GiB:.4g} is below the working minimum of {ceil_gb(minimum)} GB "
+            f"for this model under 'stream' (activations+workspace {gb(act)}, always-resident weights {gb(fixed)}, "
+            f"staging {gb(minimum_arena_bytes(units))} at latent {shape[1]}x{shape[2]}, batch {shape[0]}{text_part});"
+            f" raise vram_budget_gb to at least {ceil_gb(minimum)}")
+
+
+def stream_minimum_bytes(units, act: int, unet_bytes: int, text: Optional[TextStream] = None,
+                         text_bytes: int = 0) -> int:
+    """The smallest budget ``stream`` accepts: always-resident weights + the minimum staging arena + what the
+    stages need beside them (the activations; with a streamable text encoder that does not fit in them, the least
+    of it whole and it streamed through its minimum ring, its norm resident), over ``1 - HEADROOM``."""
+    fixed = unet_bytes - sum(u.nbytes for u in units)
+    room = act
+    if text is not None and text_bytes + text.activation_bytes > act:
+        room = min(text_bytes + text.activation_bytes, max(act, text.minimum_stage_bytes) + text.fixed_bytes)
+    return int((room + fixed + minimum_arena_bytes(units)) / (1 - HEADROOM)) + 1
+
+
+def working_minimum_bytes(parts: ModelParts, device: torch.device, dtype: torch.dtype, working_shape: tuple) -> int:
+    """``stream_minimum_bytes`` of ``parts`` run in ``dtype`` on ``device`` at ``working_shape``."""
+    units, act, sizes, text = plan_inputs(parts, dtype, dtype, torch.device(device).type, working_shape)
+    return stream_minimum_bytes(units, act, sizes["unet"], text, sizes["text"])
 
 
 def ceil_gb(n: int) -> str:

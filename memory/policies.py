@@ -7,8 +7,9 @@ Policies (what lives on the device, per stage):
   while decoding.
 - ``stream``: UNet split into a resident set filling ``vram_budget_gb`` minus the activation/workspace estimate
   and a streamed rest (``memory/stream_schedule.py``, ``memory/streaming.py``); text encoders on the device while
-  used if they fit next to the UNet's resident set inside the budget, else on the CPU; VAE on the device only while
-  used. The budget is a hard limit on every stage of every node (``memory/budget.py``).
+  used if they fit next to the UNet's resident set inside the budget, else streamed block by block when they can
+  (a Qwen3 encoder, ``memory/text_units.py``), else on the CPU; VAE on the device only while used. The budget is a
+  hard limit on every stage of every node (``memory/budget.py``).
 - ``auto``: the fastest of full > balanced > lowvram > stream whose estimated peak fits the usable free VRAM
   (``memory/free_vram.py``; on the CPU: ``full``).
 
@@ -37,10 +38,9 @@ from .. import bridge
 from .engine import ModelParts
 from .families import family_defaults
 from .placement import ModelPlacement
-from .plan import GiB, activation_bytes, module_bytes
-from .planner import plan_placement, stream_minimum_bytes
+from .plan import GiB
+from .planner import plan_placement, working_minimum_bytes
 from .policy_config import DTYPES, PolicyConfig, VramPolicy
-from .units import trace_units
 
 
 def check_policy_args(policy: str | VramPolicy, vram_budget_gb: float) -> VramPolicy:
@@ -106,7 +106,7 @@ def apply_vram_policy(parts: ModelParts, policy: str | VramPolicy = "auto", *, d
     config = PolicyConfig(requested if requested != VramPolicy.AUTO else VramPolicy.FULL, requested, dev, dtype,
                           dtype, vae_dtype, int(vram_budget_gb * GiB), tuple(int(v) for v in working_shape))
     planned = plan_placement(parts, config, free_vram_bytes, name or parts.name)
-    return ModelPlacement(parts, planned.config, planned.plan, planned.budget, planned.schedule)
+    return ModelPlacement(parts, planned.config, planned.plan, planned.budget, planned.schedule, planned.text_schedule)
 
 
 def stream_working_minimum_gb(parts: ModelParts, device=None, dtype: Optional[torch.dtype] = None,
@@ -116,6 +116,4 @@ def stream_working_minimum_gb(parts: ModelParts, device=None, dtype: Optional[to
     dtype = dtype or default_dtype(parts.family, dev)
     if working_shape is None:
         working_shape = default_working_shape(parts)
-    units = trace_units(parts.unet, tuple(working_shape), dtype)
-    act = activation_bytes(units, torch.empty((), dtype=dtype).element_size(), dev.type)
-    return stream_minimum_bytes(units, act, module_bytes(parts.unet, dtype)) / GiB
+    return working_minimum_bytes(parts, dev, dtype, tuple(working_shape)) / GiB

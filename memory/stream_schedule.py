@@ -1,4 +1,5 @@
-"""Which UNet units stream under the ``stream`` policy, where each lands in the staging ring, and what a step costs.
+"""Which units (UNet or DiT blocks, text encoder layers) stream under the ``stream`` policy, where each lands in the
+staging ring, and what a step costs.
 
 Resident set
     ``capacity = budget - headroom - activations_estimate - always_resident - arena`` (``vram_budget.HEADROOM``;
@@ -6,7 +7,8 @@ Resident set
     (``S`` bytes) stream. Which units stream: those with the most compute per weight byte (``flops_i / bytes_i``;
     the high-resolution blocks), so their copies hide behind their own compute; among equal ratios (SDXL's 60
     identical 32x32 transformer blocks) a bit-reversed pick spreads the streamed ones evenly through the forward
-    instead of clustering them.
+    instead of clustering them. A stage whose weights visit the device only while it runs (a streamed text
+    encoder) has no resident set: every unit streams (``plan_all_streamed``).
 
 Staging arena (the math)
     Streamed units live in one device ``arena`` of ``A`` bytes used as a ring: unit ``k`` (in execution order)
@@ -129,13 +131,29 @@ def plan_schedule(units: list[Unit], capacity_bytes: int) -> StreamSchedule:
     compute = sum(u.flops for u in units) / ASSUMED_FLOPS_PER_S
     if total <= capacity_bytes:
         return StreamSchedule(tuple(units), (), (), (), 0, compute, compute)
+    return _best_arena(units, capacity_bytes, lambda arena: choose_streamed(units, total - (capacity_bytes - arena)))
+
+
+def plan_all_streamed(units: list[Unit], room_bytes: int) -> StreamSchedule:
+    """Every unit with weights streams (a stage whose weights visit the device only while it runs); the arena is
+    the multiple of the largest unit within ``room_bytes`` with the best simulated time, never above what the
+    units hold in all (raises ``ValueError`` if not even the minimum fits)."""
+    streamed = [i for i, u in enumerate(units) if u.nbytes]
+    total = sum(u.nbytes for u in units)
+    return _best_arena(units, room_bytes, lambda arena: streamed, total)
+
+
+def _best_arena(units: list[Unit], capacity_bytes: int, pick, most: Optional[int] = None) -> StreamSchedule:
+    """The schedule of the ``ARENA_MULTIPLES`` arena (within ``capacity_bytes`` and, if given, ``most`` bytes) whose
+    simulated step is fastest; ``pick(arena)`` gives the streamed units' indices."""
+    compute = sum(u.flops for u in units) / ASSUMED_FLOPS_PER_S
     biggest = max(u.nbytes for u in units)
     best: Optional[StreamSchedule] = None
     for m in ARENA_MULTIPLES:
         arena = int(m * biggest)
-        if arena > capacity_bytes:
+        if arena > capacity_bytes or (best is not None and most is not None and arena > most):
             break
-        streamed = choose_streamed(units, total - (capacity_bytes - arena))
+        streamed = pick(arena)
         offsets, wait_for = ring_layout(units, streamed, arena)
         est = simulate(units, streamed, wait_for)
         cand = StreamSchedule(tuple(units), tuple(streamed), tuple(offsets), tuple(wait_for), arena, est, compute)

@@ -1,8 +1,12 @@
-"""Block-wise UNet weight streaming at run time: a :class:`StreamSchedule` applied to a UNet by forward hooks.
+"""Block-wise weight streaming at run time: a :class:`StreamSchedule` applied to a model (a UNet, a DiT, a text
+encoder) by forward hooks.
 
 Invariants
 - Resident weights live in one flat device buffer; streamed units' parameters are fixed views of their slices of
   the staging ring (``memory/stream_schedule.py``), filled from one pinned host buffer laid out like the ring.
+- Submodules named in ``host_modules`` keep their weights on the host (the caller hooks them to run there); a
+  streamer whose ``arena_at_build`` is False holds its ring only between ``onload`` and ``offload`` (a stage's
+  working memory), its streamed parameters pointing at their host copies otherwise.
 - Per forward, on the current stream ``C`` and one side stream ``S``:
     begin:        record E0 on C; S waits E0 (fork: the previous forward is done with the arena);
                   S copies every unit with no ``p(k)`` (host pinned -> arena), records ``ready[k]``
@@ -122,14 +126,19 @@ class BlockStreamer:
     placement then closes the forward when the UNet session exits (``end_unfinished``).
     """
 
-    def __init__(self, unet: torch.nn.Module, schedule: StreamSchedule, device: torch.device, dtype: torch.dtype):
+    arena_at_build = True  # False: the staging ring exists only between ``onload`` and ``offload``
+
+    def __init__(self, unet: torch.nn.Module, schedule: StreamSchedule, device: torch.device, dtype: torch.dtype,
+                 host_modules: tuple = ()):
         self.unet = unet
+        self.host_modules = tuple(host_modules)  # submodules kept and run on the host (their hooks: the caller's)
         self.schedule = schedule
         self.device = torch.device(device)
         self.dtype = dtype
         self.handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self._host_param_views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._src, self._dst = [], []
+        self._streamed, self._layouts = [], []
         self.host = self.arena = self.resident = None
         self.copies_issued = 0
         self._cursor = 0
@@ -149,36 +158,30 @@ class BlockStreamer:
         order = schedule.order
         streamed_mods = [modules[order[i].name] for i in schedule.streamed]
         streamed_params = {id(p) for m in streamed_mods for p in unit_params(m)}
+        host_mods = [modules[name] for name in self.host_modules]
+        for m in host_mods:
+            m.to(dtype=dtype)  # run on the host in the run dtype (the same values the device would compute with)
+        host_params = {id(p) for m in host_mods for p in m.parameters()}
         # Host side: one pinned buffer, unit k's params laid out exactly as in its arena slice.
-        layouts = [FlatLayout.of(unit_params(m), dtype) for m in streamed_mods]
+        self._streamed = [unit_params(m) for m in streamed_mods]
+        self._layouts = [FlatLayout.of(params, dtype) for params in self._streamed]
         host_offsets, pos = [], 0
-        for lay in layouts:
+        for lay in self._layouts:
             host_offsets.append(pos)
             pos += lay.nbytes
         self.host = PinnedBuffer(max(pos, ALIGN), pin=self.device.type == "cuda")
-        self.arena = torch.empty(max(schedule.arena_bytes, ALIGN), dtype=torch.uint8, device=self.device)
         with torch.no_grad():
-            for m, lay, hoff, aoff in zip(streamed_mods, layouts, host_offsets, schedule.offsets):
-                params = unit_params(m)
-                for p, hv, av in zip(params, lay.views(self.host.tensor, hoff), lay.views(self.arena, aoff)):
+            for params, lay, hoff in zip(self._streamed, self._layouts, host_offsets):
+                for p, hv in zip(params, lay.views(self.host.tensor, hoff)):
                     hv.copy_(p.data)
-                    p.data = av
+                    p.data = hv
                     setattr(p, HOST_COPY_ATTR, hv)
                     self._host_param_views.append((p, hv))
-            # Resident weights: one flat device buffer (exact size; per-tensor allocations would each be rounded
-            # up by the caching allocator, ~1 MB per large tensor, a quarter GB for SDXL).
-            resident = [p for p in unet.parameters() if id(p) not in streamed_params]
-            res_layout = FlatLayout.of(resident, dtype)
-            self.resident = torch.empty(res_layout.nbytes, dtype=torch.uint8, device=self.device)
-            for p, view in zip(resident, res_layout.views(self.resident)):
-                view.copy_(p.data)
-                p.data = view
-            for mod in unet.modules():
-                for name, buf in list(mod._buffers.items()):
-                    if buf is not None:
-                        setattr(mod, name, buf.to(self.device))
-        self._src = [self.host.tensor[h: h + lay.nbytes] for h, lay in zip(host_offsets, layouts)]
-        self._dst = [self.arena[a: a + lay.nbytes] for a, lay in zip(schedule.offsets, layouts)]
+            self._place_resident([p for p in unet.parameters() if id(p) not in streamed_params | host_params],
+                                 {id(m) for hm in host_mods for m in hm.modules()})
+        self._src = [self.host.tensor[h: h + lay.nbytes] for h, lay in zip(host_offsets, self._layouts)]
+        if self.arena_at_build:
+            self.onload()
         self._issue_after: dict[int, list[int]] = {}
         for k, j in enumerate(schedule.wait_for):
             self._issue_after.setdefault(j, []).append(k)
@@ -186,6 +189,48 @@ class BlockStreamer:
         n = len(schedule.streamed)
         self.copier = _CudaCopier(self.device, len(order), n) if self.device.type == "cuda" else _SyncCopier()
         self._install_hooks(modules)
+
+    def _place_resident(self, resident: list, host_module_ids: set) -> None:
+        """Resident weights: one flat device buffer (exact size; per-tensor allocations would each be rounded up by
+        the caching allocator, ~1 MB per large tensor, a quarter GB for SDXL); buffers of every module not run on
+        the host move to the device."""
+        res_layout = FlatLayout.of(resident, self.dtype)
+        self.resident = torch.empty(res_layout.nbytes, dtype=torch.uint8, device=self.device)
+        for p, view in zip(resident, res_layout.views(self.resident)):
+            view.copy_(p.data)
+            p.data = view
+        for mod in self.unet.modules():
+            if id(mod) in host_module_ids:
+                continue
+            for name, buf in list(mod._buffers.items()):
+                if buf is not None:
+                    setattr(mod, name, buf.to(self.device))
+
+    # ----------------------------------------------------------------- staging ring
+    def onload(self) -> None:
+        """Allocate the staging ring on the device and make each streamed parameter a fixed view of its slice (at
+        build time unless ``arena_at_build`` is False: then the stage that runs the model calls it)."""
+        if self.arena is not None:
+            return
+        arena = torch.empty(max(self.schedule.arena_bytes, ALIGN), dtype=torch.uint8, device=self.device)
+        with torch.no_grad():
+            for params, lay, aoff in zip(self._streamed, self._layouts, self.schedule.offsets):
+                for p, av in zip(params, lay.views(arena, aoff)):
+                    p.data = av
+        self._dst = [arena[a: a + lay.nbytes] for a, lay in zip(self.schedule.offsets, self._layouts)]
+        self.arena = arena
+
+    def offload(self) -> None:
+        """Drop the staging ring: a forward left unfinished is closed first (its copies joined), then every streamed
+        parameter points at its host copy again."""
+        if self.arena is None:
+            return
+        self.end_unfinished()
+        with torch.no_grad():
+            for p, hv in self._host_param_views:
+                p.data = hv
+        self._dst = []
+        self.arena = None
 
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self, modules: dict) -> None:
@@ -198,6 +243,8 @@ class BlockStreamer:
                 self.handles[f"{u.name}.after"] = mod.register_forward_hook(lambda m, a, o, i=i: self._after(i))
 
     def _issue(self, ks: list[int]) -> None:
+        if self.arena is None:  # no staging ring (outside the stage): streamed weights are their host copies
+            return
         for k in ks:
             self.copier.copy(self._dst[k], self._src[k], k)
             self.copies_issued += 1
@@ -206,6 +253,9 @@ class BlockStreamer:
         self._depth += 1  # counted before the check: the refused call's own end hook (always called) uncounts it
         if self._active:
             raise RuntimeError("the streamed UNet was entered twice without finishing (re-entrant call)")
+        self._start()
+
+    def _start(self) -> None:
         self._active = True
         self._cursor = 0
         self.copier.begin()

@@ -22,8 +22,9 @@ HEADROOM = 0.0
 
 
 class StageMode(str, Enum):
-    """Where a stage's weights live: always on the device, on it only while the stage runs, on the CPU, or (the
-    UNet under ``stream``) split into resident blocks and blocks streamed from pinned host memory."""
+    """Where a stage's weights live: always on the device, on it only while the stage runs, on the CPU, or (under
+    ``stream``) streamed block by block from pinned host memory: the denoiser beside its resident blocks, a text
+    encoder through a staging ring that exists only while its stage runs (``memory/text_units.py``)."""
 
     RESIDENT = "resident"
     WHILE_USED = "while used"
@@ -37,10 +38,12 @@ class VramBudget:
 
     limit_bytes: Optional[int] = None  # hard limit on what the process holds in every stage; None: no limit
     headroom_bytes: int = 0  # share of the limit kept free beyond the activation estimate (``HEADROOM``)
-    resident_bytes: int = 0  # weights on the device while the UNet stage runs (under stream: fixed + blocks + ring)
+    resident_bytes: int = 0  # weights on the device while the UNet stage runs (stream: fixed + blocks + ring + text's)
     streamed_bytes: int = 0  # UNet block weights copied from pinned host memory each step
     activation_bytes: int = 0  # the plan's UNet activation + workspace estimate at its working shape
     text_bytes: int = 0  # text encoder weights in the text dtype
+    text_arena_bytes: int = 0  # a streamed text encoder's staging ring (on the device while the text stage runs)
+    text_activation_bytes: int = 0  # the plan's text stage activation + workspace estimate (Qwen3-like encoders)
     vae_bytes: int = 0  # VAE weights in the VAE dtype
     text: StageMode = StageMode.RESIDENT
     vae: StageMode = StageMode.RESIDENT
@@ -74,11 +77,15 @@ class VramBudget:
         return self.limit_bytes - self.resident_bytes - self.headroom_bytes
 
     def entering_bytes(self, stage: str) -> int:
-        """Weight bytes ``stage`` brings onto the device when it is entered (those placed only while used)."""
+        """Bytes ``stage`` brings onto the device when it is entered: the weights of a stage placed only while used,
+        or a streamed text encoder's staging ring; for the text stage also its activation estimate (0 where the plan
+        makes none: CLIP encoders)."""
         if stage == "vae" and self.vae is StageMode.WHILE_USED:
             return self.vae_bytes
         if stage == "text" and self.text is StageMode.WHILE_USED:
-            return self.text_bytes
+            return self.text_bytes + self.text_activation_bytes
+        if stage == "text" and self.text is StageMode.STREAM:
+            return self.text_arena_bytes + self.text_activation_bytes
         return 0
 
 

@@ -1,0 +1,104 @@
+"""A decoder-only text encoder's streamable units and its working memory: the plan's side of streaming a text
+encoder block by block (``memory/text_streaming.py`` is the run-time side).
+
+Invariant: a text encoder streams when it is laid out as a decoder-only language model (transformers' ``Qwen3Model``:
+an ``embed_tokens`` table, a ``layers`` list whose layers each run once per forward in order and use their weights
+only inside their own ``forward``, a final ``norm``) and is the model's only text encoder. A unit is one decoder
+layer ``layers.N``. The embedding table stays on the host and its lookup runs there (only the prompt's rows move
+to the device, values unchanged: a lookup is a copy); the final norm and the rotary tables stay on the device.
+Why the host lookup: Qwen3-4B's table is 151936 x 2560 (0.78 GB in bf16), 13% of a 6 GB budget if resident, and
+as a streamed unit it would set the staging ring's minimum (3 x the largest unit) to 2.3 GB.
+
+Working memory at ``batch`` prompts of ``TEXT_TOKENS`` tokens (bytes in the run dtype): the caller keeps every
+layer's hidden state (``output_hidden_states``: ``layers + 1`` of ``tokens x hidden``) and the key/value cache the
+model fills by default (``2 x kv width`` per layer and token), plus the largest transient inside one layer (its
+SwiGLU MLP's three intermediate-wide tensors beside the layer input and its normed copy), times
+``plan.FRAGMENTATION``, plus ``plan.WORKSPACE_CUDA`` on CUDA. FLOPs per unit: ``2 x tokens x weights`` plus the
+attention's two ``tokens^2 x width`` products.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .dit_units import token_block_unit
+from .hostmem import FlatLayout
+from .plan import FRAGMENTATION, WORKSPACE_CUDA
+from .stream_schedule import minimum_arena_bytes
+from .unet_units import Unit
+
+TEXT_TOKENS = 512  # the longest prompt the flow sampler encodes (``sampling/flow/text.py`` MAX_TOKENS)
+HOST_MODULES = ("embed_tokens",)
+MLP_TENSORS = 3  # gate, act(gate) -> product, up: three intermediate-wide tensors live at once
+
+
+@dataclass(frozen=True)
+class TextStream:
+    """A streamable text encoder's numbers at the working batch: units (execution order), activation + workspace
+    estimate, bytes always on the device (norm), bytes kept on the host (embedding table)."""
+
+    units: tuple
+    activation_bytes: int
+    fixed_bytes: int
+    host_bytes: int
+    tokens: int
+
+    @property
+    def minimum_stage_bytes(self) -> int:
+        """What the text stage needs on the device beside the always-resident weights at the smallest ring."""
+        return minimum_arena_bytes(list(self.units)) + self.activation_bytes
+
+
+def streams_text(module: Optional[torch.nn.Module]) -> bool:
+    """Whether ``module`` is laid out as a decoder-only language model (module docstring)."""
+    return module is not None and isinstance(getattr(module, "layers", None), torch.nn.ModuleList) and \
+        all(hasattr(module, a) for a in ("embed_tokens", "norm")) and len(module.layers) > 0
+
+
+def _width(config, name: str, default: int) -> int:
+    value = getattr(config, name, None)
+    return int(value) if value is not None else default
+
+
+def text_units(encoder: torch.nn.Module, batch: int, tokens: int, dtype: torch.dtype) -> list[Unit]:
+    """One unit per decoder layer, execution order, sized in ``dtype``, FLOPs at ``batch`` x ``tokens``."""
+    cfg = encoder.config
+    hidden = int(cfg.hidden_size)
+    heads = int(cfg.num_attention_heads)
+    width = heads * _width(cfg, "head_dim", hidden // heads)
+    return [token_block_unit(f"layers.{index}", layer, dtype, batch, tokens, width, hidden, "text")
+            for index, layer in enumerate(encoder.layers)]
+
+
+def text_activation_bytes(encoder: torch.nn.Module, batch: int, tokens: int, elem_size: int,
+                          device_type: str) -> int:
+    """Activations + workspace of one encoder forward (module docstring)."""
+    cfg = encoder.config
+    hidden, layers = int(cfg.hidden_size), len(encoder.layers)
+    heads = int(cfg.num_attention_heads)
+    head_dim = _width(cfg, "head_dim", hidden // heads)
+    kv = _width(cfg, "num_key_value_heads", heads) * head_dim
+    per_token = (layers + 1) * hidden + layers * 2 * kv + MLP_TENSORS * int(cfg.intermediate_size) + 2 * hidden
+    workspace = WORKSPACE_CUDA if device_type == "cuda" else 0
+    return int(FRAGMENTATION * batch * tokens * per_token * elem_size) + workspace
+
+
+def text_stream(encoders: Sequence[torch.nn.Module], dtype: torch.dtype, batch: int, device_type: str,
+                tokens: int = TEXT_TOKENS) -> Optional[TextStream]:
+    """The streaming numbers of the text stage, or ``None`` when it cannot stream (several encoders, or one that is
+    not a decoder-only language model: SD's CLIP encoders, which the plan keeps whole)."""
+    if len(encoders) != 1 or not streams_text(encoders[0]):
+        return None
+    encoder = encoders[0]
+    units = text_units(encoder, batch, tokens, dtype)
+    in_units = {id(p) for layer in encoder.layers for p in layer.parameters()}
+    on_host = {id(p) for name in HOST_MODULES for p in getattr(encoder, name).parameters()}
+    fixed = [p for p in encoder.parameters() if id(p) not in in_units | on_host]
+    host = [p for p in encoder.parameters() if id(p) in on_host]
+    elem = torch.empty((), dtype=dtype).element_size()
+    return TextStream(units=tuple(units), activation_bytes=text_activation_bytes(encoder, batch, tokens, elem,
+                                                                                 device_type),
+                      fixed_bytes=FlatLayout.of(fixed, dtype).nbytes if fixed else 0,
+                      host_bytes=FlatLayout.of(host, dtype).nbytes if host else 0, tokens=tokens)

@@ -1,0 +1,132 @@
+"""GPU: the full-size Z-Image-Turbo (random bf16 weights: the 6.15B DiT, the Qwen3-4B text encoder, the Flux VAE)
+under ``stream`` at 6 GB keeps every stage within the budget with the allocator capped, and computes what the fully
+resident model computes.
+
+Guards issue 42's "stream keeps every stage (the 4B text encoder included, streamed block by block like the DiT)
+within vram_budget_gb": the process's caching allocator is capped at the budget (plus what it held before the
+engine existed) with ``torch.cuda.set_per_process_memory_fraction``, so a stage that needs more fails with out of
+memory instead of passing quietly; the peak reserved memory is read back as well. The references are the same
+modules fully resident (policy ``full``, no cap). bf16 results of the same kernels may differ where cuBLAS picks
+another algorithm under the cap (a smaller workspace): ``REL`` bounds that; a block computing with another block's
+weights (a stale ring slot) moves the result by far more.
+"""
+import pytest
+import torch
+
+from leandiffusion.memory.engine import parts_from_components
+from leandiffusion.memory.load import build_engine
+from leandiffusion.sampling.flow.loop import sample_flow
+from leandiffusion.sampling.flow.settings import FlowSettings
+from leandiffusion.sampling.flow.text import encode_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+GiB = 2 ** 30
+BUDGET_GB = 6.0
+REL = 2e-2
+# 512 tokens after the chat template (the tokenizer is byte-level: one token per byte; longer prompts are cut
+# at 512): the longest caption the sampler takes, the plan's text working shape and the largest caption bucket.
+LONG = ("a lighthouse on a cliff at dusk, waves breaking on black rocks, gulls over the foam, warm light in every "
+        "window, a fishing boat coming home, clouds lit orange and violet, ") * 5
+NEGATIVE = "blurry, dark"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def _settings(acceleration: str) -> FlowSettings:
+    return FlowSettings(LONG, NEGATIVE, seed=7, steps=2, cfg=4.0, width=1024, height=1024, batch_size=1,
+                        acceleration=acceleration)
+
+
+def _drop(engine) -> None:
+    engine.placement.release()  # captured graphs and every device buffer
+    engine.placement.remove()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def parts():
+    from leandiffusion.bench.zimage_models import full_zimage_components
+
+    comps = full_zimage_components(device="cuda")
+    for key in ("transformer", "text_encoder", "vae"):
+        comps[key] = comps[key].to("cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return parts_from_components(comps, name="z-image-turbo-random")
+
+
+@pytest.fixture(scope="module")
+def reference(parts):
+    engine = build_engine(parts, "full", weight_dtype="bf16", vae_dtype="bf16", device="cuda")
+    try:
+        text = [t.clone() for t in encode_prompts(engine, [LONG])]
+        latent = sample_flow(engine, _settings("none"), quiet=True)["samples"]
+    finally:
+        _drop(engine)
+    assert text[0].shape[0] == 512  # the prompt really fills the longest caption
+    return {"text": text, "latent": latent}
+
+
+@pytest.fixture(scope="module")
+def streamed(parts, reference):
+    """The engine under ``stream`` and what the process held (reserved) before it existed."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    engine = build_engine(parts, "stream", BUDGET_GB, weight_dtype="bf16", vae_dtype="bf16", device="cuda")
+    yield engine, base
+    _drop(engine)
+
+
+@pytest.fixture
+def capped(streamed):
+    """The allocator capped at the budget plus what the process held before the engine; yields the engine."""
+    engine, base = streamed
+    total = torch.cuda.mem_get_info()[1]
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = float(get()) if get is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (BUDGET_GB * GiB + base) / total))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield engine
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before)
+
+
+def _peak_over_base(streamed) -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_reserved() - streamed[1]
+
+
+def test_the_plan_streams_both_within_the_budget(streamed):
+    plan = streamed[0].placement.plan
+    assert plan.text_mode == "stream" and plan.unet_mode == "stream" and plan.streamed_units > 0
+    assert max(plan.peaks.values()) <= BUDGET_GB * GiB
+
+
+def test_the_streamed_text_encoder_stays_within_the_budget(streamed, reference, capped):
+    hidden = encode_prompts(capped, [LONG])
+    peak = _peak_over_base(streamed)
+    assert peak <= BUDGET_GB * GiB, f"text stage peak reserved {peak / GiB:.3f} GiB over {BUDGET_GB} GiB"
+    assert _rel(hidden[0], reference["text"][0]) <= REL
+    # the ring is gone once the stage exits: what stays is the placement's resident set (and the returned rows)
+    held = torch.cuda.memory_allocated() - streamed[1]
+    assert held <= capped.placement.budget.resident_bytes + 64 * 2 ** 20
+
+
+@pytest.mark.parametrize("acceleration", ["none", "cuda_graph"])
+def test_the_streamed_dit_stays_within_the_budget(streamed, reference, capped, acceleration):
+    """Prompt -> latent through the Fused Flow Sampler: text stage, then the DiT's steps (eager, or replayed from a
+    CUDA graph whose copies are part of the capture) with a 512-token caption, batch 2 (guidance) at 1024 px."""
+    latent = sample_flow(capped, _settings(acceleration), quiet=True)["samples"]
+    peak = _peak_over_base(streamed)
+    assert peak <= BUDGET_GB * GiB, f"peak reserved {peak / GiB:.3f} GiB over {BUDGET_GB} GiB ({acceleration})"
+    assert _rel(latent, reference["latent"]) <= REL
+    measured = capped.placement.measured
+    assert {"text", "unet"} <= set(measured)
+    assert all(value <= BUDGET_GB * GiB + streamed[1] for value, _ in measured.values())
