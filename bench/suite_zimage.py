@@ -105,6 +105,7 @@ def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, 
     with peak_memory(dev) as peer_mem:
         peer_ms = [time_ms(peer, warmup=1, repeat=repeat, device=dev)]
     latents = {"diffusers_bf16": peer().float().cpu()}
+    times = {}
     for acceleration in ("none", "cuda_graph", "compile+cuda_graph"):
         if not ctx.has_time(120 if acceleration.startswith("compile") else 30):
             ctx.skip(f"{CASE}/{acceleration}", "no time left in the suite's budget")
@@ -113,6 +114,7 @@ def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, 
         with peak_memory(dev) as mem:
             ms = time_ms(ours, warmup=1, repeat=repeat, device=dev)
         latents[acceleration] = ours().float().cpu()
+        times[acceleration] = ms
         peer_ms.append(time_ms(peer, warmup=0, repeat=repeat, device=dev))
         target = TARGETS.get(acceleration)
         ctx.record(CASE, f"e2e_ms_{acceleration}", ms, min(peer_ms), "diffusers ZImagePipeline bf16", target=target,
@@ -120,7 +122,7 @@ def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, 
                    notes=f"prompt -> latent, {steps} steps; peer timings {[round(p, 1) for p in peer_ms]}")
         ctx.record(CASE, f"peak_reserved_gb_{acceleration}", mem["reserved_gb"], peer_mem["reserved_gb"],
                    "diffusers ZImagePipeline bf16", unit="GB")
-    return latents
+    return latents, times
 
 
 def _fidelity(ctx: BenchContext, comps: dict, latents: dict, size: int, steps: int) -> None:
@@ -149,6 +151,18 @@ def _fidelity(ctx: BenchContext, comps: dict, latents: dict, size: int, steps: i
                    notes="ratio >= 1: ours no further from fp32 than diffusers' own bf16 pipeline")
 
 
+def _budget_cases(ctx: BenchContext, times: dict, latents: dict, steps: int, repeat: int) -> None:
+    from .zimage_budget import budget_case
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    if "cuda_graph" not in times or not ctx.has_time(90):
+        ctx.skip("stream_6gb_bf16", "no resident cuda_graph time to compare with, or no time left")
+        return
+    budget_case(ctx, "stream_6gb_bf16", 6.0, "bf16", times["cuda_graph"], latents.get("cuda_graph"), steps,
+                repeat, with_peer=True)
+
+
 def run(ctx: BenchContext) -> None:
     from ..memory.engine import parts_from_components
     from ..memory.load import build_engine
@@ -165,10 +179,12 @@ def run(ctx: BenchContext) -> None:
     repeat = 1 if ctx.smoke else (2 if ctx.quick else 3)
     if cuda:
         _dit_forward_ms(ctx, comps, engine, size)
-    latents = _speed(ctx, comps, pipe, engine, size, steps, repeat)
+    latents, times = _speed(ctx, comps, pipe, engine, size, steps, repeat)
     logger.info("%s", engine.placement.report())
     if cuda:
         _fidelity(ctx, comps, latents, size, steps)
+        del pipe, engine, comps
+        _budget_cases(ctx, times, latents, steps, repeat)
     else:
         ctx.record(CASE, "smoke_rel_vs_diffusers", _rel(latents["none"], latents["diffusers_bf16"]), target=1e-4,
                    target_kind="ours<=", unit="rel L2", notes="CPU fp32 tiny model: plumbing check")
