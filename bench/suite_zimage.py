@@ -25,6 +25,7 @@ import logging
 import torch
 
 from .harness import BenchContext, peak_memory, time_ms
+from .zimage_models import ours_run, peer_run
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ SMOKE_BUDGET_S = 30
 QUICK_BUDGET_S = 330  # the full-size build, the fp32 reference run and the regional compile dominate
 FULL_BUDGET_S = 540
 
-PROMPT = "a photograph of a lighthouse on a cliff at dusk, warm light in the windows, waves breaking below"
 CASE = "1024_9steps"
 TARGETS = {"cuda_graph": 1.0, "compile+cuda_graph": 1.25}
 FIDELITY_TARGET = 1e-2
@@ -51,27 +51,6 @@ def _components(ctx: BenchContext):
     from .zimage_models import full_zimage_components
 
     return full_zimage_components(ctx.device), 1024, 9
-
-
-def _peer_fn(pipe, size: int, steps: int):
-    def run() -> torch.Tensor:
-        return pipe(PROMPT, num_inference_steps=steps, guidance_scale=0.0, height=size, width=size,
-                    generator=torch.Generator("cpu").manual_seed(0), output_type="latent").images
-
-    return run
-
-
-def _ours_fn(engine, size: int, steps: int, acceleration: str):
-    from ..sampling.flow.loop import sample_flow
-    from ..sampling.flow.settings import FlowSettings
-
-    settings = FlowSettings(PROMPT, steps=steps, cfg=1.0, width=size, height=size, acceleration=acceleration)
-    scale, shift = engine.parts.vae_scaling_factor, engine.parts.vae_shift_factor
-
-    def run() -> torch.Tensor:  # back to the pipeline's model space, so both sides compare like for like
-        return (sample_flow(engine, settings, quiet=True)["samples"] - shift) * scale
-
-    return run
 
 
 def _dit_forward_ms(ctx: BenchContext, comps: dict, engine, size: int) -> None:
@@ -101,7 +80,7 @@ def _dit_forward_ms(ctx: BenchContext, comps: dict, engine, size: int) -> None:
 
 def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, repeat: int) -> dict:
     dev = ctx.device
-    peer = _peer_fn(pipe, size, steps)
+    peer = peer_run(pipe, size, steps)
     with peak_memory(dev) as peer_mem:
         peer_ms = [time_ms(peer, warmup=1, repeat=repeat, device=dev)]
     latents = {"diffusers_bf16": peer().float().cpu()}
@@ -110,7 +89,7 @@ def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, 
         if not ctx.has_time(120 if acceleration.startswith("compile") else 30):
             ctx.skip(f"{CASE}/{acceleration}", "no time left in the suite's budget")
             continue
-        ours = _ours_fn(engine, size, steps, acceleration)
+        ours = ours_run(engine, size, steps, acceleration)
         with peak_memory(dev) as mem:
             ms = time_ms(ours, warmup=1, repeat=repeat, device=dev)
         latents[acceleration] = ours().float().cpu()
@@ -133,7 +112,7 @@ def _fidelity(ctx: BenchContext, comps: dict, latents: dict, size: int, steps: i
         return
     fp32 = dict(comps, transformer=copy.deepcopy(comps["transformer"]).float(),
                 text_encoder=copy.deepcopy(comps["text_encoder"]).float())
-    reference = _peer_fn(zimage_pipeline(fp32), size, steps)().float().cpu()
+    reference = peer_run(zimage_pipeline(fp32), size, steps)().float().cpu()
     del fp32
     gc.collect()
     torch.cuda.empty_cache()

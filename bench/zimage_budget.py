@@ -17,6 +17,7 @@ import logging
 import torch
 
 from .harness import BenchContext, peak_memory, time_ms
+from .zimage_models import ours_run, peer_run
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +44,11 @@ def _ours(ctx: BenchContext, comps: dict, budget_gb: float, weight_dtype: str, s
     from ..memory.cap import allocator_cap
     from ..memory.engine import parts_from_components
     from ..memory.load import build_engine
-    from .suite_zimage import _ours_fn
 
     engine = build_engine(parts_from_components(comps, name="zimage-random"), "stream", vram_budget_gb=budget_gb,
                           weight_dtype=weight_dtype, vae_dtype="bf16", device=ctx.device)
     logger.info("%s", engine.placement.report())
-    run = _ours_fn(engine, 1024, steps, "cuda_graph")
+    run = ours_run(engine, 1024, steps, "cuda_graph")
     with allocator_cap(ctx.device, int(budget_gb * GiB)), peak_memory(ctx.device) as mem:
         ms = time_ms(run, warmup=1, repeat=repeat, device=ctx.device)
         latent = run().float().cpu()
@@ -61,7 +61,6 @@ def _peer(ctx: BenchContext, comps: dict, budget_gb: float, steps: int, repeat: 
     from diffusers.hooks import apply_group_offloading
 
     from ..memory.cap import allocator_cap
-    from .suite_zimage import _peer_fn
     from .zimage_models import zimage_pipeline
 
     pipe = zimage_pipeline(comps)
@@ -69,7 +68,7 @@ def _peer(ctx: BenchContext, comps: dict, budget_gb: float, steps: int, repeat: 
         apply_group_offloading(module, onload_device=ctx.device, offload_device=torch.device("cpu"),
                                offload_type="leaf_level", use_stream=True, record_stream=True)
     pipe.vae.to(ctx.device)
-    run = _peer_fn(pipe, 1024, steps)
+    run = peer_run(pipe, 1024, steps)
     with allocator_cap(ctx.device, int(budget_gb * GiB)), peak_memory(ctx.device) as mem:
         ms = time_ms(run, warmup=1, repeat=repeat, device=ctx.device)
     del pipe, run

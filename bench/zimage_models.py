@@ -12,6 +12,7 @@ import torch
 from ..memory.tiny_zimage import ZIMAGE_SCHEDULER, build_qwen_tokenizer
 from .models import _materialise
 
+PROMPT = "a photograph of a lighthouse on a cliff at dusk, warm light in the windows, waves breaking below"
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
@@ -55,3 +56,26 @@ def zimage_pipeline(components: dict):
                           tokenizer=components["tokenizer"], transformer=components["transformer"])
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def peer_run(pipe, size: int, steps: int):
+    """``ZImagePipeline`` prompt -> latent (model space) at cfg 1, seed 0."""
+    def run() -> torch.Tensor:
+        return pipe(PROMPT, num_inference_steps=steps, guidance_scale=0.0, height=size, width=size,
+                    generator=torch.Generator("cpu").manual_seed(0), output_type="latent").images
+
+    return run
+
+
+def ours_run(engine, size: int, steps: int, acceleration: str):
+    """The Fused Flow Sampler, prompt -> latent, converted to the pipeline's model space."""
+    from ..sampling.flow.loop import sample_flow
+    from ..sampling.flow.settings import FlowSettings
+
+    settings = FlowSettings(PROMPT, steps=steps, cfg=1.0, width=size, height=size, acceleration=acceleration)
+    scale, shift = engine.parts.vae_scaling_factor, engine.parts.vae_shift_factor
+
+    def run() -> torch.Tensor:  # back to the pipeline's model space, so both sides compare like for like
+        return (sample_flow(engine, settings, quiet=True)["samples"] - shift) * scale
+
+    return run
