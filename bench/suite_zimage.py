@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 
 import torch
 
@@ -35,6 +36,21 @@ QUICK_BUDGET_S = 330  # the full-size build, the fp32 reference run and the regi
 FULL_BUDGET_S = 540
 
 CASE = "1024_9steps"
+# ``LEANDIFFUSION_BENCH_ZIMAGE_CASES`` (comma list) restricts the suite to some parts, e.g. to give the budget
+# cases a device call of their own: accelerations (none, cuda_graph, compile+cuda_graph), fidelity, dit_forward,
+# stream.
+ALL_PARTS = ("dit_forward", "none", "cuda_graph", "compile+cuda_graph", "fidelity", "stream")
+
+
+def selected_parts() -> tuple:
+    text = os.environ.get("LEANDIFFUSION_BENCH_ZIMAGE_CASES", "").strip()
+    if not text:
+        return ALL_PARTS
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in parts if p not in ALL_PARTS]
+    if unknown:
+        raise ValueError(f"LEANDIFFUSION_BENCH_ZIMAGE_CASES: unknown part(s) {unknown}; expected {ALL_PARTS}")
+    return parts
 TARGETS = {"cuda_graph": 1.0, "compile+cuda_graph": 1.25}
 FIDELITY_TARGET = 1e-2
 
@@ -86,6 +102,8 @@ def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, 
     latents = {"diffusers_bf16": peer().float().cpu()}
     times = {}
     for acceleration in ("none", "cuda_graph", "compile+cuda_graph"):
+        if acceleration not in selected_parts():
+            continue
         if not ctx.has_time(120 if acceleration.startswith("compile") else 30):
             ctx.skip(f"{CASE}/{acceleration}", "no time left in the suite's budget")
             continue
@@ -156,14 +174,17 @@ def run(ctx: BenchContext) -> None:
     engine = build_engine(parts_from_components(comps, name="zimage-random"), "full", weight_dtype=dtype,
                           vae_dtype=dtype, device=ctx.device)
     repeat = 1 if ctx.smoke else (2 if ctx.quick else 3)
-    if cuda:
+    parts = selected_parts()
+    if cuda and "dit_forward" in parts:
         _dit_forward_ms(ctx, comps, engine, size)
     latents, times = _speed(ctx, comps, pipe, engine, size, steps, repeat)
     logger.info("%s", engine.placement.report())
     if cuda:
-        _fidelity(ctx, comps, latents, size, steps)
+        if "fidelity" in parts:
+            _fidelity(ctx, comps, latents, size, steps)
         del pipe, engine, comps
-        _budget_cases(ctx, times, latents, steps, repeat)
+        if "stream" in parts:
+            _budget_cases(ctx, times, latents, steps, repeat)
     else:
         ctx.record(CASE, "smoke_rel_vs_diffusers", _rel(latents["none"], latents["diffusers_bf16"]), target=1e-4,
                    target_kind="ours<=", unit="rel L2", notes="CPU fp32 tiny model: plumbing check")
