@@ -278,6 +278,16 @@ def _capture(engine: LeanEngine, mode: str, key: tuple, build: Callable, prepare
     return None
 
 
+def bound_run_ahead(in_flight: collections.deque) -> None:
+    """After a step was enqueued on the current CUDA stream: record its event and wait for the oldest one once more
+    than ``_RUN_AHEAD`` are in flight, so the host stays at most that many steps ahead of the device."""
+    event = torch.cuda.Event()
+    event.record()
+    in_flight.append(event)
+    if len(in_flight) > _RUN_AHEAD:
+        in_flight.popleft().synchronize()
+
+
 def run_steps(prepared: PreparedSteps, generator: Optional[torch.Generator],
               on_step: Callable[[int], None],
               step_noise: Optional[Callable[[int], torch.Tensor]] = None) -> torch.Tensor:
@@ -306,11 +316,7 @@ def run_steps(prepared: PreparedSteps, generator: Optional[torch.Generator],
             program.set_step(prepared.t_table[i], prepared.table[i], noise)
             prepared.advance()
             if cuda:
-                event = torch.cuda.Event()
-                event.record()
-                in_flight.append(event)
-                if len(in_flight) > _RUN_AHEAD:
-                    in_flight.popleft().synchronize()
+                bound_run_ahead(in_flight)
             on_step(i)
     finally:
         program.unet_fn = None

@@ -44,10 +44,14 @@ def _from_conditioning(value: Any, name: str, width: int) -> list[torch.Tensor]:
     return rows
 
 
+def conditioning_captions(engine: LeanEngine, value: Any, name: str) -> list[torch.Tensor]:
+    """The caption rows of CONDITIONING input ``name`` for ``engine``'s DiT (module docstring; refused by name)."""
+    return _from_conditioning(value, name, int(engine.parts.unet.config.cap_feat_dim))
+
+
 def _side(engine: LeanEngine, text: str, cond: Any, name: str, batch: int) -> list[torch.Tensor]:
-    width = int(engine.parts.unet.config.cap_feat_dim)
     if cond is not None:
-        rows = _from_conditioning(cond, f"{name}_cond", width)
+        rows = conditioning_captions(engine, cond, f"{name}_cond")
     else:
         rows = encode_prompts(engine, [check_prompt(name, text)])
     if len(rows) == 1:

@@ -30,7 +30,7 @@ from ... import bridge
 from ...memory.engine import LeanEngine
 from ..graph_runner import GraphRunner, default_runner
 from ..latent_input import batch_index_of, batch_latents, check_latent, check_latent_size, initial_noise
-from ..loop import resolve_acceleration, step_allocator, vae_scale_factor
+from ..loop import bound_run_ahead, resolve_acceleration, step_allocator, vae_scale_factor
 from ..settings import Acceleration
 from .accel import compiled_dit_fn, eager_dit_fn
 from .captions import flow_captions
@@ -40,8 +40,6 @@ from .schedule import flow_sigmas, model_timesteps
 from .settings import FlowSettings
 
 logger = logging.getLogger(__name__)
-
-_RUN_AHEAD = 2
 
 
 def check_flow_engine(engine: Any) -> LeanEngine:
@@ -132,25 +130,35 @@ def _prepare(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.
 
 def _denoise(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.Tensor, grid: ImageGrid,
              s: FlowSettings, runner: Optional[GraphRunner], quiet: bool) -> torch.Tensor:
-    """The steps; returns the final model-space latents (float32, a new tensor on the device)."""
-    prepared = _prepare(engine, captions, x, sigmas, grid, s, runner)
+    """The steps under the sampler's own progress bar; returns the final model-space latents."""
+    with bridge.ProgressBar(sigmas.shape[0] - 1, desc="Fused Flow", quiet=quiet) as bar:
+        return denoise_flow_batch(engine, captions, x, sigmas, grid, s, lambda i: bar.update(1), runner)
+
+
+def denoise_flow_batch(engine: LeanEngine, captions: list, x_init: torch.Tensor, sigmas: torch.Tensor,
+                       grid: ImageGrid, settings: FlowSettings, on_step: Callable[[int], None],
+                       runner: Optional[GraphRunner] = None) -> torch.Tensor:
+    """The flow steps of one batch; call inside ``engine.session("unet")`` under ``torch.no_grad()``.
+
+    ``x_init``: model-space latents at ``sigmas[0]`` (float32, CPU or device); ``captions``: one ``[L, C]`` row per
+    DiT row (``flow_captions``' layout: the batch's positives, then its negatives when ``settings.guided``);
+    ``settings`` supplies cfg, guidance and acceleration. ``bridge.check_interrupted()`` runs before every step and
+    ``on_step(i)`` after step ``i`` was enqueued (the caller owns the progress bar). Returns the final model-space
+    latents (float32, a new tensor on the device).
+    """
+    prepared = _prepare(engine, captions, x_init, sigmas, grid, settings, runner)
     program = prepared.program
     cuda = engine.device.type == "cuda"
     in_flight: collections.deque = collections.deque()
     program.dit_fn = prepared.dit_fn  # bound for this run only: a cached program must not keep the engine alive
     try:
-        with bridge.ProgressBar(prepared.timesteps.shape[0], desc="Fused Flow", quiet=quiet) as bar:
-            for i in range(prepared.timesteps.shape[0]):
-                bridge.check_interrupted()
-                program.set_step(prepared.timesteps[i], prepared.coeffs[i])
-                prepared.advance()
-                if cuda:
-                    event = torch.cuda.Event()
-                    event.record()
-                    in_flight.append(event)
-                    if len(in_flight) > _RUN_AHEAD:
-                        in_flight.popleft().synchronize()
-                bar.update(1)
+        for i in range(prepared.timesteps.shape[0]):
+            bridge.check_interrupted()
+            program.set_step(prepared.timesteps[i], prepared.coeffs[i])
+            prepared.advance()
+            if cuda:
+                bound_run_ahead(in_flight)
+            on_step(i)
         return program.sample.clone()
     finally:
         program.dit_fn = None

@@ -13,6 +13,15 @@ from ..settings import ACCELERATIONS, MAX_SEED, MAX_SIDE_PX, check_choice, check
 SIZE_MULTIPLE = 16  # VAE downsampling (8) x DiT patch (2)
 
 
+def check_side(name: str, value: int) -> int:
+    """``value`` if it is a multiple of ``SIZE_MULTIPLE``; else ``ValueError`` naming ``name`` and the two nearest."""
+    if value % SIZE_MULTIPLE:
+        low = value // SIZE_MULTIPLE * SIZE_MULTIPLE
+        raise ValueError(f"{name}={value} is not a multiple of {SIZE_MULTIPLE} (the VAE downsamples by 8 and "
+                         f"the DiT takes 2x2 patches); use {max(low, SIZE_MULTIPLE)} or {low + SIZE_MULTIPLE}")
+    return value
+
+
 @dataclass(frozen=True)
 class FlowSettings:
     """What one run of the Fused Flow Sampler does (the node's inputs, minus the model and the latent)."""
@@ -40,11 +49,7 @@ class FlowSettings:
         check_int("steps", self.steps, 1, 1000)
         check_int("batch_size", self.batch_size, 1, 64)
         for name in ("width", "height"):
-            value = check_int(name, getattr(self, name), SIZE_MULTIPLE, MAX_SIDE_PX)
-            if value % SIZE_MULTIPLE:
-                low = value // SIZE_MULTIPLE * SIZE_MULTIPLE
-                raise ValueError(f"{name}={value} is not a multiple of {SIZE_MULTIPLE} (the VAE downsamples by 8 and "
-                                 f"the DiT takes 2x2 patches); use {max(low, SIZE_MULTIPLE)} or {low + SIZE_MULTIPLE}")
+            check_side(name, check_int(name, getattr(self, name), SIZE_MULTIPLE, MAX_SIDE_PX))
         cfg = check_float("cfg", self.cfg, 0.0, 30.0)
         denoise = check_float("denoise", self.denoise, 0.0, 1.0)
         if denoise <= 0.0 or int(self.steps / denoise) < self.steps:

@@ -60,26 +60,36 @@ class ConditioningInputs:
         return row(self.negative, 0 if shared else prompt_index)
 
 
+def checked_rows(positive_cond: Any, negative_cond: Any, n_prompts: int, guided: bool) -> tuple[int, int]:
+    """The row counts of the connected sides (0 = not connected, or the negative when not ``guided``), refused when
+    they do not map onto the ``n_prompts`` prompts (module docstring)."""
+    positive = negative = 0
+    if positive_cond is not None:
+        positive = conditioning_rows(positive_cond, "positive_cond")
+        if positive != n_prompts:
+            raise ValueError(f"positive_cond has {positive} rows but the run has {n_prompts} prompts (run_stream sets "
+                             f"StreamSettings.positive_rows from positive_cond; pass the same CONDITIONING)")
+    if negative_cond is not None and guided:
+        negative = conditioning_rows(negative_cond, "negative_cond")
+        if negative not in (1, n_prompts):
+            source = "positive_cond's rows" if positive_cond is not None else "the prompts lines"
+            raise ValueError(
+                f"negative_cond has {negative} rows but there are {n_prompts} prompts (from {source}); give it 1 row "
+                f"(one negative shared by every prompt) or {n_prompts} rows (row i is the negative of prompt i), "
+                f"e.g. one CLIPTextEncode")
+    return positive, negative
+
+
 def read_conditioning_inputs(engine: LeanEngine, positive_cond: Any, negative_cond: Any, n_prompts: int, *,
                              width: int, height: int, guided: bool) -> ConditioningInputs:
     """Validate and convert the stream's CONDITIONING inputs (module docstring); ``n_prompts`` is the run's prompt
     count (``positive_cond``'s rows when it is connected). ``negative_cond`` is ignored when not ``guided``."""
+    rows, negative_rows = checked_rows(positive_cond, negative_cond, n_prompts, guided)
     positive = negative = None
-    if positive_cond is not None:
-        rows = conditioning_rows(positive_cond, "positive_cond")
-        if rows != n_prompts:
-            raise ValueError(f"positive_cond has {rows} rows but the run has {n_prompts} prompts (run_stream sets "
-                             f"StreamSettings.positive_rows from positive_cond; pass the same CONDITIONING)")
+    if rows:
         positive = from_conditioning(positive_cond, engine, rows, width=width, height=height,
                                      input_name="positive_cond")
-    if negative_cond is not None and guided:
-        rows = conditioning_rows(negative_cond, "negative_cond")
-        if rows not in (1, n_prompts):
-            source = "positive_cond's rows" if positive_cond is not None else "the prompts lines"
-            raise ValueError(
-                f"negative_cond has {rows} rows but there are {n_prompts} prompts (from {source}); give it 1 row "
-                f"(one negative shared by every prompt) or {n_prompts} rows (row i is the negative of prompt i), "
-                f"e.g. one CLIPTextEncode")
-        negative = from_conditioning(negative_cond, engine, rows, width=width, height=height,
+    if negative_rows:
+        negative = from_conditioning(negative_cond, engine, negative_rows, width=width, height=height,
                                      input_name="negative_cond")
     return ConditioningInputs(positive, negative)

@@ -2,9 +2,11 @@
 
 Invariants
 - A batch is handed over with an event recorded on the ``unet`` stream after its final latents were copied out
-  of the sampler's buffers; the ``vae`` stream waits for it. Then, on the ``vae`` stream: the scaled latents are
-  copied to page-locked host memory (the LATENT output: ``latents / scaling_factor`` on the host, exactly as the
-  Fused DDIM Sampler returns them), and every image is decoded untiled as ``vae.untiled.vae_decode`` does
+  of the sampler's buffers; the ``vae`` stream waits for it. Then, on the ``vae`` stream: the model-space latents
+  are copied to page-locked host memory (the LATENT output: raw ``latents / scaling_factor + shift_factor`` on the
+  host, exactly as the Fused DDIM / Flow Samplers return them; the shift is 0 for the SD VAEs and is then not
+  added), and every image is decoded from its raw latents (any channel count: 4 for SD, 16 for Z-Image's VAE)
+  untiled as ``vae.untiled.vae_decode`` does
   (``vae.untiled.decode`` inside ``vae.untiled.fast_vae``, then ``(x / 2 + 0.5).clamp(0, 1)``, channels last)
   and copied to page-locked memory.
   ``finish`` waits for the batch's event and only then writes the rows of the run's outputs, each exactly once.
@@ -79,6 +81,7 @@ class DecodeStage:
         self.written = torch.zeros(images_out.shape[0], dtype=torch.bool)
         self.timeline = timeline
         self.scale = engine.parts.vae_scaling_factor
+        self.shift = engine.parts.vae_shift_factor
         self._queued = None  # (start, stop, device latents, event): waiting for its decode to be enqueued
         self._pending: list[_Pending] = []  # decodes enqueued, outputs not yet written
         self._fit: Optional[tuple] = None  # (tile, budget) an out-of-memory retry found; later images start there
@@ -128,7 +131,7 @@ class DecodeStage:
     def _tiled_rows(self, host_lat: torch.Tensor, images: torch.Tensor, first: int) -> None:
         for j in range(first, host_lat.shape[0]):
             bridge.check_interrupted()
-            images[j] = self._tiled_image(host_lat[j:j + 1] / self.scale)
+            images[j] = self._tiled_image(self._raw(host_lat[j:j + 1]))
 
     def _decode_deferred(self) -> None:
         if not self._deferred:
@@ -156,7 +159,7 @@ class DecodeStage:
             if bool(self.written[p.start:p.stop].any()):
                 raise RuntimeError(f"images {p.start}-{p.stop - 1} were produced twice (a scheduler bug)")
             self.images_out[p.start:p.stop] = p.images
-            self.latents_out[p.start:p.stop] = p.latents / self.scale
+            self.latents_out[p.start:p.stop] = self._raw(p.latents)
             self.written[p.start:p.stop] = True
 
     def drain(self) -> None:
@@ -165,6 +168,11 @@ class DecodeStage:
         self.finish()
 
     # ----------------------------------------------------------------- untiled and tiled decoding
+    def _raw(self, latents: torch.Tensor) -> torch.Tensor:
+        """Model-space latents -> raw VAE latents (``/ scaling_factor + shift_factor``; no add for a zero shift)."""
+        raw = latents / self.scale
+        return raw + self.shift if self.shift else raw
+
     def _untiled(self, latents: torch.Tensor, cuda: bool):
         """Decode rows one by one into page-locked memory; returns (images, rows done) -- fewer on out-of-memory."""
         b, _, h, w = latents.shape
@@ -179,7 +187,7 @@ class DecodeStage:
                 with untiled.fast_vae(vae):  # one swap for the batch's images
                     for j in range(b):
                         bridge.check_interrupted()
-                        z = (latents[j:j + 1] / self.scale).to(dev, engine.vae_dtype)
+                        z = self._raw(latents[j:j + 1]).to(dev, engine.vae_dtype)
                         image = untiled.decode(vae, z)
                         image = (image.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
                         images[j].copy_(image[0], non_blocking=cuda)

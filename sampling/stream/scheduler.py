@@ -6,16 +6,20 @@ consecutive batches. Each cycle k the host, on one thread, enqueues:
   1. the decode of batch k-1 on the ``vae`` stream (after the decode of batch k-2 was finished and its rows
      written: the decode queue holds one batch),
   2. the text encoding of batch k+1 on the ``text`` stream (the CPU under ``lowvram``; each prompt once),
-  3. the DDIM steps of batch k on the ``unet`` stream (the caller's stream, where the CUDA graphs replay),
+  3. the denoising steps of batch k on the ``unet`` stream (the caller's stream, where the CUDA graphs replay),
 so the GPU runs k-1's decode and k+1's encoding alongside k's UNet steps; events order every hand-over
 (``streams.py``). On the CPU the streams are no-ops and the same code runs the stages one after the other.
+The family decides the text stage, the CONDITIONING reader and the batch denoiser (``_FAMILIES``, keyed by
+``ModelParts.is_flow``): CLIP prompts and DDIM for the UNet families (``text.py``, ``denoise.py``), Qwen3 captions
+and the flow sampler's steps for Z-Image (``flow.py``); batching, streams, budgets, retries and decoding are shared.
 
 Invariants
-- Image n equals the Fused DDIM Sampler's output for its prompt with seed ``seed + n`` and batch size 1: its
-  initial noise is drawn on the CPU from its own ``torch.Generator().manual_seed(seed + n)`` as a ``[1, C, h, w]``
-  tensor, even inside a batch (batch rows are concatenated, never drawn together), its conditioning is its own
-  prompt's, and the step math is the sampler's ``StepProgram``. In fp32 a batch of one is bit-identical; larger
-  batches differ by the UNet's batched floating-point error only.
+- Image n equals the Fused DDIM Sampler's output (a flow family: the Fused Flow Sampler's) for its prompt with
+  seed ``seed + n`` and batch size 1: its initial noise is drawn on the CPU from its own
+  ``torch.Generator().manual_seed(seed + n)`` as a ``[1, C, h, w]`` tensor, even inside a batch (batch rows are
+  concatenated, never drawn together), its conditioning is its own prompt's, and the step math is the sampler's
+  ``StepProgram`` (``FlowStepProgram``). In fp32 a DDIM batch of one is bit-identical; larger batches differ by the
+  denoiser's batched floating-point error only. The LATENT is raw: ``x / scaling_factor + shift_factor``.
 - Adapters (LoRA): the text session attaches the view's adapters on the ``text`` stream; when the view has any,
   the ``unet`` stream waits for the ``text`` stream before its own session, so weight or strength writes of the
   two sessions never overlap on the GPU. The VAE session runs on a view without adapters.
@@ -43,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -62,6 +66,7 @@ from .conditioning import conditioning_rows, read_conditioning_inputs
 from .decode import DecodeStage, needs_tiles, untiled_decode_bytes
 from ..loop import upload
 from .denoise import denoise_batch
+from .flow import FlowTextStage, flow_denoiser, read_flow_conditioning
 from ...vae.tiled import DECODE_RESERVED_FACTOR
 from .settings import ImageJob, StreamSettings
 from .streams import StageStreams, Timeline
@@ -128,6 +133,36 @@ def choose_batch(engine: LeanEngine, s: StreamSettings, tiled: bool, latent_hw: 
     return batch
 
 
+@dataclass(frozen=True, eq=False)
+class _Family:
+    """What the pipeline runs for the engine's family: its text stage class, its CONDITIONING reader and its batch
+    denoiser ``(conditioning, x_init, on_step) -> final model-space latents`` (call inside the ``unet`` session)."""
+
+    text_stage: type
+    read_inputs: Callable
+    denoise: Callable
+
+
+def _ddim_family(engine: LeanEngine, s: StreamSettings, latent_shape: tuple,
+                 runner: Optional[GraphRunner]) -> _Family:
+    config = ddim.config_with(ddim.pipeline_config(engine.parts.scheduler_config, engine.parts.is_sdxl),
+                              timestep_spacing=s.timestep_spacing)  # as the Fused DDIM Sampler
+    schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
+
+    def denoise(conditioning, x_init: torch.Tensor, on_step: Callable[[int], None]) -> torch.Tensor:
+        return denoise_batch(engine, conditioning, x_init, schedule, s.cfg, s.acceleration, on_step, runner)
+
+    return _Family(TextStage, read_conditioning_inputs, denoise)
+
+
+def _flow_family(engine: LeanEngine, s: StreamSettings, latent_shape: tuple,
+                 runner: Optional[GraphRunner]) -> _Family:
+    return _Family(FlowTextStage, read_flow_conditioning, flow_denoiser(engine, s, latent_shape, runner))
+
+
+_FAMILIES = {False: _ddim_family, True: _flow_family}  # keyed by ModelParts.is_flow
+
+
 @torch.no_grad()
 def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[GraphRunner] = None,
                timeline: Optional[Timeline] = None, quiet: bool = False, positive_cond: Any = None,
@@ -142,18 +177,16 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     if not isinstance(settings, StreamSettings):
         raise TypeError(f"settings: expected a StreamSettings, got {type(settings).__name__}")
     rows = 0 if positive_cond is None else conditioning_rows(positive_cond, "positive_cond")
-    s = replace(settings, positive_rows=rows).validated()
     parts = engine.parts
+    s = replace(settings, positive_rows=rows, flow=parts.is_flow).validated()
     factor = vae_scale_factor(engine)
     latent_shape = (parts.latent_channels, s.height // factor, s.width // factor)
-    config = ddim.config_with(ddim.pipeline_config(parts.scheduler_config, parts.is_sdxl),
-                              timestep_spacing=s.timestep_spacing)  # as the Fused DDIM Sampler
-    schedule = ddim.make_schedule(config, s.steps, 0.0, s.timestep_spacing, 1.0)
+    family = _FAMILIES[parts.is_flow](engine, s, latent_shape, runner)
     n = len(s.jobs())
     check_host_bytes(n * (s.height * s.width * 3 + math.prod(latent_shape)) * 4, "prompts",
                      f"{n} images of {s.width}x{s.height} px and their latents (float32)",
                      "sample fewer prompts or images_per_prompt per run, or at a smaller size")
-    args = (engine, s, latent_shape, schedule, runner, timeline, quiet, positive_cond, negative_cond)
+    args = (engine, s, latent_shape, family, runner, timeline, quiet, positive_cond, negative_cond)
     if not engine.placement.budget.hard:
         return _run(*args)
     release_library_workspaces(engine.device)  # earlier runs' cuBLAS workspaces are not this run's to hold
@@ -161,15 +194,15 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
         return _run(*args)
 
 
-def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, runner: Optional[GraphRunner],
+def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, family: _Family, runner: Optional[GraphRunner],
          timeline: Optional[Timeline], quiet: bool, positive_cond: Any, negative_cond: Any) -> StreamResult:
     jobs = s.jobs()
     n = len(jobs)
     budgeted = engine.placement.budget.hard
     streams = StageStreams(engine.device, overlap=not budgeted)
     with streams.use("text"):  # read (and refused) before any model runs; the text stage reads them on this stream
-        given = read_conditioning_inputs(engine, positive_cond, negative_cond, s.n_prompts, width=s.width,
-                                         height=s.height, guided=s.guided)
+        given = family.read_inputs(engine, positive_cond, negative_cond, s.n_prompts, width=s.width,
+                                   height=s.height, guided=s.guided)
     if timeline is not None:
         timeline.begin(streams)
     # under a hard budget the decode is always the exact tiled one (one tile when the budget allows it), sized by
@@ -179,7 +212,7 @@ def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, r
     batch = choose_batch(engine, s, tiled, latent_shape[1:])
     images = torch.empty((n, s.height, s.width, 3), dtype=torch.float32)
     latents = torch.empty((n,) + latent_shape, dtype=torch.float32)
-    text = TextStage(engine, s, jobs, streams, timeline, given=given)
+    text = family.text_stage(engine, s, jobs, streams, timeline, given=given)
     graphs = runner if runner is not None else default_runner()
 
     def drop_graphs() -> None:  # budgeted: the captured UNet's memory pool must not sit beside the decode
@@ -189,7 +222,7 @@ def _run(engine: LeanEngine, s: StreamSettings, latent_shape: tuple, schedule, r
     decoder = DecodeStage(engine, s.decode_tile_size, tiled, streams, images, latents, timeline,
                           decode_budget=decode_budget(engine) if budgeted else None,
                           before_deferred=drop_graphs if budgeted else None)
-    cycles = _Cycles(engine, s, jobs, latent_shape, schedule, runner, timeline, streams, text, decoder)
+    cycles = _Cycles(engine, s, jobs, latent_shape, family.denoise, timeline, streams, text, decoder)
     try:
         with bridge.ProgressBar(n * s.steps, desc="Stream sampler", quiet=quiet) as bar:
             cycles.run(batch, _Progress(bar, s.steps))
@@ -211,11 +244,10 @@ class _Cycles:
     """The run's cycles (module docstring): decode batch k-1, encode batch k+1, denoise batch k; an out-of-memory
     error while denoising halves the batch and retries the same images."""
 
-    def __init__(self, engine: LeanEngine, s: StreamSettings, jobs: list, latent_shape: tuple, schedule,
-                 runner: Optional[GraphRunner], timeline: Optional[Timeline], streams: StageStreams,
-                 text: TextStage, decoder: DecodeStage):
-        self.engine, self.s, self.jobs, self.latent_shape, self.schedule = engine, s, jobs, latent_shape, schedule
-        self.runner, self.timeline, self.streams, self.text, self.decoder = runner, timeline, streams, text, decoder
+    def __init__(self, engine: LeanEngine, s: StreamSettings, jobs: list, latent_shape: tuple, denoise: Callable,
+                 timeline: Optional[Timeline], streams: StageStreams, text: TextStage, decoder: DecodeStage):
+        self.engine, self.s, self.jobs, self.latent_shape, self.denoise = engine, s, jobs, latent_shape, denoise
+        self.timeline, self.streams, self.text, self.decoder = timeline, streams, text, decoder
         self.used: list[int] = []  # the batch sizes denoised, in order
         self.tried: list[int] = []  # the batch sizes that ran out of memory
         self.retries = 0
@@ -244,8 +276,8 @@ class _Cycles:
 
     def _denoise(self, current, start: int, stop: int, progress: "_Progress") -> tuple:
         """(final latents, None), or (None, the out-of-memory error without its frames)."""
-        engine, s, streams, timeline = self.engine, self.s, self.streams, self.timeline
-        # DDIM's init_noise_sigma is 1: the noise is the start; moved without blocking the host
+        engine, streams, timeline = self.engine, self.streams, self.timeline
+        # DDIM's init_noise_sigma is 1 and flow starts at sigma 1: the noise is the start; moved without blocking
         x_init = upload(initial_noise(self.jobs[start:stop], self.latent_shape), engine.device)
         _settle(streams)  # the decode is done
         try:
@@ -255,8 +287,8 @@ class _Cycles:
             span = timeline.span("unet", f"images {start}-{stop - 1}", range(start, stop)) if timeline \
                 else _Null()
             with span, engine.session("unet"):
-                final = denoise_batch(engine, current.conditioning, x_init, self.schedule, s.cfg, s.acceleration,
-                                      lambda i, a=start, b=stop - start: progress.at(a, b, i), self.runner)
+                final = self.denoise(current.conditioning, x_init,
+                                     lambda i, a=start, b=stop - start: progress.at(a, b, i))
         except Exception as exc:  # noqa: BLE001 - only out-of-memory errors are retried; the rest re-raise
             if not is_out_of_memory(exc):
                 raise

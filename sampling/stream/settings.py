@@ -9,14 +9,19 @@ Invariants
   prompt per row (``stream.conditioning``); ``prompts`` is then ignored and may be empty.
 - Image order is prompt-major: image ``n`` is copy ``i`` of prompt ``p`` with ``n = p * images_per_prompt + i``,
   and it is sampled with seed ``seed + n`` -- exactly the Fused DDIM Sampler's run for that prompt with that
-  seed and ``batch_size`` 1 (eta 0, batched CFG, denoise 1). ``seed + n`` must stay within the seed range.
+  seed and ``batch_size`` 1 (eta 0, batched CFG, denoise 1), or for a flow-matching family (``flow``, set by
+  ``run_stream`` from the engine) the Fused Flow Sampler's (``flow_settings``). ``seed + n`` must stay within the
+  seed range.
+- Guidance follows the family's sampler: DDIM guides unless ``cfg == 1``; flow guides only for ``cfg > 1`` (ComfyUI's
+  meaning for Z-Image: ``cfg <= 1`` is one pass without the negative), and its sides must be multiples of 16.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
 from ...vae.tiled import MIN_TILE, validate_tiling
-from ..settings import MAX_SEED, SamplerSettings, SamplerSettingsBase, check_int
+from ..flow.settings import FlowSettings, check_side
+from ..settings import MAX_SEED, MAX_SIDE_PX, SamplerSettings, SamplerSettingsBase, check_int
 
 MAX_IMAGES_PER_PROMPT = 64
 MAX_BATCH = 64
@@ -48,6 +53,7 @@ class StreamSettings(SamplerSettingsBase):
     max_batch: int = 0  # 0 = auto
     decode_tile_size: int = 0  # 0 = auto (untiled when it fits)
     positive_rows: int = 0  # > 0: the prompts are positive_cond's rows (run_stream sets it); 0: the prompts lines
+    flow: bool = False  # the engine is a flow-matching family (run_stream sets it from engine.parts.is_flow)
 
     @classmethod
     def from_text(cls, prompts: str, **kwargs) -> "StreamSettings":
@@ -61,12 +67,23 @@ class StreamSettings(SamplerSettingsBase):
     def n_images(self) -> int:
         return self.n_prompts * self.images_per_prompt
 
+    @property
+    def guided(self) -> bool:
+        """Whether the negative pass runs: as the family's sampler decides it (module docstring)."""
+        return self.cfg > 1.0 if self.flow else self.cfg != 1.0
+
     def sampler_settings(self, prompt: str, seed: int) -> SamplerSettings:
         """The Fused DDIM Sampler run that image (``prompt``, ``seed``) must equal: the shared inputs as they are,
         one image, eta 0, batched CFG, denoise 1."""
         shared = {f.name: getattr(self, f.name) for f in fields(SamplerSettingsBase)}
         return SamplerSettings(**{**shared, "seed": seed}, positive=prompt, eta=0.0, batch_size=1,
                                cfg_mode="batched", denoise=1.0)
+
+    def flow_settings(self, prompt: str, seed: int) -> FlowSettings:
+        """The Fused Flow Sampler run that image (``prompt``, ``seed``) of a flow family must equal: the shared
+        inputs as they are, one image, denoise 1."""
+        return FlowSettings(positive=prompt, negative=self.negative, seed=seed, steps=self.steps, cfg=self.cfg,
+                            width=self.width, height=self.height, batch_size=1, acceleration=self.acceleration)
 
     def validated(self) -> "StreamSettings":
         if not isinstance(self.prompts, tuple) or not all(isinstance(p, str) for p in self.prompts):
@@ -85,6 +102,9 @@ class StreamSettings(SamplerSettingsBase):
             raise ValueError(f"decode_tile_size={self.decode_tile_size} is below the minimum {MIN_TILE} px; use 0 "
                              f"(auto) or >= {MIN_TILE}")
         validate_tiling(self.decode_tile_size, 0, "exact")
+        if self.flow:  # before the shared multiple-of-8 check, so the sizes its message proposes fit
+            for name in ("width", "height"):
+                check_side(name, check_int(name, getattr(self, name), 64, MAX_SIDE_PX))
         cfg = self._validated_shared()
         last = self.seed + self.n_images - 1
         if last > MAX_SEED:

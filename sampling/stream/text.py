@@ -50,11 +50,13 @@ class BatchConditioning:
 
     start: int
     stop: int
-    conditioning: Conditioning
+    conditioning: Conditioning  # or, for a flow family, one [L, C] caption tensor per DiT row (``stream.flow``)
     event: object = None
 
     def tensors(self) -> list:
         c = self.conditioning
+        if isinstance(c, list):  # a flow family's caption rows (``stream.flow``)
+            return list(c)
         out = [c.cond.context, c.cond.pooled, c.time_ids]
         if c.uncond is not None:
             out += [c.uncond.context, c.uncond.pooled, c.uncond_time_ids]
@@ -128,9 +130,12 @@ class TextStage:
                     self._negative = encoded[-1]
             rows = [self._embeds[j.prompt_index] for j in jobs]
             negs = [self._negative_for(j.prompt_index) for j in jobs] if guided else []
-            length = math.lcm(*{r.context.shape[1] for r in rows + negs})
-            conditioning = _stack(engine, rows, negs, length)
+            conditioning = self._batch(rows, negs)
         return BatchConditioning(start, stop, conditioning, self.streams.record("text"))
+
+    def _batch(self, rows: list[SamplerConditioning], negs: list[SamplerConditioning]) -> Conditioning:
+        """The batch's rows and negatives (empty when unguided) as what the denoise stage takes."""
+        return _stack(self.engine, rows, negs, math.lcm(*{r.context.shape[1] for r in rows + negs}))
 
 
 def _stack(engine: LeanEngine, rows: list[SamplerConditioning], negs: list[SamplerConditioning],
