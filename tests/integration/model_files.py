@@ -5,18 +5,10 @@ from pathlib import Path
 
 def write_tiny_model_files(models_dir: Path, lora_name: str, upscaler_name: str) -> None:
     """A kohya LoRA for the tiny SD1 model (UNet attention + text encoder) in ``loras/lora_name`` and a tiny compact
-    x4 upscaler in ``upscale_models/upscaler_name``."""
-    from safetensors.torch import save_file
+    x4 upscaler in ``upscale_models/upscaler_name`` (``tests/kit/tiny_model_files.py``)."""
+    from leandiffusion.tests.kit.tiny_model_files import write_files
 
-    from leandiffusion.tests.kit import tiny_components
-    from leandiffusion.tests.lora import lorafiles
-    from leandiffusion.tests.upscale.helpers import random_compact
-
-    c = tiny_components("sd1")
-    lora = lorafiles.kohya_state_dict({"unet": c["unet"], "text_encoder": c["text_encoder"]},
-                                      {"unet": lorafiles.ATTN_FF, "text_encoder": lorafiles.TE_LINEARS})
-    lorafiles.write(lora, models_dir / "loras" / lora_name)
-    save_file(random_compact(), str(models_dir / "upscale_models" / upscaler_name))
+    write_files(models_dir, {"lora": f"loras/{lora_name}", "upscaler": f"upscale_models/{upscaler_name}"})
 
 
 def write_input_images(prompt: dict, input_dir: Path) -> None:
