@@ -25,8 +25,8 @@ from .errors import (EXIT_INTERRUPTED, EXIT_OK, ExecutionFailed, RunnerError, Se
                      WorkflowError)
 from .local import LocalComfyUI, torch_has_accelerator
 from .progress import RunProgress
-from .tiny import MODEL_INPUTS, class_types, describe, files_needed, server_note, tiny_models_dir, tiny_overrides, \
-    write_files
+from .tiny import (MODEL_INPUTS, class_types, files_needed, server_note, tiny_models_dir, tiny_notes, tiny_overrides,
+                   write_files)
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
     _check_known_nodes(prompt, object_info)
     tiny = tiny_overrides(prompt, object_info) if args.tiny else []
     if not args.quiet:
-        for line in describe(prompt, tiny):
+        for line in tiny_notes(prompt, tiny):
             print(line, file=sys.stderr)
     prompt = apply_overrides(prompt, tiny + [parse_override(s) for s in args.overrides], object_info)
     if args.convert_only:
@@ -146,15 +146,14 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
     prompt_id = str(uuid.uuid4())  # chosen here, so a Ctrl-C cancels it even while POST /prompt is in flight
     queued = time.monotonic()
     try:
-        try:
-            prompt_id = client.submit(prompt, client_id, prompt_id=prompt_id)
-        except ValidationFailed as exc:
-            if not args.tiny and any(f"input '{name}' = " in line for line in exc.lines for name in MODEL_INPUTS):
-                exc.lines.append("  to try the workflow without its models, on the pack's tiny random stand-ins "
-                                 "(the pictures are noise): add --tiny")
-            raise
+        prompt_id = client.submit(prompt, client_id, prompt_id=prompt_id)
         with RunProgress(prompt, quiet=args.quiet) as progress:
             entry = client.follow(prompt_id, ws, args.timeout, on_event=progress.event)  # cancels on timeout
+    except ValidationFailed as exc:  # a model file that is not installed: say how to run without it
+        if not args.tiny and any(f"input '{name}' = " in line for line in exc.lines for name in MODEL_INPUTS):
+            exc.lines.append("  to try the workflow without its models, on the pack's tiny random stand-ins (the "
+                             "pictures are noise): add --tiny")
+        raise
     except KeyboardInterrupt:
         client.cancel(prompt_id)  # do not leave the prompt running on a server we do not own
         raise

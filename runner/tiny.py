@@ -9,9 +9,11 @@ ComfyUI's validation (exit 2), and the runner's message then names ``--tiny``.
 What ``--tiny`` sets, where the node declares the input (``TINY_INPUTS``): the Memory Pool Loader's ``model`` to the
 loader's built-in ``tiny-random (test)`` (an SD1.x-like model; ``tiny-random Z-Image (test)`` in a workflow with
 the Fused Flow Sampler; in a workflow with ComfyUI's own CLIP or checkpoint loader, a small SD1 checkpoint holding a
-random full-size CLIP-L, since ComfyUI builds CLIP-L at full size and the sampler needs its 768-wide context), LoRA
-and upscaler names to tiny random files, ``target_blocks`` to "" (block names are the real architecture's; the tiny
-UNet has fewer), and ComfyUI's ``CLIPLoader`` / ``CheckpointLoaderSimple`` to the random CLIP-L files.
+random full-size CLIP-L, since ComfyUI builds CLIP-L at full size and the sampler needs its 768-wide context) and its
+``weight_dtype`` to ``auto`` (a precision chosen for the real model's memory; ``auto`` is fp32 on the CPU, where fp16
+runs many times slower), LoRA and upscaler names to tiny random files, ``target_blocks`` to "" (block names are the
+real architecture's; the tiny UNet has fewer), and ComfyUI's ``CLIPLoader`` / ``CheckpointLoaderSimple`` to the
+random CLIP-L files.
 
 The stand-in files: with ``--comfyui``, written once into ``tiny_models_dir()`` by ComfyUI's own interpreter
 (``python -m leandiffusion.tests.kit.tiny_model_files``: torch and the pack's requirements are there, the runner
@@ -45,6 +47,7 @@ WRITER = "leandiffusion.tests.kit.tiny_model_files"
 # (class type, input) -> stand-in value, set where the workflow's node declares that input
 TINY_INPUTS: dict[tuple[str, str], Any] = {
     ("LeanModelLoader", "model"): TINY_SD,
+    ("LeanModelLoader", "weight_dtype"): "auto",  # the device's own precision: fp32 on the CPU, where fp16 crawls
     ("LeanLoraInjector", "lora_name"): LORA,
     ("LeanLoraInjector", "target_blocks"): "",
     ("LeanESRGANUpscale", "model_name"): UPSCALER,
@@ -58,7 +61,7 @@ LOADER_BY_NEIGHBOUR = (("LeanFlowSampler", TINY_ZIMAGE), ("CLIPLoader", SD1_CLIP
 # the stand-in files each node type needs
 NEEDS = {"LeanLoraInjector": (LORA,), "LeanESRGANUpscale": (UPSCALER,), "CLIPLoader": (CLIP_L, SD1_CLIP_L),
          "CheckpointLoaderSimple": (CLIP_L, SD1_CLIP_L)}
-MODEL_INPUTS = {name for (_, name) in TINY_INPUTS if name not in ("target_blocks", "type")}
+MODEL_INPUTS = {name for (_, name) in TINY_INPUTS if name not in ("target_blocks", "type", "weight_dtype")}
 
 
 def class_types(kind: str, workflow: dict) -> set[str]:
@@ -90,7 +93,7 @@ def tiny_overrides(prompt: dict, object_info: dict) -> list[tuple[str, str, Any]
     return out
 
 
-def describe(prompt: dict, overrides: list[tuple[str, str, Any]]) -> list[str]:
+def tiny_notes(prompt: dict, overrides: list[tuple[str, str, Any]]) -> list[str]:
     """One ``note:`` line per input whose value ``--tiny`` changes."""
     lines = []
     for node_id, name, value in overrides:

@@ -18,8 +18,9 @@ from leandiffusion.runner.local import PACK_ROOT, LocalComfyUI
 from leandiffusion.tests.fixtures.fake_comfyui import RECORDED, FakeComfyUI
 
 API_DIR = PACK_ROOT / "workflows_api"
-PACK_INPUTS = {"LeanModelLoader": ["model", "vram_policy"], "LeanLoraInjector": ["lean_model", "lora_name",
-               "target_blocks"], "LeanFusedDDIMSampler": ["lean_model", "positive", "steps", "width"],
+PACK_INPUTS = {"LeanModelLoader": ["model", "vram_policy", "weight_dtype"],
+               "LeanLoraInjector": ["lean_model", "lora_name", "target_blocks"],
+               "LeanFusedDDIMSampler": ["lean_model", "positive", "steps", "width"],
                "LeanFlowSampler": ["lean_model", "positive"], "LeanESRGANUpscale": ["image", "model_name"],
                "LeanTiledVAEDecode": ["samples", "lean_model"], "CLIPLoader": ["clip_name", "type", "device"],
                "CLIPTextEncode": ["text", "clip"]}
@@ -47,7 +48,8 @@ def test_tiny_sets_every_model_input_says_so_and_set_still_wins(fake, tmp_path, 
                  "--tiny", "--set", "3.target_blocks=\"mid_block\""])
     assert code == EXIT_OK
     sent = fake.prompts[-1]["prompt"]
-    assert sent["1"]["inputs"]["model"] == tiny.TINY_SD
+    assert sent["1"]["inputs"]["model"] == tiny.TINY_SD and sent["1"]["inputs"]["weight_dtype"] == "auto"
+    assert sent["1"]["inputs"]["vram_policy"] == "full"
     assert sent["2"]["inputs"]["lora_name"] == sent["3"]["inputs"]["lora_name"] == tiny.LORA
     assert sent["2"]["inputs"]["target_blocks"] == "" and sent["3"]["inputs"]["target_blocks"] == "mid_block"
     assert sent["4"]["inputs"]["steps"] == 25 and sent["4"]["inputs"]["width"] == 512  # nothing else changes

@@ -69,8 +69,9 @@ def write_files(folder: str | Path, paths: dict[str, str]) -> None:
         clip = folder / paths.get("clip_l", f"{FILES[CLIP_L][1]}/{CLIP_L}")
         checkpoint = folder / paths.get("sd1_clip_l", f"{FILES[SD1_CLIP_L][1]}/{SD1_CLIP_L}")
         if not (clip.is_file() and checkpoint.is_file()):
-            clip.unlink(missing_ok=True)  # the pair holds the same CLIP-L: never one file of another pair
-            _written(checkpoint, lambda tmp: write_clip_l_pair(tmp, clip))
+            for path in (clip, checkpoint):  # the pair holds the same CLIP-L: never one file of another pair
+                path.unlink(missing_ok=True)
+            _written(checkpoint, lambda tmp: write_clip_l_pair(tmp, clip))  # the checkpoint is renamed last
 
 
 def main(argv: list[str]) -> int:
