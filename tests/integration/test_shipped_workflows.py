@@ -5,8 +5,11 @@ node's images. Each run starts and stops its own ComfyUI, as the runner does for
 
 Every file in ``workflows_api/`` is a case, so a workflow added there is covered without a change here; a workflow
 whose models ``--tiny`` has no stand-in for fails here (add its stand-ins to ``runner/tiny.py``). The stand-in files
-are written once for the module into a temporary ``LEANDIFFUSION_TINY_MODELS``. Needs ``COMFYUI_PATH`` (a ComfyUI
-set up by ``scripts/setup_comfyui.sh``); skipped without it. Slow: a ComfyUI start and a full-size run per workflow.
+are written once for the module into a temporary ``LEANDIFFUSION_TINY_MODELS``. For time, ``--set`` shrinks what the
+pack's nodes declare of ``QUICK`` (2 steps, 64x64 px, one image per prompt) and LoadImage reads a 64x64 picture
+(``--input-dir``): the tiny UNet attends at full resolution, so on two CPU cores one step at 1024x1024 takes ~40 s.
+Needs ``COMFYUI_PATH`` (a ComfyUI set up by ``scripts/setup_comfyui.sh``); skipped without it. Slow: a ComfyUI start
+per workflow.
 """
 import json
 import os
@@ -18,6 +21,7 @@ import pytest
 
 from leandiffusion.runner.convert import load_workflow
 from leandiffusion.runner.local import PACK_ROOT, comfyui_python, torch_has_accelerator
+from leandiffusion.tests.integration.model_files import write_input_images
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
 
@@ -25,6 +29,19 @@ API_DIR = PACK_ROOT / "workflows_api"
 WORKFLOWS = sorted(p for p in API_DIR.iterdir() if p.is_file())
 SAVERS = ("SaveImage", "PreviewImage")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+QUICK = {"steps": 2, "width": 64, "height": 64, "batch_size": 1, "images_per_prompt": 1}
+
+
+def _quick_sets(prompt: dict) -> list[str]:
+    """``--set`` arguments giving ``QUICK`` values to the pack's nodes that declare those inputs as values."""
+    sets = []
+    for node_id, node in sorted(prompt.items()):
+        if not node["class_type"].startswith("Lean"):
+            continue
+        for name, value in QUICK.items():
+            if name in node["inputs"] and not isinstance(node["inputs"][name], list):  # a list is a link
+                sets += ["--set", f"{node_id}.{name}={value}"]
+    return sets
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +60,15 @@ def test_shipped_workflow_runs_through_run_py_with_tiny_models(workflow, tiny_mo
                                                                server_pids):
     kind, prompt = load_workflow(workflow.read_text())
     assert kind == "api", f"{workflow.name}: workflows_api/ holds API-format workflows only"
-    out = tmp_path / "out"
+    out, inputs = tmp_path / "out", tmp_path / "input"
+    inputs.mkdir()
+    write_input_images(prompt, inputs)
     tag = uuid.uuid4().hex
     env = dict(os.environ, LEANDIFFUSION_TINY_MODELS=str(tiny_models), LEANDIFFUSION_TEST_TAG=tag)
     result = subprocess.run([sys.executable, str(PACK_ROOT / "run.py"), str(workflow), "--comfyui",
-                             os.environ["COMFYUI_PATH"], "--tiny", "--out", str(out), "--timeout", "1500",
-                             "--start-timeout", "300"], env=env, capture_output=True, text=True, timeout=1800)
+                             os.environ["COMFYUI_PATH"], "--tiny", "--out", str(out), "--input-dir", str(inputs),
+                             "--start-timeout", "300", *_quick_sets(prompt)], env=env, capture_output=True, text=True,
+                            timeout=840)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-6000:]}"
     if sees_no_gpu:
         assert "starting ComfyUI with --cpu" in result.stderr, result.stderr
