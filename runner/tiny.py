@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 from .convert import input_names
 from .errors import ServerUnreachable
@@ -143,10 +143,10 @@ def write_files(python: str, pack_dir: Path, folder: Path, names: list[str], tim
                                  f"output ends:"] + [f"  {line}" for line in tail])
 
 
-def server_note(names: list[str], python_hint: Optional[str] = None) -> list[str]:
+def server_note(names: list[str]) -> list[str]:
     """What to tell a ``--server`` user whose workflow needs stand-in files the runner cannot write there."""
     if not names:
         return []
     where = ", ".join(f"{FILES[n][1]}/{n}" for n in names)
     return [f"note: --tiny: this workflow needs the stand-in files {where} in the server's model folders; write "
-            f"them with: {python_hint or 'python'} -m {WRITER} COMFYUI/models"]
+            f"them with that ComfyUI's python: python -m {WRITER} COMFYUI/models"]
