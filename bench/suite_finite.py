@@ -20,15 +20,19 @@ Smoke: the tiny SDXL model on the CPU, a 64x64 image, eager; the numbers mean no
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .harness import BenchContext, graph_replay, time_ms
 from .models import full_engine, tiny_engine
 
+logger = logging.getLogger(__name__)
+
 SUITE = "finite"
 SMOKE_BUDGET_S = 5
-QUICK_BUDGET_S = 25  # building the SDXL UNet and capturing its step dominate; the checks take milliseconds
-FULL_BUDGET_S = 25
+QUICK_BUDGET_S = 35  # imports, building the SDXL UNet and capturing its step dominate; the checks take milliseconds
+FULL_BUDGET_S = 35
 TARGET_RATIO = 100.0  # step / checks >= 100: the checks cost at most 1% of one step
 BATCH = 2
 INPUTS = ("latent_image", "positive_cond", "negative_cond")
@@ -108,8 +112,12 @@ def _step_ms(engine, inputs: dict, size: int, repeat: int) -> tuple[float, str, 
     eager = time_ms(call, warmup=1 if repeat == 1 else 2, repeat=repeat, device=engine.device)
     if engine.device.type != "cuda":
         return eager, "SDXL UNet step (eager)", eager
-    with torch.no_grad():
-        replay, _ = graph_replay(call, engine.device)
+    try:
+        with torch.no_grad():
+            replay, _ = graph_replay(call, engine.device)
+    except RuntimeError as exc:  # the eager step is then the peer: longer, so a less strict share
+        logger.warning("capturing the SDXL step failed (%s); the peer is the eager step", exc)
+        return eager, "SDXL UNet step (eager; capture failed)", eager
     return time_ms(replay, warmup=2, repeat=repeat, device=engine.device), "SDXL UNet step (CUDA graph)", eager
 
 
