@@ -24,12 +24,13 @@ loaders run on what they read, so such a file is refused by name instead.
 from __future__ import annotations
 
 import bisect
+import math
 import pickle
 import re
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
@@ -165,14 +166,32 @@ def _file_backed(tensor: torch.Tensor, mappings: Optional[tuple[list[int], list[
     return at >= 0 and storage.data_ptr() < ends[at]
 
 
-def has_non_finite(t: torch.Tensor) -> bool:
-    """True when a floating-point (or complex) ``t`` holds NaN or an infinity. One fp32 sum decides in the common
-    case (it is non-finite iff an entry is, or the sum overflows, when ``isfinite`` decides): several times faster
-    than ``isfinite().all()``."""
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+def _fp32_sum(t: torch.Tensor) -> torch.Tensor:
+    """One reduction kernel: ``t``'s sum in float32 (the cast fused into the load; a complex tensor's real and
+    imaginary parts together), a 0-d tensor on ``t``'s device."""
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t.sum(dtype=torch.float32)
+
+
+def any_non_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when one of ``tensors`` holds NaN or an infinity (tensors that are not floating-point or complex, and
+    empty ones, cannot). One fp32 sum per tensor and one host sync per device for all of them: NaN and infinities
+    propagate through a sum, so a finite total proves every entry finite; a non-finite total (such an entry, or
+    finite fp32/fp64 values whose sum overflows) is decided exactly, tensor by tensor, with ``isfinite().all()``.
+    The common (finite) case is several times faster than ``isfinite().all()`` per tensor, which writes a mask."""
+    checked = [t for t in tensors if (t.is_floating_point() or t.is_complex()) and t.numel()]
+    sums: dict[torch.device, list[torch.Tensor]] = {}
+    for t in checked:
+        sums.setdefault(t.device, []).append(_fp32_sum(t))
+    if all(math.isfinite(v) for per_device in sums.values() for v in torch.stack(per_device).tolist()):
         return False
-    total = t.sum() if t.is_complex() else t.sum(dtype=torch.float32)
-    return not bool(torch.isfinite(total)) and not bool(torch.isfinite(t).all())
+    return any(not bool(torch.isfinite(t).all()) for t in checked)
+
+
+def has_non_finite(t: torch.Tensor) -> bool:
+    """True when a floating-point (or complex) ``t`` holds NaN or an infinity (``any_non_finite`` of one tensor)."""
+    return any_non_finite((t,))
 
 
 def refuse_non_finite(state_dict: Mapping[str, torch.Tensor], source: str, consequence: str, fix: str) -> None:

@@ -212,6 +212,20 @@ def time_ms(fn: Callable[[], object], warmup: int = 2, repeat: int = 5, device: 
     return statistics.median(times)
 
 
+def graph_replay(call: Callable[[], object], device: torch.device) -> tuple[Callable[[], None], object]:
+    """Capture ``call`` into a CUDA graph after a side-stream warm-up; returns (replay fn, static output)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph.replay, out
+
+
 @contextlib.contextmanager
 def peak_memory(device: torch.device) -> Iterator[dict]:
     """Yields a dict that, on exit, holds ``reserved_gb`` and ``allocated_gb`` peaks of the block (GPU only)."""

@@ -117,3 +117,32 @@ def unet_inputs(kind: str, batch: int, latent_hw: int, device="cuda", dtype=torc
             "time_ids": torch.tensor([[hw, hw, 0, 0, hw, hw]] * batch, device=device, dtype=dtype),
         }
     return out
+
+
+class NoText(torch.nn.Module):
+    """Stands in for a text encoder: the benchmarks feed precomputed embeddings, so none is ever called."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+
+
+def tiny_engine(family: str):
+    """A resident fp32 engine over the package's tiny random model on the CPU (smoke mode)."""
+    from ..memory.engine import engine_from_parts, parts_from_components
+    from ..memory.tiny import build_tiny_components
+
+    parts = parts_from_components(build_tiny_components(family), name=f"tiny-{family}")
+    return engine_from_parts(parts, device="cpu", dtype=torch.float32, vae_dtype=torch.float32)
+
+
+def full_engine(kind: str, device: torch.device):
+    """A resident fp16 engine over a full-size random SD1.5 (``kind="sd15"``) or SDXL (``"sdxl"``) UNet and the SD
+    VAE, with stand-in text encoders (conditioning is fed precomputed)."""
+    from ..memory.engine import ModelParts, engine_from_parts
+
+    parts = ModelParts(family="sdxl" if kind == "sdxl" else "sd1", unet=full_unet(kind, device=device),
+                       vae=full_vae(device=device), text_encoder=NoText(), tokenizer=None,
+                       scheduler_config=dict(SCHEDULER), text_encoder_2=NoText() if kind == "sdxl" else None,
+                       name=f"random-{kind}")
+    return engine_from_parts(parts, device=device, dtype=torch.float16, vae_dtype=torch.float16)

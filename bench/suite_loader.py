@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from .harness import BenchContext, peak_memory, time_ms
+from .harness import BenchContext, graph_replay, peak_memory, time_ms
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +42,6 @@ def _parts_with(unet, family="sdxl"):
     comps = build_tiny_components(family)
     comps["unet"] = unet
     return parts_from_components(comps, name=f"{family}-random")
-
-
-def _graph(call, device):
-    """Capture ``call`` into a CUDA graph after a side-stream warm-up; returns (replay fn, static output)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph.replay, out
 
 
 def _fresh_unet(device):
@@ -107,7 +93,7 @@ def _measure_full(parts, call, dev, repeat: int, results: dict) -> torch.Tensor:
         ref = call(parts.unet)().clone()
         full_ms = time_ms(call(parts.unet), warmup=2, repeat=repeat, device=dev)
     results["full eager"] = (full_ms, peak["reserved_gb"])
-    replay, _ = _graph(call(parts.unet), dev)
+    replay, _ = graph_replay(call(parts.unet), dev)
     results["full cuda graph"] = (time_ms(replay, warmup=2, repeat=repeat, device=dev), None)
     placement.remove()
     del replay
@@ -135,7 +121,7 @@ def _measure_stream(ctx, parts, call, ref, budget: float, repeat: int, results: 
                      f"{plan.arena_bytes / 2**30:.2f} GB, activation estimate "
                      f"{plan.unet_activation_bytes / 2**30:.2f} GB, est step {plan.est_step_ms:.0f} ms")
     with peak_memory(dev) as gpeak:
-        replay, gout = _graph(call(parts.unet), dev)
+        replay, gout = graph_replay(call(parts.unet), dev)
         gms = time_ms(replay, warmup=2, repeat=repeat, device=dev)
     replay()
     eager = call(parts.unet)()

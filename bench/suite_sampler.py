@@ -37,6 +37,7 @@ import time
 import torch
 
 from .harness import BenchContext, peak_memory, time_ms
+from .models import full_engine, tiny_engine
 
 logger = logging.getLogger(__name__)
 
@@ -69,34 +70,6 @@ def _skip(ctx: BenchContext, case: str, reason: str) -> None:
         skip(case, reason)
     else:
         logger.info("%s skipped: %s", case, reason)
-
-
-class _NoText(torch.nn.Module):
-    """Stands in for a text encoder: the benchmark feeds precomputed embeddings, so none is ever called."""
-
-    def __init__(self):
-        super().__init__()
-        self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-
-
-def _tiny_engine(family: str):
-    """A resident fp32 engine over the package's tiny random model on the CPU (smoke mode)."""
-    from ..memory.engine import engine_from_parts, parts_from_components
-    from ..memory.tiny import build_tiny_components
-
-    parts = parts_from_components(build_tiny_components(family), name=f"tiny-{family}")
-    return engine_from_parts(parts, device="cpu", dtype=torch.float32, vae_dtype=torch.float32)
-
-
-def _full_engine(kind: str, device: torch.device):
-    from ..memory.engine import ModelParts, engine_from_parts
-    from .models import SCHEDULER, full_unet, full_vae
-
-    parts = ModelParts(family="sdxl" if kind == "sdxl" else "sd1", unet=full_unet(kind, device=device),
-                       vae=full_vae(device=device), text_encoder=_NoText(), tokenizer=None,
-                       scheduler_config=dict(SCHEDULER), text_encoder_2=_NoText() if kind == "sdxl" else None,
-                       name=f"random-{kind}")
-    return engine_from_parts(parts, device=device, dtype=torch.float16, vae_dtype=torch.float16)
 
 
 def _conditioning(engine, kind: str, batch: int, size: int, seed: int = 0):
@@ -299,7 +272,7 @@ def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerat
 def run(ctx: BenchContext) -> None:
     if ctx.smoke:
         for family in ("sd1", "sdxl"):
-            engine = _tiny_engine(family)
+            engine = tiny_engine(family)
             _case(ctx, "tiny-" + family, engine, 64, 1, ("none", "cuda_graph", "compile+cuda_graph"), repeat=1)
         return
     if ctx.device.type != "cuda":
@@ -314,7 +287,7 @@ def run(ctx: BenchContext) -> None:
         if not _has_time(ctx, COST_S[(kind, "none")] * 2):
             _skip(ctx, f"{kind}-{size}", "not enough of the suite's time budget left")
             continue
-        engine = _full_engine(kind, ctx.device)
+        engine = full_engine(kind, ctx.device)
         try:
             _case(ctx, kind, engine, size, steps, accelerations, repeat=(2 if kind == "sdxl" else 3) if ctx.quick else 5)
         finally:

@@ -25,6 +25,8 @@ from .errors import (EXIT_INTERRUPTED, EXIT_OK, ExecutionFailed, RunnerError, Se
                      WorkflowError)
 from .local import LocalComfyUI, torch_has_accelerator
 from .progress import RunProgress
+from .tiny import (MODEL_INPUTS, class_types, files_needed, server_note, tiny_models_dir, tiny_notes, tiny_overrides,
+                   write_files)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", metavar="NODE.INPUT=VALUE", action="append", default=[],
                    help="override an input; NODE is a node id or a class type (all nodes of it); VALUE is parsed "
                         "as JSON when possible, else taken as a string. Repeatable.")
+    p.add_argument("--tiny", action="store_true",
+                   help="run without the workflow's models: the pack's tiny random stand-ins replace every model "
+                        "input (listed on stderr; the pictures are noise), e.g. to try a workflow on a CPU-only "
+                        "machine; --set applies after it")
     p.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
                    help="seconds the run may take once queued, downloading its images included (default: 600)")
     p.add_argument("--start-timeout", type=_seconds, default=180.0, metavar="S",
@@ -127,7 +133,11 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
     object_info = client.object_info()
     prompt = ui_to_api(workflow, object_info) if kind == "ui" else workflow
     _check_known_nodes(prompt, object_info)
-    prompt = apply_overrides(prompt, [parse_override(s) for s in args.overrides], object_info)
+    tiny = tiny_overrides(prompt, object_info) if args.tiny else []
+    if not args.quiet:
+        for line in tiny_notes(prompt, tiny):
+            print(line, file=sys.stderr)
+    prompt = apply_overrides(prompt, tiny + [parse_override(s) for s in args.overrides], object_info)
     if args.convert_only:
         print(json.dumps(prompt, indent=2))
         return EXIT_OK
@@ -139,6 +149,11 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
         prompt_id = client.submit(prompt, client_id, prompt_id=prompt_id)
         with RunProgress(prompt, quiet=args.quiet) as progress:
             entry = client.follow(prompt_id, ws, args.timeout, on_event=progress.event)  # cancels on timeout
+    except ValidationFailed as exc:  # a model file that is not installed: say how to run without it
+        if not args.tiny and any(f"input '{name}' = " in line for line in exc.lines for name in MODEL_INPUTS):
+            exc.lines.append("  to try the workflow without its models, on the pack's tiny random stand-ins (the "
+                             "pictures are noise): add --tiny")
+        raise
     except KeyboardInterrupt:
         client.cancel(prompt_id)  # do not leave the prompt running on a server we do not own
         raise
@@ -155,12 +170,17 @@ def run_on_server(client: ComfyClient, kind: str, workflow: dict, args) -> int:
     return EXIT_OK
 
 
-def _local_server(comfyui: str, args) -> LocalComfyUI:
+def _local_server(comfyui: str, args, workflow: tuple[str, dict]) -> LocalComfyUI:
     """The ComfyUI to start; with ``--cpu`` added (and said on stderr unless ``-q``) when its interpreter's torch
-    sees no GPU, since ComfyUI would otherwise die with "Torch not compiled with CUDA enabled"."""
+    sees no GPU, since ComfyUI would otherwise die with "Torch not compiled with CUDA enabled"; with ``--tiny``,
+    with the stand-in files ``workflow`` (kind, workflow) needs in an extra model folder (``runner/tiny.py``)."""
     server = LocalComfyUI(comfyui, python=args.python, cpu=args.cpu, extra_args=args.comfyui_args,
                           models_dir=args.models, input_dir=args.input_dir, start_timeout=args.start_timeout,
                           log_path=args.comfyui_log)
+    if args.tiny:  # the stand-in files the workflow's node types need, written by ComfyUI's own python
+        folder = tiny_models_dir()
+        write_files(server.python, server.pack_dir, folder, files_needed(class_types(*workflow)), quiet=args.quiet)
+        server.extra_models_dirs.append(folder.resolve())
     device_flags = {"--cpu", "--directml"}
     if not args.cpu and not device_flags & {arg.split("=")[0] for arg in args.comfyui_args}:
         if torch_has_accelerator(server.python, cwd=server.comfyui_path) is False:
@@ -179,12 +199,15 @@ def _run(args) -> int:
         _check_out_dir(args.out)
     if args.server:
         _check_server_url(args.server)
+        if args.tiny and not args.quiet:
+            for line in server_note(files_needed(class_types(kind, workflow))):
+                print(line, file=sys.stderr)
         return run_on_server(ComfyClient(args.server), kind, workflow, args)
     comfyui = args.comfyui or os.environ.get("COMFYUI_PATH")
     if not comfyui:
         raise WorkflowError("say where ComfyUI is: --server URL (a running ComfyUI), or --comfyui PATH / "
                             "COMFYUI_PATH (a ComfyUI folder to start headless)")
-    with _local_server(comfyui, args) as server:
+    with _local_server(comfyui, args, (kind, workflow)) as server:
         if not args.quiet:
             kept = f" (log: {server.log_file})" if args.comfyui_log else ""
             print(f"ComfyUI started at {server.url}{kept}", file=sys.stderr)

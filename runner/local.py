@@ -10,7 +10,7 @@ What it starts: ``PYTHON main.py --listen 127.0.0.1 --port <free port> --extra-m
 ``--cpu`` and extra arguments on request) in the ComfyUI folder. The yaml's ``custom_nodes:`` points at a temporary
 folder holding one symlink, ``leandiffusion`` -> this pack, so the pack loads from outside ComfyUI's tree (skipped
 when ComfyUI's own ``custom_nodes`` already holds this pack). Model folders: ComfyUI's own ``models/``, plus
-``models_dir`` (same sub-folder names) when given.
+``models_dir`` and each of ``extra_models_dirs`` (same sub-folder names) when given.
 
 The interpreter: ``python`` argument, else ``$COMFYUI_PYTHON``, else ``COMFYUI_PATH/.venv/bin/python`` or
 ``COMFYUI_PATH/venv/bin/python`` when present (``scripts/setup_comfyui.sh`` makes ``.venv``), else this interpreter.
@@ -92,7 +92,8 @@ class LocalComfyUI:
     def __init__(self, comfyui_path: str | os.PathLike, python: Optional[str] = None, cpu: bool = False,
                  extra_args: Sequence[str] = (), models_dir: Optional[str | os.PathLike] = None,
                  input_dir: Optional[str | os.PathLike] = None, start_timeout: float = 180.0,
-                 log_path: Optional[str | os.PathLike] = None, pack_dir: Path = PACK_ROOT):
+                 log_path: Optional[str | os.PathLike] = None, pack_dir: Path = PACK_ROOT,
+                 extra_models_dirs: Sequence[str | os.PathLike] = ()):
         self.comfyui_path = Path(comfyui_path).expanduser().resolve()
         if not (self.comfyui_path / "main.py").is_file():
             raise ServerUnreachable(f"--comfyui {comfyui_path}: no ComfyUI there (main.py is missing); point it at a "
@@ -103,6 +104,7 @@ class LocalComfyUI:
         self.cpu = cpu
         self.extra_args = list(extra_args)
         self.models_dir = Path(models_dir).resolve() if models_dir is not None else None
+        self.extra_models_dirs = [Path(d).resolve() for d in extra_models_dirs]
         self.input_dir = Path(input_dir).resolve() if input_dir is not None else None
         self.start_timeout = start_timeout
         self.pack_dir = Path(pack_dir).resolve()
@@ -128,6 +130,9 @@ class LocalComfyUI:
         if self.models_dir is not None:
             lines.append(f"  base_path: {self.models_dir}")
             lines.extend(f"  {folder}: {folder}" for folder in MODEL_FOLDERS)
+        for i, folder in enumerate(self.extra_models_dirs):
+            lines += [f"leandiffusion_models_{i + 1}:", f"  base_path: {folder}"]
+            lines.extend(f"  {sub}: {sub}" for sub in MODEL_FOLDERS)
         config = self.tmp / "extra_model_paths.yaml"
         config.write_text("\n".join(lines) + "\n" if len(lines) > 1 else "{}\n")
         return config

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..memory.finite import refuse_non_finite_input
+from ..memory.finite import refuse_non_finite_inputs
 from ..memory.engine import TIME_IDS_DTYPE, LeanEngine, PromptEmbeds
 
 logger = logging.getLogger(__name__)
@@ -140,9 +140,10 @@ def single_pair(conditioning: Any, input_name: str = "positive_cond") -> tuple[t
         raise ValueError(f"{input_name}: the CONDITIONING has 0 tokens (shape {tuple(cond.shape)}); connect a "
                          f"text-encode node's output (at least one chunk of 77 tokens)")
     fix = "find the node upstream that produced them (a text encode in fp16 that overflowed, a bad embedding)"
-    refuse_non_finite_input(cond, input_name, fix)
+    checked = [(input_name, cond)]
     if torch.is_tensor(extras.get("pooled_output")):
-        refuse_non_finite_input(extras["pooled_output"], f"{input_name} (pooled_output)", fix)
+        checked.append((f"{input_name} (pooled_output)", extras["pooled_output"]))
+    refuse_non_finite_inputs(checked, fix)  # one host sync for both tensors
     return cond, extras
 
 

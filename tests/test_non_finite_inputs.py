@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from leandiffusion.memory.finite import refuse_non_finite_input
+from leandiffusion.memory.finite import refuse_non_finite_input, refuse_non_finite_inputs
 from leandiffusion.memory.load import load_engine
 from leandiffusion.nodes.sampler import LeanFusedDDIMSampler
 from leandiffusion.nodes.vae import LeanTiledVAEDecode, LeanTiledVAEEncode
@@ -16,6 +16,7 @@ from leandiffusion.sampling.prompt_encoder import PROMPT_CACHE
 from leandiffusion.sampling.prompt_parser import parse_weights
 from leandiffusion.tests.kit import save_diffusers_folder, save_ldm_checkpoint, tiny_components, tiny_engine
 from leandiffusion.tests.upscale import helpers as upscale_helpers
+from leandiffusion.torchfile import any_non_finite
 from leandiffusion.upscale.loader import build_upscaler
 from leandiffusion.upscale.runner import upscale_images
 
@@ -45,6 +46,47 @@ def test_the_check_counts_and_names():
     refuse_non_finite_input(torch.full((4,), 60000.0, dtype=torch.float16), "x", "fix it")  # the fp32 sum overflows
     with pytest.raises(ValueError, match=r"x: holds 2 NaN and 1 infinite values of 9; .*: fix it"):
         refuse_non_finite_input(torch.tensor([NAN, NAN, INF, 0, 0, 0, 0, 0, 0.0]).reshape(3, 3), "x", "fix it")
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_one_check_of_several_tensors_finds_a_bad_value_in_any_of_them(value, dtype):
+    finite = [torch.rand(2, 4, 8, 8, dtype=dtype), torch.rand(2, 77, 16, dtype=dtype), torch.rand(2, 12)]
+    assert not any_non_finite(finite)
+    for i in range(len(finite)):
+        tensors = [t.clone() for t in finite]
+        tensors[i].view(-1)[5] = value
+        assert any_non_finite(tensors), f"{value} in tensor {i} ({dtype}) was missed"
+    huge = torch.full((4,), 3e38)  # finite, but its fp32 sum overflows: decided exactly, not refused
+    assert not any_non_finite([huge, torch.full((3,), 6e4, dtype=torch.float16)])
+    assert any_non_finite([torch.tensor([1 + 1j, complex(0, INF)])])
+    assert not any_non_finite([torch.arange(4), torch.ones(3, dtype=torch.bool), torch.empty(0), torch.tensor([1j])])
+
+
+def test_the_finite_case_is_one_reduction_per_tensor_and_no_read_back_per_tensor():
+    """The GPU cost of the checks (measured by ``bench/suite_finite.py``): in the finite case each tensor costs one
+    fp32 ``sum`` and the tensors share one read-back (``stack`` + ``tolist``); no ``isfinite`` mask is written and
+    no per-tensor ``item()``/``bool()`` (a host sync each on a GPU) runs. Before, every tensor had its own sync: a
+    CONDITIONING and its ``pooled_output`` two."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cond, pooled = torch.rand(2, 77, 64, dtype=torch.float16), torch.rand(2, 32, dtype=torch.float16)
+    with Ops() as ops:
+        refuse_non_finite_inputs([("positive_cond", cond), ("positive_cond (pooled_output)", pooled)], "fix it")
+    assert ops.names.count("sum") == 2, ops.names
+    assert not {"isfinite", "_local_scalar_dense", "isnan", "isinf"} & set(ops.names), ops.names
+    with pytest.raises(ValueError, match=r"positive_cond \(pooled_output\): holds 1 NaN and 0 infinite values of 64"):
+        refuse_non_finite_inputs([("positive_cond", cond), ("positive_cond (pooled_output)", _poisoned((2, 32), NAN))],
+                                 "fix it")
 
 
 @pytest.mark.parametrize("value", [NAN, INF, -INF])

@@ -13,6 +13,8 @@ Invariants:
   oneDNN avoids a reorder per layer.
 - A window's activations stay within the work budget: a fixed cap, on the GPU lowered to 70% of what is free
   once the weights are placed.
+- "Free" on the GPU is ``memory.free_vram.free_bytes``, as for the loader, the Stream Scheduler and the tiled VAE:
+  the driver's free memory plus this process's cached-but-unused blocks (the allocator hands those out first).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from ..bridge import default_device, free_comfy_memory
 from ..memory.finite import refuse_non_finite_input
+from ..memory.free_vram import free_bytes
 from .descriptor import Upscaler
 
 logger = logging.getLogger(__name__)
@@ -91,7 +94,7 @@ def choose_device(device: str, upscaler: Upscaler, overlap: int = 32) -> torch.d
     free_comfy_memory(max(need, WORK_CAP_GPU), dev)
     if device == "gpu":
         return dev
-    free, _ = torch.cuda.mem_get_info(dev)
+    free = free_bytes(dev)
     if free >= need:
         return dev
     logger.info("ESRGAN upscale: %.0f MiB free on %s, %.0f MiB needed; running on the CPU",
@@ -128,10 +131,11 @@ def resolve_layout(layout: str, upscaler: Upscaler) -> str:
 
 
 def work_budget(device: torch.device, upscaler: Upscaler, dtype: torch.dtype) -> int:
-    """Activation bytes one window may use: a fixed cap, lowered to 70% of what is free on the GPU."""
+    """Activation bytes one window may use: a fixed cap, lowered to 70% of what is free on the GPU
+    (``free_vram.free_bytes``: cached-but-unused blocks count)."""
     if device.type != "cuda":
         return WORK_CAP_CPU
-    free, _ = torch.cuda.mem_get_info(device)
+    free = free_bytes(device)
     return int(max(0, min(WORK_CAP_GPU, 0.7 * (free - upscaler.weight_bytes(dtype)))))
 
 

@@ -60,15 +60,6 @@ def comfyui(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def zimage_split_model_files(comfyui):
-    """The tiny Z-Image as ComfyUI's split files (diffusion_models/, text_encoders/, vae/) plus its diffusers folder,
-    whose tokenizer the split loader finds before ComfyUI's full-size Qwen tokenizer (``model_files.py``)."""
-    from leandiffusion.tests.integration.model_files import write_tiny_zimage_files
-
-    return write_tiny_zimage_files(comfyui.models_dir)
-
-
-@pytest.fixture(scope="session")
 def clip_l_model_files(comfyui):
     """The server's models folder with a random full-size CLIP-L (``text_encoders/``) and an SD1 checkpoint holding
     the same CLIP-L that ComfyUI's CheckpointLoaderSimple accepts (``tests/kit/clip_l.py``); written once."""

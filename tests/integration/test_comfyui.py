@@ -1,7 +1,8 @@
 """The pack inside the real ComfyUI (CPU): it imports cleanly, /object_info shows every node as declared, the
-runner runs a core-node fixture and every shipped workflow (model inputs overridden to the tiny model), and the
-runner's error paths (wrong input type, missing input, unknown node, execution error) give their exit codes and
-one line per problem. Needs ``COMFYUI_PATH`` (see conftest.py); skipped without it.
+runner runs a core-node fixture, every editor workflow converts to its API twin, and the runner's error paths (wrong
+input type, missing input, unknown node, execution error) give their exit codes and one line per problem. The shipped
+workflows themselves run through ``run.py --tiny`` in ``test_shipped_workflows.py``. Needs ``COMFYUI_PATH`` (see
+conftest.py); skipped without it.
 """
 import json
 import os
@@ -16,59 +17,16 @@ import pytest
 import leandiffusion
 from leandiffusion.runner.cli import main
 from leandiffusion.runner.client import ComfyClient
-from leandiffusion.runner.convert import input_names, load_workflow, ui_to_api
+from leandiffusion.runner.convert import load_workflow, ui_to_api
 from leandiffusion.runner.errors import EXIT_EXECUTION, EXIT_INVALID, EXIT_OK
 from leandiffusion.runner.local import PACK_LINK_NAME, PACK_ROOT
-from leandiffusion.tests.kit.clip_l import CLIP_L_FILE, SD1_CLIP_L_CHECKPOINT
 from leandiffusion.tests.kit.runner_process import runner_env
-from leandiffusion.tests.integration.model_files import (TINY_ZIMAGE_FILES, write_input_images,
-                                                        write_tiny_model_files)
 
 pytestmark = pytest.mark.comfyui
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 API_DIR = PACK_ROOT / "workflows_api"
-WORKFLOWS = sorted(API_DIR.glob("*.api.json"))
 UI_TWINS = [p for p in sorted((PACK_ROOT / "workflows").glob("*.json")) if (API_DIR / f"{p.stem}.api.json").exists()]
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# How the shipped workflows are shrunk to the tiny model on the CPU: (class type, input) -> value. Applied where
-# the node declares that input. The tiny LoRA and upscaler files are written into the session's models folder by
-# ``tiny_model_files``; the LoRA's target blocks are ones the tiny SD1 UNet has (it has no up_blocks.2).
-TINY_LORA = "tiny_sd1_lora.safetensors"
-TINY_UPSCALER = "tiny_compact_x4.safetensors"
-TINY_OVERRIDES = {
-    ("LeanModelLoader", "model"): "tiny-random (test)",
-    ("LeanFusedDDIMSampler", "width"): 64,
-    ("LeanFusedDDIMSampler", "height"): 64,
-    ("LeanFusedDDIMSampler", "steps"): 2,
-    ("LeanFusedDDIMSampler", "batch_size"): 1,
-    ("LeanFusedDDIMSampler", "acceleration"): "none",
-    ("LeanStreamSampler", "width"): 64,
-    ("LeanStreamSampler", "height"): 64,
-    ("LeanStreamSampler", "steps"): 2,
-    ("LeanStreamSampler", "images_per_prompt"): 1,
-    ("LeanStreamSampler", "acceleration"): "none",
-    ("LeanLoraInjector", "lora_name"): TINY_LORA,
-    ("LeanLoraInjector", "target_blocks"): "mid_block, up_blocks.1, text_encoder",
-    ("LeanESRGANUpscale", "model_name"): TINY_UPSCALER,
-    ("LeanESRGANUpscale", "device"): "cpu",
-    ("LeanFlowSampler", "width"): 64,
-    ("LeanFlowSampler", "height"): 48,
-    ("LeanFlowSampler", "steps"): 2,
-    ("LeanFlowSampler", "acceleration"): "none",
-}
-# Workflows that need more than the tiny model: ComfyUI's CLIP loader builds a full-size CLIP-L whatever the file,
-# so comfy_conditioning runs on a random full-size CLIP-L (text_encoders/) and a checkpoint holding the same CLIP-L
-# with a small UNet of 768-wide cross-attention (``clip_l_model_files`` in conftest.py, ``tests/kit/clip_l.py``).
-# Applied after TINY_OVERRIDES.
-WORKFLOW_OVERRIDES = {
-    "comfy_conditioning.api.json": {("LeanModelLoader", "model"): SD1_CLIP_L_CHECKPOINT,
-                                    ("CLIPLoader", "clip_name"): CLIP_L_FILE},
-    # the tiny Z-Image as split files (``zimage_split_model_files`` in conftest.py)
-    "z_image_turbo.api.json": {("LeanSplitModelLoader", name): value for name, value in TINY_ZIMAGE_FILES.items()},
-}
-WORKFLOW_FIXTURES = {"comfy_conditioning.api.json": "clip_l_model_files",
-                     "z_image_turbo.api.json": "zimage_split_model_files"}
 
 
 def _strip_meta(prompt):
@@ -141,42 +99,6 @@ def test_shipped_ui_workflow_converts_to_its_api_twin(object_info, ui_path):
     _, workflow = load_workflow(ui_path.read_text())
     _, api = load_workflow((API_DIR / f"{ui_path.stem}.api.json").read_text())
     assert _strip_meta(ui_to_api(workflow, object_info)) == _strip_meta(api)
-
-
-def _tiny_overrides(prompt, object_info, workflow_name=""):
-    overrides = {**TINY_OVERRIDES, **WORKFLOW_OVERRIDES.get(workflow_name, {})}
-    sets = []
-    for node_id, node in sorted(prompt.items()):
-        spec = object_info.get(node["class_type"])
-        names = input_names(spec) if spec else []
-        for (class_type, name), value in overrides.items():
-            if node["class_type"] == class_type and name in names:
-                sets += ["--set", f"{node_id}.{name}={json.dumps(value)}"]
-    return sets
-
-
-@pytest.fixture(scope="module")
-def tiny_model_files(comfyui):
-    """A kohya LoRA for the tiny SD1 model (UNet attention + text encoder) and a tiny compact x4 upscaler."""
-    write_tiny_model_files(comfyui.models_dir, TINY_LORA, TINY_UPSCALER)
-    return comfyui.models_dir
-
-
-@pytest.mark.parametrize("workflow", WORKFLOWS, ids=lambda p: p.name)
-def test_shipped_workflow_runs_with_the_tiny_model(comfyui, object_info, tiny_model_files, workflow, tmp_path,
-                                                   request):
-    if workflow.name in WORKFLOW_FIXTURES:
-        request.getfixturevalue(WORKFLOW_FIXTURES[workflow.name])
-    _, prompt = load_workflow(workflow.read_text())
-    write_input_images(prompt, comfyui.input_dir)
-    out = tmp_path / "out"
-    code = main([str(workflow), "--server", comfyui.url, "--out", str(out), "-q", "--timeout", "900",
-                 *_tiny_overrides(prompt, object_info, workflow.name)])
-    assert code == EXIT_OK, comfyui.log_text()[-4000:]
-    savers = [nid for nid, node in prompt.items() if node["class_type"] in ("SaveImage", "PreviewImage")]
-    images = list(out.rglob("*.png"))
-    assert len(images) >= len(savers) > 0
-    assert all(path.read_bytes().startswith(PNG_MAGIC) for path in images)
 
 
 # --------------------------------------------------------------------------------------------- error paths

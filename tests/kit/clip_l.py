@@ -49,17 +49,23 @@ def sd1_clip_l_components(seed: int = 0) -> dict:
     return components
 
 
-def write_clip_l_model_files(models_dir: str | Path, seed: int = 0) -> Path:
-    """Write ``checkpoints/SD1_CLIP_L_CHECKPOINT`` and ``text_encoders/CLIP_L_FILE`` (the checkpoint's CLIP-L)."""
+def write_clip_l_pair(checkpoint_path: str | Path, clip_path: str | Path, seed: int = 0) -> None:
+    """Write the SD1 checkpoint to ``checkpoint_path``, then its CLIP-L alone to ``clip_path``."""
     from safetensors.torch import load_file, save_file
 
     from .ldm import save_ldm_checkpoint
 
-    models_dir = Path(models_dir)
-    checkpoint = save_ldm_checkpoint(sd1_clip_l_components(seed), models_dir / "checkpoints" / SD1_CLIP_L_CHECKPOINT,
-                                     tokenizer=False, dtype=torch.float16)
+    checkpoint = save_ldm_checkpoint(sd1_clip_l_components(seed), checkpoint_path, tokenizer=False,
+                                     dtype=torch.float16)
     prefix = "cond_stage_model.transformer."
     clip_l = {k[len(prefix):]: v for k, v in load_file(str(checkpoint)).items() if k.startswith(prefix)}
-    (models_dir / "text_encoders").mkdir(exist_ok=True)
-    save_file(clip_l, str(models_dir / "text_encoders" / CLIP_L_FILE))
+    Path(clip_path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(clip_l, str(clip_path))
+
+
+def write_clip_l_model_files(models_dir: str | Path, seed: int = 0) -> Path:
+    """Write ``checkpoints/SD1_CLIP_L_CHECKPOINT`` and ``text_encoders/CLIP_L_FILE`` (the checkpoint's CLIP-L)."""
+    models_dir = Path(models_dir)
+    write_clip_l_pair(models_dir / "checkpoints" / SD1_CLIP_L_CHECKPOINT, models_dir / "text_encoders" / CLIP_L_FILE,
+                      seed)
     return models_dir

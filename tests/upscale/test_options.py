@@ -101,6 +101,29 @@ def test_auto_follows_comfyuis_cpu_mode_without_asking_cuda(monkeypatch):
     assert options.choose_device("auto", up).type == "cpu"
 
 
+def test_free_vram_counts_cached_blocks_like_the_rest_of_the_pack(monkeypatch):
+    """``choose_device`` and ``work_budget`` read free VRAM through ``memory.free_vram.free_bytes``: the driver's free
+    memory plus this process's cached-but-unused blocks, the number the loader, the Stream Scheduler and the tiled
+    VAE use. They read ``torch.cuda.mem_get_info`` alone before, so blocks the caching allocator would hand out
+    first did not count: ``device='auto'`` ran on the CPU, and the window budget was smaller, with a warm cache."""
+    GiB = 2 ** 30
+    up = build_upscaler(H.random_rrdb())
+    need = up.weight_bytes(torch.float16) + up.work_bytes(options.MIN_TILE + 64, options.MIN_TILE + 64, torch.float16)
+    driver_free, reserved, allocated = need // 2, 3 * GiB, 3 * GiB - need  # cached: ``need`` bytes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (driver_free, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(options, "default_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(options, "free_comfy_memory", lambda *args: None)
+
+    assert options.choose_device("auto", up) == torch.device("cuda", 0)
+    budget = options.work_budget(torch.device("cuda", 0), up, torch.float16)
+    counted = driver_free + need - up.weight_bytes(torch.float16)
+    assert budget == int(min(options.WORK_CAP_GPU, 0.7 * counted))
+
+
 def test_layout_argument():
     up = build_upscaler(H.random_compact(num_conv=1))
     generic = Upscaler(up.module, "generic", 4)
