@@ -25,8 +25,6 @@ from .attention import ZImageAttnProcessor, rms_norm
 _PROCESSOR = ZImageAttnProcessor()
 
 
-rms = rms_norm
-
 def lean_block_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], freqs_cis: torch.Tensor,
                        adaln_input: Optional[torch.Tensor] = None, noise_mask=None, adaln_noisy=None,
                        adaln_clean=None) -> torch.Tensor:
@@ -35,14 +33,14 @@ def lean_block_forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor],
         raise ValueError("the lean block forward runs text-to-image blocks only (no per-token noise mask)")
     if self.modulation:
         scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln_input).unsqueeze(1).chunk(4, dim=2)
-        attn = self.attention(rms(x, self.attention_norm1) * (1.0 + scale_msa), attention_mask=attn_mask,
+        attn = self.attention(rms_norm(x, self.attention_norm1) * (1.0 + scale_msa), attention_mask=attn_mask,
                               freqs_cis=freqs_cis)
-        x = torch.addcmul(x, gate_msa.tanh(), rms(attn, self.attention_norm2))
-        ff = self.feed_forward(rms(x, self.ffn_norm1) * (1.0 + scale_mlp))
-        return torch.addcmul(x, gate_mlp.tanh(), rms(ff, self.ffn_norm2))
-    attn = self.attention(rms(x, self.attention_norm1), attention_mask=attn_mask, freqs_cis=freqs_cis)
-    x = x + rms(attn, self.attention_norm2)
-    return x + rms(self.feed_forward(rms(x, self.ffn_norm1)), self.ffn_norm2)
+        x = torch.addcmul(x, gate_msa.tanh(), rms_norm(attn, self.attention_norm2))
+        ff = self.feed_forward(rms_norm(x, self.ffn_norm1) * (1.0 + scale_mlp))
+        return torch.addcmul(x, gate_mlp.tanh(), rms_norm(ff, self.ffn_norm2))
+    attn = self.attention(rms_norm(x, self.attention_norm1), attention_mask=attn_mask, freqs_cis=freqs_cis)
+    x = x + rms_norm(attn, self.attention_norm2)
+    return x + rms_norm(self.feed_forward(rms_norm(x, self.ffn_norm1)), self.ffn_norm2)
 
 
 @contextlib.contextmanager

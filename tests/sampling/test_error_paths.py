@@ -21,6 +21,7 @@ from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.sampling.stream.streams import StageStreams
 from leandiffusion.tests.kit import tiny_engine
 from leandiffusion.tests.kit.faults import OutOfMemoryOnce
+from leandiffusion.tests.kit.graph_backend import StandInBackend
 
 
 @pytest.fixture(scope="module")
@@ -76,16 +77,6 @@ def test_corrupt_safetensors_embedding_is_one_named_error(engine, tmp_path, monk
     with pytest.raises(ValueError, match=r"embedding file 'garbled.safetensors' could not be read as a safetensors "
                                          r"file \(.*header.*\); re-download it"):
         LeanFusedDDIMSampler().run(**args)
-
-
-class StandInBackend:
-    """Captures by keeping the callable (replay = call it), after one warm-up call as the CUDA backend runs."""
-
-    name = "stand-in"
-
-    def capture(self, fn, device):
-        fn()
-        return fn
 
 
 def test_failed_torch_compile_names_the_acceleration_and_the_fix(engine, monkeypatch):

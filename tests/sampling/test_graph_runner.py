@@ -20,16 +20,7 @@ from leandiffusion.sampling.graph_runner import GraphRunner, weights_fingerprint
 from leandiffusion.sampling.loop import sample
 from leandiffusion.sampling.settings import SamplerSettings
 from leandiffusion.tests.kit import tiny_engine
-
-
-class StandInBackend:
-    """Captures by keeping the callable (replay = call it): the runner's bookkeeping without a GPU."""
-
-    name = "stand-in"
-
-    def capture(self, fn, device):
-        fn()  # a warm-up step, as the CUDA backend runs
-        return fn
+from leandiffusion.tests.kit.graph_backend import StandInBackend
 
 
 class ScaleOutput:

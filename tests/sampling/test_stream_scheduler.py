@@ -28,6 +28,7 @@ from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.sampling.stream.streams import Timeline
 from leandiffusion.tests.kit import tiny_engine
 from leandiffusion.vae.untiled import vae_decode
+from leandiffusion.tests.kit.graph_backend import StandInBackend
 
 PROMPTS = "a red boat\n\n  a lighthouse at dusk  \nsnowy forest\n"
 BATCHED_ABS = 1e-4
@@ -165,16 +166,6 @@ def test_sdxl_size_conditioning_of_a_non_square_image_is_height_then_width():
                  quiet=True)["samples"]
     assert got.shape == ref.shape == (1, 4, 12, 8)
     assert torch.equal(got, ref)
-
-
-class StandInBackend:
-    """Captures by keeping the callable (replay = call it): the graph path's bookkeeping without a GPU."""
-
-    name = "stand-in"
-
-    def capture(self, fn, device):
-        fn()
-        return fn
 
 
 def test_graph_path_reuses_one_capture_per_batch_shape(engine):

@@ -6,16 +6,9 @@ import torch
 from leandiffusion.sampling.flow.loop import sample_flow
 from leandiffusion.sampling.flow.settings import FlowSettings
 from leandiffusion.sampling.graph_runner import GraphRunner
+from leandiffusion.tests.kit.graph_backend import StandInBackend
 
 LONG = "a very long prompt about a harbour at night with lanterns and boats and fog " * 4
-
-
-class StandInBackend:
-    name = "stand-in"
-
-    def capture(self, fn, device):
-        fn()
-        return fn
 
 
 def _run(engine, prompt, seed, runner=None, acceleration="cuda_graph", cfg=4.0):

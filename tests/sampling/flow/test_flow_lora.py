@@ -11,6 +11,7 @@ from leandiffusion.sampling.flow.loop import sample_flow
 from leandiffusion.sampling.flow.settings import FlowSettings
 from leandiffusion.sampling.graph_runner import GraphRunner
 from leandiffusion.tests.kit import zimage_lora as kit
+from leandiffusion.tests.kit.graph_backend import StandInBackend
 
 TOL = 1e-4
 
@@ -54,14 +55,6 @@ def test_lora_latent_equals_the_pipeline(lora_files, zimage_engine, name, streng
     assert (out - ref).abs().max().item() <= TOL
     plain = sample_flow(zimage_engine, settings)["samples"]
     assert (out - plain).abs().max().item() > 1e-2  # the LoRA moved the latent
-
-
-class StandInBackend:
-    name = "stand-in"
-
-    def capture(self, fn, device):
-        fn()
-        return fn
 
 
 def test_strength_change_reuses_the_captured_step(lora_files, zimage_engine):
