@@ -33,6 +33,7 @@ Invariants
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
@@ -116,27 +117,42 @@ class RegionallyCompiledUNet:
 
     def __init__(self, unet: torch.nn.Module, class_names: tuple[str, ...], **compile_kwargs):
         self.unet = unet
-        self.regions: list[tuple[torch.nn.Module, Any]] = []
-        prefixes: list[str] = []
-        for name, module in unet.named_modules():
-            if type(module).__name__ not in class_names or any(name.startswith(p) for p in prefixes):
-                continue
-            prefixes.append(name + ".")
-            self.regions.append((module, torch.compile(module._call_impl, dynamic=False, **compile_kwargs)))
+        self.regions = compiled_regions(unet, class_names, **compile_kwargs)
         if not self.regions:
             raise ValueError(f"regional compilation: the UNet ({type(unet).__name__}) has no {class_names} module; "
                              f"set {ENV_COMPILE_SCOPE}=full")
 
     def __call__(self, *args, **kwargs):
-        previous = [module._compiled_call_impl for module, _ in self.regions]
-        try:
-            for module, fn in self.regions:
-                module._compiled_call_impl = fn
-            with recompile_limit_raised(REGIONAL_RECOMPILE_LIMIT):
-                return self.unet(*args, **kwargs)
-        finally:
-            for (module, _), prev in zip(self.regions, previous):
-                module._compiled_call_impl = prev
+        with regions_installed(self.regions):
+            return self.unet(*args, **kwargs)
+
+
+def compiled_regions(module: torch.nn.Module, class_names: tuple[str, ...], **compile_kwargs) -> list:
+    """``(region, compiled call)`` for every module of ``module`` whose class is in ``class_names`` and that has no
+    region ancestor (nested regions would compile twice); compiled lazily, at the first call."""
+    regions: list[tuple[torch.nn.Module, Any]] = []
+    prefixes: list[str] = []
+    for name, sub in module.named_modules():
+        if type(sub).__name__ not in class_names or any(name.startswith(p) for p in prefixes):
+            continue
+        prefixes.append(name + ".")
+        regions.append((sub, torch.compile(sub._call_impl, dynamic=False, **compile_kwargs)))
+    return regions
+
+
+@contextlib.contextmanager
+def regions_installed(regions: list):
+    """Each region's compiled call installed (``nn.Module._compiled_call_impl``) for the block only, with dynamo's
+    recompile limit raised (one cache entry per distinct block shape and batch); the previous calls restored after."""
+    previous = [module._compiled_call_impl for module, _ in regions]
+    try:
+        for module, fn in regions:
+            module._compiled_call_impl = fn
+        with recompile_limit_raised(REGIONAL_RECOMPILE_LIMIT):
+            yield
+    finally:
+        for (module, _), prev in zip(regions, previous):
+            module._compiled_call_impl = prev
 
 
 def resolved_scope(unet: torch.nn.Module, scope: str) -> str:

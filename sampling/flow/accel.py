@@ -1,9 +1,10 @@
 """How the flow program calls the DiT: eagerly, or with every transformer block compiled by ``torch.compile``.
 
 Invariant: both calls run ``dit_forward`` on the engine's own modules (weights shared, never copied). The compiled
-call installs each ``ZImageTransformerBlock``'s compiled ``_call_impl`` only for the duration of the call (the
-regional technique of ``sampling/compile.py``), so eager runs of the same modules stay eager; blocks of one shape
-share dynamo's cache entry, so compiling costs one block's graph, not 34. Compiled wrappers are cached per model.
+call installs each ``ZImageTransformerBlock``'s compiled ``_call_impl`` only for the duration of the call
+(``compile.regions_installed``, the regional compilation the UNet uses too), so eager runs of the same modules
+stay eager; blocks of one shape share dynamo's cache entry, so compiling costs one block's graph, not 34.
+Compiled wrappers are cached per model.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from ...memory.engine import LeanEngine
-from ..compile import REGIONAL_RECOMPILE_LIMIT, compile_mode, compile_options, recompile_limit_raised
+from ..compile import compile_mode, compile_options, compiled_regions, regions_installed
 from .dit_forward import dit_forward
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,7 @@ def _regions(engine: LeanEngine) -> list:
     regions = _COMPILED.get(engine.parts)
     if regions is None:
         options = compile_options(compile_mode())
-        regions = [(m, torch.compile(m._call_impl, dynamic=False, **options))
-                   for m in engine.parts.unet.modules() if type(m).__name__ in BLOCK_CLASSES]
+        regions = compiled_regions(engine.parts.unet, BLOCK_CLASSES, **options)
         _COMPILED[engine.parts] = regions
         logger.info("torch.compile wraps the %d DiT blocks of %s; the first call of each shape compiles them",
                     len(regions), engine.parts.name or "the model")
@@ -47,14 +47,7 @@ def compiled_dit_fn(engine: LeanEngine):
     dit = engine.parts.unet
 
     def call(x, t, layout, grid):
-        previous = [m._compiled_call_impl for m, _ in regions]
-        try:
-            for m, fn in regions:
-                m._compiled_call_impl = fn
-            with recompile_limit_raised(REGIONAL_RECOMPILE_LIMIT):
-                return dit_forward(dit, x, t, layout, grid)
-        finally:
-            for (m, _), prev in zip(regions, previous):
-                m._compiled_call_impl = prev
+        with regions_installed(regions):
+            return dit_forward(dit, x, t, layout, grid)
 
     return call
