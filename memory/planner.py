@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from .engine import ModelParts, modules_of_stage
+from .fp8_weights import storage_name
 from .free_vram import FREE_FRACTION, usable_free_bytes
 from .plan import GiB, MemoryPlan, activation_bytes, gb, module_bytes
 from .policy_config import PolicyConfig, VramPolicy, dtype_name
@@ -95,7 +96,8 @@ def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name:
                       text_dtype=dtype_name(text_dtype), budget_bytes=config.budget_bytes,
                       working_shape=config.working_shape, text_mode=text.value, vae_mode=vae.value,
                       unet_mode=unet.value, text_bytes=T, unet_bytes=U, vae_bytes=V, unet_activation_bytes=act,
-                      total_units=len(units), peaks=peaks, **stream_fields)
+                      total_units=len(units), peaks=peaks,
+                      unet_storage=storage_name(getattr(parts, "unet", None)) or "", **stream_fields)
     budget = VramBudget(limit_bytes=config.budget_bytes if stream else None,
                         headroom_bytes=int(HEADROOM * config.budget_bytes) if stream else 0,
                         resident_bytes=resident, streamed_bytes=schedule.streamed_bytes if schedule else 0,
