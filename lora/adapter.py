@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .architectures import check_family
+from ..memory.fp8_weights import is_fp8_layer, storage_name
 from .keymap import Target, resolve
 from .loader import load_lora
 from .merged import MergedBinding
@@ -171,6 +172,11 @@ def inject_lora(engine, lora_path: str | Path, strength: float = 1.0, strength_t
     if not targets:
         raise ValueError(f"lora {path.name!r} holds no layer for this model")
     targets = filter_targets(targets, target_blocks, roots)
+    if mode == "merged" and any(is_fp8_layer(t.module) for t in targets):
+        raise ValueError(f"mode='merged' cannot be used on this model: its UNet weights are stored in "
+                         f"{storage_name(parts.unet)} (the loader's weight_dtype), and merging into fp8 would round "
+                         f"most of the LoRA's change away; use mode='unmerged' (exact on fp8 weights), or load the "
+                         f"model with weight_dtype fp16/bf16 to merge")
     file_key = tuple(loaded.key for loaded in loads)
     base_key = (file_key, mode, _targets_digest(targets))
     occurrence = sum(1 for a in engine.adapters

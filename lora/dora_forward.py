@@ -46,6 +46,7 @@ from typing import Optional
 
 import torch
 
+from ..memory.fp8_weights import weight_shape, weight_storage, weight_values
 from ..memory.unet_patches import host_copy
 from .dora import dora_gain, on_input_axis
 from .fullrank import can_add_in_place
@@ -155,19 +156,18 @@ class DoraForward:
     def refresh_gain(self) -> bool:
         """Recompute ``g`` (and what folds it) when the weight changed since; True when it did (the binding then
         rewrites the strength buffers). Outside a CUDA-graph capture only."""
-        weight = self.module.weight
-        key = weight_key(weight)
+        key = weight_key(weight_storage(self.module))  # an fp8 layer: its fp8 storage (``weight`` is a new tensor)
         if key == self.key:
             return False
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("DoRA: the layer's weight changed since its gain was computed, and it cannot be "
                                "recomputed inside a CUDA-graph capture; attach the LoRA before capturing")
-        source = host_copy(weight)
-        source = weight if source is None else source
+        shape = weight_shape(self.module)
         device = self.gain.device
         with torch.no_grad():
-            w = source.detach().to(device=device, dtype=torch.float32).reshape(weight.shape)
-            delta = self.layer.delta_flat(torch.float32).to(device).view(weight.shape)
+            # a streamed weight's pinned host copy, dequantized for an fp8 layer (``memory.fp8_weights``)
+            w = weight_values(self.module, torch.float32, device).reshape(shape)
+            delta = self.layer.delta_flat(torch.float32).to(device).view(shape)
             g = dora_gain(w, delta, self.layer.magnitude.to(device)).flatten()
             del w, delta
             self.gain.copy_(g)

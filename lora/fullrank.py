@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..memory.fp8_weights import weight_shape
 from .dora import dora_delta
 from .formats import LoraLayer
 from .keymap import Target
@@ -195,7 +196,7 @@ def make_term(target: Target) -> tuple[object, torch.Tensor, torch.Tensor]:
     """``(hook, source, buffer)`` for a target ``lowrank_factors`` returned None for: the binding writes
     ``buffer = strength * source`` at attach."""
     layer, module = target.layer, target.module
-    shape = tuple(module.weight.shape)
+    shape = tuple(weight_shape(module))
     if layer.magnitude is not None:
         one = torch.ones((), dtype=torch.float32, device=layer.magnitude.device)
         buf = torch.zeros_like(one)

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from .architectures import family_hint, model_arch
+from ..memory.fp8_weights import weight_shape
 from .dora import magnitude_problem
 from .formats import LoraLayer, ParsedLora
 from .zimage_names import original_aliases, same_delta, split_fused
@@ -231,7 +232,7 @@ def shape_problem(target: Target) -> str:
     where = f"{target.component}.{target.module_name}"
     if isinstance(m, torch.nn.Conv2d) and (m.groups != 1 or m.padding_mode != "zeros"):
         return f"{where} is a grouped or non-zero-padded conv, which the injector does not support"
-    shape = tuple(m.weight.shape)
+    shape = tuple(weight_shape(m))  # an fp8-stored layer's without dequantizing it
     problem = magnitude_problem(layer.magnitude, shape)
     if not problem and not isinstance(layer, LoraLayer):
         problem = layer.fit_problem(shape)

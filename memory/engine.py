@@ -159,7 +159,9 @@ def module_for_stage(parts: ModelParts, stage: str, device: torch.device, dtype:
     if device.type == "cuda" and device.index is None:  # "cuda" means the current device: compare like with like
         device = torch.device("cuda", torch.cuda.current_device())  # (else every session re-runs module.to)
     for module in modules_of_stage(parts, stage):
-        p = next(module.parameters())
+        # the first floating parameter: fp8 weight storage (memory/fp8_weights.py) is integer-typed, never cast
+        p = next((q for q in module.parameters() if q.is_floating_point()), None)
+        p = next(module.parameters()) if p is None else p
         if p.device != device or p.dtype != dtype:
             module.to(device=device, dtype=dtype)
 

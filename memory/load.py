@@ -21,6 +21,7 @@ import torch
 from .. import bridge
 from .engine import LeanEngine, ModelParts, parts_from_components
 from .folders import load_diffusers_folder
+from .fp8_weights import STORAGE_NAMES, compute_dtype_for, quantize_module, resolve_fast
 from .ldm import load_ldm_checkpoint
 from .policies import DTYPES, apply_vram_policy, check_policy_args
 from .pool import BufferPool
@@ -29,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 TINY_CHOICE = "tiny-random (test)"
 TINY_ZIMAGE_CHOICE = "tiny-random Z-Image (test)"
-WEIGHT_DTYPES = ("auto", "fp16", "bf16", "fp32")
+# fp8_e4m3fn*: the denoiser's Linear/Conv2d weights stored in fp8 (``memory/fp8_weights.py``), computing in
+# bf16 on CUDA / fp32 on the CPU; text encoders and VAE keep that compute dtype
+WEIGHT_DTYPES = ("auto", "fp16", "bf16", "fp32") + STORAGE_NAMES
 VAE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 
 
@@ -73,20 +76,33 @@ def load_components(choice: str) -> tuple[dict, str]:
 
 
 def resolve_dtype(name: str, arg: str, device: torch.device, vae: bool = False) -> Optional[torch.dtype]:
-    """``auto`` -> None (the policy's default); else the torch dtype. CPU runs always use fp32 for ``auto``."""
+    """``auto`` -> None (the policy's default); an fp8 storage choice -> its compute dtype on ``device`` (bf16 on
+    CUDA, fp32 elsewhere); else the torch dtype. CPU runs always use fp32 for ``auto``."""
     allowed = VAE_DTYPES if vae else WEIGHT_DTYPES
-    if name not in allowed:
+    if not isinstance(name, str) or name not in allowed:
         raise ValueError(f"{arg}={name!r}: expected one of {', '.join(allowed)}")
+    if name in STORAGE_NAMES:
+        return compute_dtype_for(device)
     return None if name == "auto" else DTYPES[name]
 
 
 def build_engine(parts: ModelParts, vram_policy: str = "auto", vram_budget_gb: float = 4.0,
                  weight_dtype: str = "auto", vae_dtype: str = "auto", device=None, **policy_kwargs) -> LeanEngine:
-    """An engine over ``parts`` under ``vram_policy`` (see ``memory/policies.py``), with a buffer pool."""
+    """An engine over ``parts`` under ``vram_policy`` (see ``memory/policies.py``), with a buffer pool.
+
+    ``weight_dtype`` ``fp8_e4m3fn`` / ``fp8_e4m3fn_fast`` store the denoiser's weights in fp8, in place, before the
+    plan is made (so it counts 1 byte per fp8 weight); ``engine.dtype`` is then the compute dtype and the plan text
+    names the storage."""
     dev = torch.device(device) if device is not None else bridge.default_device()
-    placement = apply_vram_policy(parts, vram_policy, device=dev, vram_budget_gb=vram_budget_gb,
-                                  dtype=resolve_dtype(weight_dtype, "weight_dtype", dev),
-                                  vae_dtype=resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True), **policy_kwargs)
+    dtype = resolve_dtype(weight_dtype, "weight_dtype", dev)
+    vae = resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True)
+    if weight_dtype in STORAGE_NAMES:
+        check_policy_args(vram_policy, vram_budget_gb)  # a typo must not leave the modules converted
+        on_gpu = dev.type == "cuda" and torch.cuda.is_available()
+        quantize_module(parts.unet, dtype, fast=resolve_fast(weight_dtype == "fp8_e4m3fn_fast", dev),
+                        work_device=dev if on_gpu else None)
+    placement = apply_vram_policy(parts, vram_policy, device=dev, vram_budget_gb=vram_budget_gb, dtype=dtype,
+                                  vae_dtype=vae, **policy_kwargs)
     cfg = placement.config
     pool = BufferPool(placement.device)
     placement.pool = pool

@@ -1,7 +1,8 @@
 """Memory plans: how many bytes each stage needs under a policy, the estimates behind it, and its text report.
 
 Estimates (bytes, in the run dtype):
-- weights: exact (parameter counts x element size, with the 512-byte alignment of flat buffers);
+- weights: exact (parameter counts x element size, with the 512-byte alignment of flat buffers); fp8-stored
+  weights (``memory/fp8_weights.py``: uint8 storage, which flat layouts never cast) count 1 byte per element;
 - UNet activations at the working shape (default: batch 2 for classifier-free guidance, the family's native
   latent size), from the ``meta`` trace of the UNet's blocks: the skip tensors the down path keeps
   (every down-path block output) plus the largest transient inside one block (a transformer block peaks in its
@@ -98,6 +99,7 @@ class MemoryPlan:
     text_arena_bytes: int = 0  # streamed text encoder: staging ring, on the device while the text stage runs
     text_streamed_units: int = 0
     text_total_units: int = 0
+    unet_storage: str = ""  # how the denoiser's weights are stored when not in ``dtype`` ("fp8_e4m3fn", ...)
 
     @property
     def peak_bytes(self) -> int:
@@ -124,7 +126,8 @@ class MemoryPlan:
             head += f" (chosen by {self.requested})"
         if self.budget_bytes is not None and self.policy == "stream":
             head += f", budget {gb(self.budget_bytes)}"
-        lines = [head, f"  dtypes: UNet {self.dtype}, text {self.text_dtype}, VAE {self.vae_dtype}"]
+        unet = f"{self.unet_storage} (computes in {self.dtype})" if self.unet_storage else self.dtype
+        lines = [head, f"  dtypes: UNet {unet}, text {self.text_dtype}, VAE {self.vae_dtype}"]
         where = {"resident": "resident on the device", "while used": "on the device only while used",
                  "cpu": "on the CPU (only embeddings move)"}
         lines.extend(self._text_lines(where, b))

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .engine import ModelParts, modules_of_stage
+from .fp8_weights import storage_name
 from .free_vram import FREE_FRACTION, usable_free_bytes
 from .plan import GiB, MemoryPlan, activation_bytes, gb, module_bytes
 from .policy_config import PolicyConfig, VramPolicy, dtype_name
@@ -124,6 +125,7 @@ def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name:
                       unet_mode=(StageMode.STREAM if stream else StageMode.RESIDENT).value, text_bytes=T,
                       unet_bytes=U, vae_bytes=V, unet_activation_bytes=act, total_units=len(units), peaks=peaks,
                       text_activation_bytes=ta, text_tokens=text.tokens if text is not None else 0,
+                      unet_storage=storage_name(getattr(parts, "unet", None)) or "",
                       **(planned.fields if planned else {}))
     budget = VramBudget(limit_bytes=config.budget_bytes if stream else None,
                         headroom_bytes=int(HEADROOM * config.budget_bytes) if stream else 0,

@@ -40,7 +40,11 @@ class LeanModelLoader:
                 "budget gives an error stating the model's minimum.")}),
             "weight_dtype": (list(WEIGHT_DTYPES), {"default": "auto", "tooltip": (
                 "Precision of the denoiser (UNet or DiT) and text encoder weights. auto: fp16 on the GPU (bf16 for "
-                "Z-Image), fp32 on the CPU.")}),
+                "Z-Image), fp32 on the CPU. fp8_e4m3fn: the denoiser's weights stored in fp8 (half of bf16's memory "
+                "and streamed bytes; slightly lower quality), computed in bf16 on the GPU / fp32 on the CPU; text "
+                "encoders and VAE keep that precision. fp8_e4m3fn_fast: the same storage with fp8 matrix "
+                "multiplications on GPUs with fp8 tensor cores (RTX 40xx, H100/H200 and newer; elsewhere the same as "
+                "fp8_e4m3fn).")}),
             "vae_dtype": (list(VAE_DTYPES), {"default": "auto", "tooltip": (
                 "Precision of the VAE. auto keeps the VAE in fp32 where fp16 is known to overflow (SDXL), as "
                 "ComfyUI's --no-half-vae does, and uses the weight precision otherwise.")}),

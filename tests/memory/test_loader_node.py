@@ -29,7 +29,8 @@ def test_contract():
     assert req["vram_policy"][0] == ["auto", "full", "balanced", "lowvram", "stream"]
     assert req["vram_budget_gb"][0] == "FLOAT" and req["vram_budget_gb"][1]["default"] == 4.0
     assert req["vram_budget_gb"][1]["min"] == 0.5
-    assert req["weight_dtype"][0] == ["auto", "fp16", "bf16", "fp32"]
+    assert req["weight_dtype"][0] == ["auto", "fp16", "bf16", "fp32", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
+    assert "fp8_e4m3fn_fast" in req["weight_dtype"][1]["tooltip"]
     assert req["vae_dtype"][0] == ["auto", "fp32", "fp16", "bf16"]
     assert req["model"][0][0] == "tiny-random (test)"
 
@@ -74,7 +75,8 @@ def test_files_load_through_the_node(models_dir):
 @pytest.mark.parametrize("args,match", [
     (("nope.safetensors", "full", 4.0, "auto", "auto"), "nope.safetensors"),
     (("../x.safetensors", "full", 4.0, "auto", "auto"), "outside"),
-    (("tiny-random (test)", "full", 4.0, "fp8", "auto"), "weight_dtype='fp8'"),
+    (("tiny-random (test)", "full", 4.0, "fp8", "auto"), "weight_dtype='fp8': expected one of auto, fp16, bf16, fp32, "
+                                                           "fp8_e4m3fn, fp8_e4m3fn_fast"),
     (("tiny-random (test)", "full", 4.0, "auto", "int8"), "vae_dtype='int8'"),
     (("tiny-random (test)", "turbo", 4.0, "auto", "auto"), "vram_policy='turbo'"),
     (("tiny-random (test)", "full", float("inf"), "auto", "auto"), "vram_budget_gb=inf"),
