@@ -66,5 +66,5 @@ def test_the_torch_floor_is_pyprojects():
     from pathlib import Path
 
     deps = tomllib.loads((Path(nodes.__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
-    (torch_dep,) = [d for d in deps if d.startswith("torch")]
+    (torch_dep,) = [d for d in deps if d.split(">=")[0] == "torch"]
     assert torch_dep == "torch>={}.{}".format(*nodes.MIN_TORCH)
