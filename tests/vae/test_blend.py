@@ -134,3 +134,18 @@ def test_blend_leaves_the_module_unchanged(engine):
     before = copy.deepcopy(vae.state_dict())
     _decode(engine, _latent(engine, 9, 7), "blend")
     assert all(torch.equal(before[k], v) for k, v in vae.state_dict().items())
+
+
+def test_blend_on_comfyuis_module_tree():
+    """The ComfyUI (LDM) module tree takes the same estimate (its convolutions' weights read directly)."""
+    from leandiffusion.tests.kit import tiny_components
+    from leandiffusion.tests.vae.ldm_tree import FakeComfyVAE, ldm_from_diffusers
+
+    ldm = ldm_from_diffusers(tiny_components("sd1")["vae"])
+    z = _latent(tiny_engine("sd1"))
+    with torch.no_grad():
+        ref = ((ldm.decode(z) + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1)
+    (img,) = LeanTiledVAEDecode().decode({"samples": z}, 128, 32, "blend", vae=FakeComfyVAE(ldm))
+    error = (img - ref).abs()
+    assert error.mean().item() <= DECODE_MEAN and error.max().item() <= DECODE_MAX
+    assert error.max().item() > 1e-4
