@@ -4,7 +4,8 @@ Full-size SD VAE (AutoencoderKL, random weights, bench/models.full_vae), one lat
 IMAGE by every contender (the untiled peer includes the same 0..1 conversion and device->host copy as ours).
 Cases: output 1024 / 2048 / 4096 px, fp16 (and fp32 in full mode). Records per case:
 - ``time_ms`` of exact (activation budget ``EXACT_BUDGET``), exact-auto (budget from free VRAM), blend (1024 px
-  tiles) and diffusers tiled, each against the untiled decode; targets: exact <= 2.0x, blend <= 1.3x
+  tiles: exact's bands with estimated statistics for each ResNet block's second GroupNorm, ``vae/estimated_stats.py``)
+  and diffusers tiled, each against the untiled decode; targets: exact <= 2.0x, blend <= 1.3x
   (written as ratio >= 0.5 / 0.77 since a ratio is peer/ours);
 - ``peak_alloc_gb`` (``max_memory_allocated``, weights included, after ``reset_peak_memory_stats``) with targets
   2048 exact <= 1.5 GB, 4096 exact <= 4 GB (tile budget = min(EXACT_BUDGET, target - weights - 0.3 GiB)); ``peak_reserved_gb`` as a note;

@@ -1,1 +1,2 @@
-"""Tiled VAE decode/encode (exact whole-image GroupNorm statistics, or blended tiles) and the untiled fast path."""
+"""Tiled VAE decode/encode (exact whole-image GroupNorm statistics, or partly estimated ones: ``blend``) and the
+untiled fast path."""

@@ -1,6 +1,9 @@
 """Exact tiled execution of a VAE ``Program``: every GroupNorm uses whole-image statistics.
 
-Invariant: the result equals the untiled module's output up to floating-point error, for any band size.
+Invariant: the result equals the untiled module's output up to floating-point error, for any band size. With
+``ExactConfig.estimate_inner_stats`` (``blend`` mode) the statistics passes for the GroupNorms that follow a
+convolution inside a stage are replaced by a cheaper estimating pass (``estimated_stats``): exact group means,
+variances from a subset of the columns; everything else is as below.
 
 Method. Stages run in order; each stage reads its input from a whole-image store and writes its output to a new
 store (``stores.py``: on the device when it fits the activation budget, else in pinned host memory). A chain stage
@@ -27,6 +30,7 @@ band to pinned host memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -36,6 +40,7 @@ import torch
 from .. import bridge
 from .attention import convolutions_use_tf32
 from .attention_bands import MapCost, plan_bands, prefers_online, run_banded
+from .estimated_stats import ESTIMATED_AFTER, ColumnSampledConv, column_stride
 from .program import Op, Program, Stage, fuse
 from .stats import GroupStats, apply_group_norm
 from .stores import BandThrottle, DeviceStore, HostStore, Streams
@@ -61,6 +66,9 @@ class ExactConfig:
     # the budget is a hard limit on the device memory the process holds (the loader's ``stream`` policy): copies run
     # on the compute stream and cached blocks go back to the driver after each stage (see ``run_exact``)
     strict_budget: bool = False
+    # ``blend`` mode: the GroupNorms that follow a convolution inside a stage (each ResNet block's norm2) take
+    # estimated statistics from one cheaper pass (``estimated_stats``) instead of an exact statistics pass
+    estimate_inner_stats: bool = False
 
 
 @dataclass
@@ -241,6 +249,9 @@ def _run_chain(ps: PlannedStage, store, out_store, in_stats: Optional[GroupStats
                 raise RuntimeError(f"tiling bug: no input statistics for {ps.stage.name}")
             norms[0] = _norm_fn(op, in_stats)
             continue
+        if cfg.estimate_inner_stats and ops[k - 1].kind in ESTIMATED_AFTER:
+            norms[k] = _norm_fn(op, _estimated_stats(ps, k, norms, cfg, work_budget, out_hw, in_dtype, store))
+            continue
         acc = GroupStats(int(op.module.num_groups))
         _Pass(ps, k, norms, cfg, work_budget, out_hw, in_dtype).run(store, lambda a, y, acc=acc: acc.add(y))
         norms[k] = _norm_fn(op, acc)
@@ -253,6 +264,23 @@ def _run_chain(ps: PlannedStage, store, out_store, in_stats: Optional[GroupStats
 
     _Pass(ps, len(ops), norms, cfg, work_budget, out_hw, in_dtype).run(store, sink)
     return out_stats
+
+
+def _estimated_stats(ps: PlannedStage, k: int, norms: dict, cfg: ExactConfig, work_budget: int, out_hw: tuple,
+                     in_dtype: torch.dtype, store) -> GroupStats:
+    """``blend``: the statistics of the GroupNorm at op ``k`` (after a convolution) from one pass over ``ops[:k]``
+    whose convolution runs at a subset of the columns and keeps the sums that give the exact means
+    (``estimated_stats``)."""
+    shapes = ps.stage.shapes(*ps.in_shape)
+    _, h, w = shapes[k - 1]
+    groups = int(ps.stage.ops[k].module.num_groups)
+    sampler = ColumnSampledConv(ps.stage.ops[k - 1], h, w, column_stride(shapes[k][0], groups, h, w))
+    ops = list(ps.stage.ops)
+    ops[k - 1] = sampler
+    sampled = dataclasses.replace(ps, stage=dataclasses.replace(ps.stage, ops=ops))
+    samples = GroupStats(groups)
+    _Pass(sampled, k, norms, cfg, work_budget, out_hw, in_dtype).run(store, lambda a, y: samples.add(y))
+    return sampler.estimate(samples)
 
 
 def _run_attention(ps: PlannedStage, store, out_store, in_stats: Optional[GroupStats], cfg: ExactConfig,

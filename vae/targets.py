@@ -27,26 +27,6 @@ class VaeTarget:
     # what the loader's hard VRAM budget leaves now for the call's working memory (bytes; None: no budget)
     room: Optional[Callable[[], Optional[int]]] = None
 
-    @property
-    def decode_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Untiled decode of raw latents [B, C, h, w] -> [-1, 1] image [B, 3, H, W] (the module's own forward)."""
-        ae = self.ae
-        pqc = getattr(ae, "post_quant_conv", None)
-        return lambda z: ae.decoder(pqc(z) if pqc is not None else z)
-
-    @property
-    def encode_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Untiled encode of a [-1, 1] image -> the latent distribution's mean [B, C, h, w]."""
-        ae = self.ae
-        qc = getattr(ae, "quant_conv", None)
-
-        def enc(x):
-            m = ae.encoder(x)
-            m = qc(m) if qc is not None else m
-            return m[:, : m.shape[1] // 2]
-
-        return enc
-
 
 def from_engine(engine) -> VaeTarget:
     """The engine's VAE, run inside ``engine.session("vae")`` on the stage device in ``engine.vae_dtype``."""

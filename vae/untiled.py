@@ -14,7 +14,9 @@ Invariants
 - On CUDA the input is made channels-last, so every convolution (and the GroupNorms, the upsamplers and the
   residual adds between them) stays in cuDNN's native NHWC layout (with NCHW activations cuDNN transposes around
   each fp32 convolution). The output comes back channels-last, so the IMAGE's ``[B, H, W, 3]`` view of it is
-  contiguous.
+  contiguous. On the CPU the input is made contiguous NCHW (an IMAGE's ``permute`` is a channels-last view), because
+  PyTorch's CPU GroupNorm is inaccurate on channels-last inputs (``group_norm.cpu_layout_safe``, which also covers
+  maps that turn channels-last inside the VAE).
 - ``vae_decode(engine, raw)`` / ``vae_encode(engine, image)``: the engine's whole-image calls between ComfyUI's
   IMAGE (``[B, H, W, 3]`` float32 0..1 on the CPU) and raw LATENT; call inside ``engine.session("vae")``.
 
@@ -79,7 +81,10 @@ def fast_vae(vae: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def _layout(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous(memory_format=torch.channels_last) if x.is_cuda and x.dim() == 4 else x
+    """Channels-last on CUDA, contiguous NCHW on the CPU (module docstring)."""
+    if x.is_cuda and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x.contiguous()
 
 
 def decode(vae: torch.nn.Module, raw_latents: torch.Tensor) -> torch.Tensor:

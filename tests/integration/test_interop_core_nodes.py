@@ -11,8 +11,8 @@
   an RGBA image keeps its alpha (bug: refused; core fails on it).
 - Tiled VAE Decode / Encode (exact) against core ``VAEDecode`` / ``VAEEncode`` on the same VAE weights, through
   ComfyUI's VAE and the Memory Pool Loader's: odd, cropped, batch-indexed, masked, empty and 1-pixel-high latents; an
-  RGBA batch whose sides are not multiples of 8 (core crops to a multiple of 8 about the centre). The ``blend`` mode is
-  in the prompt to show the comparison sees a seam.
+  RGBA batch whose sides are not multiples of 8 (core crops to a multiple of 8 about the centre). ``blend`` within a
+  few 8-bit levels; core VAE Decode (Tiled) is in the prompt to show the comparison sees a seam.
 """
 import json
 import uuid
@@ -268,9 +268,11 @@ def test_tiled_vae_matches_core_vae_decode_and_encode(comfyui, clip_l_model_file
     72 x 128 about the centre) and its inverse, batched.
 
     Decode tolerance: every pixel within 1/255 (core Image Blend 'difference' both ways, saved by Save Image, which
-    floors 255 * |a - b|: all zero means |a - b| < 1/255; on this CPU the two differ by ~1e-5). Guard: the same
-    comparison finds the ``blend`` mode's per-tile statistics (0.4 on these random weights). Encode: the latents
-    (Save Latent, float32) within 1e-4 (measured ~4e-6 on latents of magnitude ~1)."""
+    floors 255 * |a - b|: all zero means |a - b| < 1/255; on this CPU the two differ by ~1e-5). ``blend`` (estimated
+    statistics for each ResNet block's second GroupNorm) within 3/255: measured 0.007 at most, 5.7e-4 on average, on
+    this latent and VAE. Guard: the same comparison finds core VAE Decode (Tiled)'s per-tile statistics (0.4 on these
+    random weights). Encode: the latents (Save Latent, float32) within 1e-4 (measured ~4e-6 on latents
+    of magnitude ~1)."""
     import torch
     from PIL import Image
 
@@ -312,7 +314,10 @@ def test_tiled_vae_matches_core_vae_decode_and_encode(comfyui, clip_l_model_file
         "batch2": (["b2", 0], 2, {"vae": ours("decode", ["b2", 0], vae, 128),
                                   "engine": ours("decode", ["b2", 0], lean, 128)}),
         "index1masked": (["masked", 0], 1, {"vae": ours("decode", ["masked", 0], vae, 0),
-                                            "blend": ours("decode", ["masked", 0], vae, 128, "blend")}),
+                                            "blend": ours("decode", ["masked", 0], vae, 128, "blend"),
+                                            "coretiled": {"class_type": "VAEDecodeTiled", "inputs": {
+                                                "samples": ["masked", 0], "vae": vae, "tile_size": 128,
+                                                "overlap": 32, "temporal_size": 64, "temporal_overlap": 8}}}),
         "crop": (["crop", 0], 2, {"vae": ours("decode", ["crop", 0], vae, 128)}),
         "row1px": (["row", 0], 1, {"vae": ours("decode", ["row", 0], vae, 0),
                                    "engine": ours("decode", ["row", 0], lean, 0)}),
@@ -340,8 +345,10 @@ def test_tiled_vae_matches_core_vae_decode_and_encode(comfyui, clip_l_model_file
             worst = max(int(np.asarray(Image.open(f)).max())
                         for pair in (f"core-{variant}", f"{variant}-core")
                         for f in _outputs(comfyui, prefix, f"{name}_{pair}", ".png", batch))
-            if variant == "blend":
-                assert worst >= 8, f"{name}: the comparison does not see blend's seams ({worst}/255)"
+            if variant == "coretiled":
+                assert worst >= 8, f"{name}: the comparison does not see core tiling's seams ({worst}/255)"
+            elif variant == "blend":
+                assert worst <= 3, f"{name} (blend): ours and core VAE Decode differ by {worst}/255"
             else:
                 assert worst == 0, f"{name} ({variant}): ours and core VAE Decode differ by {worst}/255 or more"
 

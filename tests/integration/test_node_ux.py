@@ -182,8 +182,13 @@ def test_tiled_vae_decode_and_encode_report_progress(server, seam_mode):
     status, messages = server.run(prompt)
     assert status == 200 and _ends(messages) == ["execution_success"], messages[-3:]
     decode, encode = _assert_progress_sane(messages, "3"), _assert_progress_sane(messages, "4")
-    if seam_mode == "blend":  # one unit per tile: 2 images x 3 x 3 tiles of 128 px with 32 px overlap over 256 px
-        assert decode[-1] == (18, 18) and encode[-1] == (18, 18), (decode, encode)
+    # both modes: one unit per stage of the VAE per image (the loader's tiny SD1-like VAE), 2 images
+    from leandiffusion.memory.tiny import build_tiny_components
+    from leandiffusion.vae.adapters import decoder_program, encoder_program
+
+    vae = build_tiny_components("sd1")["vae"]
+    units = (2 * len(decoder_program(vae).stages), 2 * len(encoder_program(vae).stages))
+    assert (decode[-1], encode[-1]) == ((units[0], units[0]), (units[1], units[1])), (decode, encode)
 
 
 def test_sampler_and_upscale_report_progress(server):

@@ -5,13 +5,12 @@ Guards:
   that parks an upsampler's output in host memory the executor fuses the upsampler into the next block and ticked
   once for both (the SD1 test VAE's decode stopped at 26 of 32 with a 1 MiB budget, its encode at 18 of 24).
 - After an out-of-memory retry every later image of the batch started again from the tile (and activation budget)
-  that had failed (one more out-of-memory error and warning per image); a retried ``blend`` image ran more tiles
-  than the bar had planned, so the bar sat at the image's share while the image ran on. Now later images keep the
-  tile that worked, and the bar is re-planned (back to the finished images' units, out of a total that counts the
-  new tile count for this and every later image): it never passes its total and ends at it. ``exact`` gives the
-  same picture at any tile, so a retried batch equals the untiled decode / encode.
-- ``blend`` with an automatic tile (or one halved after out-of-memory) smaller than twice the overlap crashed deep
-  inside the tiler (ZeroDivisionError / IndexError); the cross-fade is now capped below half the tile.
+  that had failed (one more out-of-memory error and warning per image); a retried image that ran more units than
+  the bar had planned left the bar at the image's share while the image ran on. Now later images keep the tile
+  that worked, and the bar is re-planned (back to the finished images' units, out of a total that counts the new
+  tile's units for this and every later image): it never passes its total and ends at it. ``exact`` gives the same
+  picture at any tile, so a retried batch equals the untiled decode / encode; ``blend`` (the same executor with
+  estimated statistics) takes the same path.
 - An interrupted batch returns nothing, and the exception no longer keeps the half-filled batch output (nor the
   interrupted image's stores) alive through the finished frames for as long as the caller holds it.
 References: the untiled modules (diffusers' ``decode`` / ``encode`` through the engine) for pictures; the bar is a
@@ -80,17 +79,20 @@ def test_exact_progress_ends_at_its_total_when_the_budget_fuses_upsamplers(engin
 
 # ------------------------------------------------------------------------------------- out-of-memory retries
 class _OomAfterTicks:
-    """Stands in for ``run_exact`` / ``run_blend``: records each call's tile (px for exact, input units for blend);
-    a call that ``fails(call_number, tile)`` selects runs until it has ticked ``ticks`` times, then runs out of
-    memory (what a real out-of-memory error midway through an image does)."""
+    """Stands in for ``run_exact``: records each call's tile (px) and configuration; a call that
+    ``fails(call_number, tile)`` selects runs until it has ticked ``ticks`` times, then runs out of memory (what a
+    real out-of-memory error midway through an image does)."""
 
     def __init__(self, real, fails, ticks):
         self.real, self.fails, self.ticks = real, fails, ticks
-        self.tiles = []
+        self.tiles, self.configs = [], []
 
     def __call__(self, *args, **kwargs):
-        tile = args[2].tile_px if isinstance(args[2], ExactConfig) else args[2]
-        self.tiles.append(tile)
+        cfg = args[2]
+        assert isinstance(cfg, ExactConfig)
+        self.tiles.append(cfg.tile_px)
+        self.configs.append(cfg)
+        tile = cfg.tile_px
         if not self.fails(len(self.tiles), tile):
             return self.real(*args, **kwargs)
         args, kwargs, key = list(args), dict(kwargs), "progress" if "progress" in kwargs else None
@@ -110,21 +112,16 @@ class _OomAfterTicks:
 
 
 @pytest.mark.parametrize("failing_image", [1, 2])
-@pytest.mark.parametrize("mode,runner", [("exact", "run_exact"), ("blend", "run_blend")])
+@pytest.mark.parametrize("mode", ["exact", "blend"])
 @pytest.mark.parametrize("direction", ["decode", "encode"])
 def test_oom_retry_keeps_the_bar_within_its_total_and_later_images_keep_the_tile(engine, bars, monkeypatch, caplog,
-                                                                               mode, runner, direction,
-                                                                               failing_image):
+                                                                               mode, direction, failing_image):
     """3 images at tile 512: image 1 or 2 runs out of memory after some units of progress and is retried at 256 px,
     which fits; the images after it must start at 256 px (one failed attempt in all)."""
-    if direction == "decode":
-        x, unit = torch.randn(3, 4, 40, 40), 8  # 320 px: one 512 px tile, 2 x 2 tiles of 256 px (blend)
-    else:
-        x, unit = torch.rand(3, 320, 320, 3), 1
-    first = 512 if mode == "exact" else 512 // unit
-    fault = _OomAfterTicks(getattr(tiled, runner), lambda call, tile: call == failing_image,
-                           ticks=3 if mode == "exact" else 1)
-    monkeypatch.setattr(tiled, runner, fault)
+    x = torch.randn(3, 4, 40, 40) if direction == "decode" else torch.rand(3, 320, 320, 3)
+    first = 512
+    fault = _OomAfterTicks(tiled.run_exact, lambda call, tile: call == failing_image, ticks=3)
+    monkeypatch.setattr(tiled, "run_exact", fault)
     with caplog.at_level("WARNING"):
         out = _run(engine, direction, x, 512, 32, mode)
     assert fault.tiles == [first] * failing_image + [first // 2] * (4 - failing_image), fault.tiles
@@ -132,36 +129,11 @@ def test_oom_retry_keeps_the_bar_within_its_total_and_later_images_keep_the_tile
     (bar,) = bars
     assert all(value <= total for value, total in bar.seen), bar.seen
     assert bar.value == bar.total, f"the bar ended at {bar.value} of {bar.total}"
-    if mode == "blend":  # re-planned: 1 tile per image done at 512 px, 2 x 2 tiles of 256 px for the rest
-        assert bar.total == (failing_image - 1) + 4 * (4 - failing_image)
-    else:
-        assert bar.total == 3 * len(decoder_program(engine.parts.vae).stages if direction == "decode"
-                                    else encoder_program(engine.parts.vae).stages)
+    assert bar.total == 3 * len(decoder_program(engine.parts.vae).stages if direction == "decode"
+                                else encoder_program(engine.parts.vae).stages)
+    assert all(cfg.estimate_inner_stats == (mode == "blend") for cfg in fault.configs)
+    if mode == "exact":
         assert (out - _untiled(engine, direction, x)).abs().max().item() <= TOL  # the same picture at any tile
-
-
-# ------------------------------------------------------------------------------------- blend overlap vs tile
-def test_blend_caps_the_overlap_of_an_automatic_tile_below_half_of_it(engine):
-    """overlap 512 (the input's maximum) with tile_size 0: a small activation budget gives a 128 px tile."""
-    z = torch.randn(1, 4, 40, 40)
-    vae = from_module(engine.parts.vae)
-    assert tiled._blend_tile(2**20, torch.float32, 320) == 128
-    auto = tiled.tiled_decode(vae, z, 0, 512, "blend", budget_bytes=2**20, quiet=True)
-    explicit = tiled.tiled_decode(vae, z, 128, 63, "blend", quiet=True)  # the widest overlap a 128 px tile takes
-    assert auto.shape == (1, 320, 320, 3) and torch.equal(auto, explicit)
-    lat = tiled.tiled_encode(vae, torch.rand(1, 320, 320, 3), 0, 512, "blend", budget_bytes=2**20, quiet=True)
-    assert lat.shape == (1, 4, 40, 40) and torch.isfinite(lat).all()
-
-
-def test_blend_caps_the_overlap_of_a_tile_halved_after_out_of_memory(engine, monkeypatch):
-    """tile 512 with overlap 200 is valid; after two halvings the 128 px tile is below twice the overlap."""
-    fault = _OomAfterTicks(tiled.run_blend, lambda call, tile: tile > 128 // 8, ticks=1)
-    monkeypatch.setattr(tiled, "run_blend", fault)
-    z = torch.randn(1, 4, 40, 40)
-    out = tiled.tiled_decode(from_module(engine.parts.vae), z, 512, 200, "blend", quiet=True)
-    assert fault.tiles == [64, 32, 16]
-    monkeypatch.undo()
-    assert torch.equal(out, tiled.tiled_decode(from_module(engine.parts.vae), z, 128, 63, "blend", quiet=True))
 
 
 # ------------------------------------------------------------------------------------- interruption

@@ -16,9 +16,9 @@ than the untiled decode in the same precision. ``FACTOR = 2`` leaves room for th
 algorithm; ``FLOOR`` (about two output ulps of the dtype near 1.0; TF32 has fp16's 10-bit mantissa, and under TF32
 one side may run a non-TF32 kernel, hence one 8-bit level) keeps a lucky, near-exact untiled run from making the
 bound vanish. A tiling bug (wrong halo, wrong GroupNorm statistics, a band copied before it was written) gives
-errors of the order of the image itself (blend-mode tiling of this VAE is 0.75 off at the worst pixel), far above
-every bound here. fp32 is checked twice: with TF32 disabled (a context that restores the flags; strict floor) and
-with the process's default flags (what users run).
+errors of the order of the image itself (tiles with their own statistics, the former cross-faded blend mode, were
+0.75 off at the worst pixel of this VAE), far above every bound here. fp32 is checked twice: with TF32 disabled (a
+context that restores the flags; strict floor) and with the process's default flags (what users run).
 
 The full-size SD VAE keeps the absolute acceptance line: exact fp16 tiled vs untiled max abs diff <= 2/255.
 Memory there is measured as deltas from a baseline taken at the test's start (other tests' leftovers do not count).
