@@ -60,11 +60,12 @@ class Comfy:
         sd = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in vae.state_dict().items()}
         return self.sd.VAE(sd=sd, dtype=dtype)
 
-    def ksampler(self, patcher, positive, negative, latent: torch.Tensor, steps: int, cfg: float, seed: int):
-        """``nodes.common_ksampler`` for sampler ``ddim`` / scheduler ``ddim_uniform``, progress bar off."""
+    def ksampler(self, patcher, positive, negative, latent: torch.Tensor, steps: int, cfg: float, seed: int,
+                 sampler: str = "ddim", scheduler: str = "ddim_uniform"):
+        """``nodes.common_ksampler`` (default sampler ``ddim`` / scheduler ``ddim_uniform``), progress bar off."""
         latent = self.sample.fix_empty_latent_channels(patcher, latent)
         noise = self.sample.prepare_noise(latent, seed, None)
-        return self.sample.sample(patcher, noise, steps, cfg, "ddim", "ddim_uniform", positive, negative, latent,
+        return self.sample.sample(patcher, noise, steps, cfg, sampler, scheduler, positive, negative, latent,
                                   denoise=1.0, disable_pbar=True, seed=seed)
 
     def vae_decode_tiled(self, vae, latent: torch.Tensor, tile_size: int = 512, overlap: int = 64):

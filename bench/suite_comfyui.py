@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .comfyui_ksampler import case_fused_ksampler
 from .comfyui_ours import drop_engine, free_cuda, make_engine, make_parts, node_fn, park_on_cpu, vae_only_parts
 from .comfyui_peer import Comfy, sd_cond
 from .harness import peak_memory, time_ms
@@ -330,6 +331,8 @@ CASES = (
     ("upscale", 30, case_upscale),
     ("ksampler_sdxl", 60, lambda ctx, c: case_ksampler(ctx, c, "sdxl")),
     ("lowvram_sdxl", 90, case_lowvram),
+    ("fused_ksampler_sd15", 40, lambda ctx, c: case_fused_ksampler(ctx, c, "sd15")),
+    ("fused_ksampler_sdxl", 70, lambda ctx, c: case_fused_ksampler(ctx, c, "sdxl")),
 )
 
 
@@ -339,8 +342,13 @@ def run(ctx) -> None:
         return
     comfy = Comfy(ctx.comfyui, cpu=ctx.device.type != "cuda")
     logger.info("ComfyUI %s from %s", comfy.version, comfy.path)
+    # ``LEANDIFFUSION_BENCH_COMFYUI_CASES`` (comma list of case names below) runs only those cases
+    only = {c.strip() for c in os.environ.get("LEANDIFFUSION_BENCH_COMFYUI_CASES", "").split(",") if c.strip()}
     for name, need_s, fn in CASES:
-        if ctx.smoke and name in ("ksampler_sd15", "ksampler_sdxl", "lowvram_sdxl"):
+        if only and name not in only:
+            continue
+        if ctx.smoke and name in ("ksampler_sd15", "ksampler_sdxl", "lowvram_sdxl", "fused_ksampler_sd15",
+                                  "fused_ksampler_sdxl"):
             ctx.skip(name, "a full-size UNet is too heavy for the CPU smoke run")
             continue
         if not ctx.has_time(need_s if not ctx.smoke else 5):

@@ -38,14 +38,16 @@ FULL_BUDGET_S = 540
 CASE = "1024_9steps"
 # ``LEANDIFFUSION_BENCH_ZIMAGE_CASES`` (comma list) restricts the suite to some parts, e.g. to give the budget
 # cases a device call of their own: accelerations (none, cuda_graph, compile+cuda_graph), fidelity, dit_forward,
-# stream.
-ALL_PARTS = ("dit_forward", "none", "cuda_graph", "compile+cuda_graph", "fidelity", "stream")
+# stream, and the fp8 parts (not in the default set: ask for them, e.g. ``cuda_graph,fp8,stream_fp8``; see
+# ``zimage_fp8.py``).
+ALL_PARTS = ("dit_forward", "none", "cuda_graph", "compile+cuda_graph", "fidelity", "stream", "fp8", "stream_fp8")
+DEFAULT_PARTS = ALL_PARTS[:6]
 
 
 def selected_parts() -> tuple:
     text = os.environ.get("LEANDIFFUSION_BENCH_ZIMAGE_CASES", "").strip()
     if not text:
-        return ALL_PARTS
+        return DEFAULT_PARTS
     parts = tuple(p.strip() for p in text.split(",") if p.strip())
     unknown = [p for p in parts if p not in ALL_PARTS]
     if unknown:
@@ -100,7 +102,7 @@ def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, 
     with peak_memory(dev) as peer_mem:
         peer_ms = [time_ms(peer, warmup=1, repeat=repeat, device=dev)]
     latents = {"diffusers_bf16": peer().float().cpu()}
-    times = {}
+    times = {"diffusers": min(peer_ms)}
     for acceleration in ("none", "cuda_graph", "compile+cuda_graph"):
         if acceleration not in selected_parts():
             continue
@@ -114,6 +116,7 @@ def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, 
         latents[acceleration] = ours().float().cpu()
         times[acceleration] = ms
         peer_ms.append(time_ms(peer, warmup=0, repeat=repeat, device=dev))
+        times["diffusers"] = min(peer_ms)
         target = TARGETS.get(acceleration)
         ctx.record(CASE, f"e2e_ms_{acceleration}", ms, min(peer_ms), "diffusers ZImagePipeline bf16", target=target,
                    target_kind="ratio>=" if target else "", unit="ms",
@@ -132,6 +135,7 @@ def _fidelity(ctx: BenchContext, comps: dict, latents: dict, size: int, steps: i
     fp32 = dict(comps, transformer=copy.deepcopy(comps["transformer"]).float(),
                 text_encoder=copy.deepcopy(comps["text_encoder"]).float())
     reference = peer_run(zimage_pipeline(fp32), size, steps)().float().cpu()
+    latents["fp32"] = reference
     del fp32
     gc.collect()
     torch.cuda.empty_cache()
@@ -186,6 +190,10 @@ def run(ctx: BenchContext) -> None:
         del pipe, engine, comps
         if "stream" in parts:
             _budget_cases(ctx, times, latents, steps, repeat)
+        if "fp8" in parts or "stream_fp8" in parts:
+            from .zimage_fp8 import fp8_cases
+
+            fp8_cases(ctx, times, latents, size, steps, repeat, parts)
     else:
         ctx.record(CASE, "smoke_rel_vs_diffusers", _rel(latents["none"], latents["diffusers_bf16"]), target=1e-4,
                    target_kind="ours<=", unit="rel L2", notes="CPU fp32 tiny model: plumbing check")

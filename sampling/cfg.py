@@ -50,6 +50,29 @@ class UNetCall:
     added: Optional[dict]
 
 
+def call_buffers(calls, alloc, prefix: str) -> list[UNetCall]:
+    """Static buffers shaped like ``calls`` (a step program's conditioning), from ``alloc(role, shape, dtype)``."""
+    out = []
+    for i, call in enumerate(calls):
+        context = alloc(f"{prefix}.context{i}", tuple(call.context.shape), call.context.dtype)
+        added = None
+        if call.added is not None:
+            added = {k: alloc(f"{prefix}.{k}{i}", tuple(v.shape), v.dtype) for k, v in call.added.items()}
+        out.append(UNetCall(context, added))
+    return out
+
+
+def load_calls(buffers, calls) -> None:
+    """Copy a run's conditioning into ``call_buffers`` made for the same layout."""
+    if len(calls) != len(buffers):
+        raise ValueError(f"expected {len(buffers)} UNet call(s), got {len(calls)}")
+    for mine, theirs in zip(buffers, calls):
+        mine.context.copy_(theirs.context)
+        if mine.added is not None:
+            for k, v in mine.added.items():
+                v.copy_(theirs.added[k])
+
+
 def _repeat(embeds: PromptEmbeds, batch: int) -> PromptEmbeds:
     pooled = None if embeds.pooled is None else embeds.pooled.repeat(batch, 1)
     return PromptEmbeds(embeds.context.repeat(batch, 1, 1), pooled)

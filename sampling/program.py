@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..kernels.cfg_ddim import N_COEFFS, cfg_ddim_step
-from .cfg import UNetCall
+from .cfg import UNetCall, call_buffers, load_calls
 
 UNetFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[dict]], torch.Tensor]
 Allocator = Callable[[str, tuple, torch.dtype], torch.Tensor]
@@ -49,24 +49,12 @@ class StepProgram:
         self.timestep = alloc("sampler.timestep", (), torch.int64)
         self.coeffs = alloc("sampler.coeffs", (N_COEFFS,), torch.float32)
         self.noise = alloc("sampler.noise", self.latent_shape, STATE_DTYPE) if has_noise else None
-        self.calls: list[UNetCall] = []
-        for i, call in enumerate(calls):
-            context = alloc(f"sampler.context{i}", tuple(call.context.shape), call.context.dtype)
-            added = None
-            if call.added is not None:
-                added = {k: alloc(f"sampler.{k}{i}", tuple(v.shape), v.dtype) for k, v in call.added.items()}
-            self.calls.append(UNetCall(context, added))
+        self.calls: list[UNetCall] = call_buffers(calls, alloc, "sampler")
 
     # ------------------------------------------------------------------ inputs
     def load(self, calls: Sequence[UNetCall], x: torch.Tensor) -> None:
         """Copy a run's conditioning and initial latent (scaled space) into the buffers."""
-        if len(calls) != len(self.calls):
-            raise ValueError(f"expected {len(self.calls)} UNet call(s), got {len(calls)}")
-        for mine, theirs in zip(self.calls, calls):
-            mine.context.copy_(theirs.context)
-            if mine.added is not None:
-                for k, v in mine.added.items():
-                    v.copy_(theirs.added[k])
+        load_calls(self.calls, calls)
         self.set_sample(x)
 
     def set_sample(self, x: torch.Tensor) -> None:

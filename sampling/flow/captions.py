@@ -14,7 +14,6 @@ import torch
 
 from ...memory.engine import LeanEngine
 from ...memory.finite import refuse_non_finite_input
-from .settings import FlowSettings
 from .text import check_prompt, encode_prompts
 
 
@@ -61,10 +60,11 @@ def _side(engine: LeanEngine, text: str, cond: Any, name: str, batch: int) -> li
     return rows
 
 
-def flow_captions(engine: LeanEngine, s: FlowSettings, batch: int, positive_cond: Optional[Any] = None,
-                  negative_cond: Optional[Any] = None) -> list[torch.Tensor]:
-    """Caption rows for the DiT (module docstring), on the engine's device in its dtype."""
-    rows = _side(engine, s.positive, positive_cond, "positive", batch)
-    if s.guided:
-        rows = rows + _side(engine, s.negative, negative_cond, "negative", batch)
+def flow_captions(engine: LeanEngine, positive: str, negative: str, guided: bool, batch: int,
+                  positive_cond: Optional[Any] = None, negative_cond: Optional[Any] = None) -> list[torch.Tensor]:
+    """Caption rows for the DiT (module docstring), on the engine's device in its dtype; the negative side only when
+    ``guided``."""
+    rows = _side(engine, positive, positive_cond, "positive", batch)
+    if guided:
+        rows = rows + _side(engine, negative, negative_cond, "negative", batch)
     return [r.to(engine.device, engine.dtype) for r in rows]

@@ -78,7 +78,7 @@ def sample_flow(engine: LeanEngine, settings: FlowSettings, latent_image: Option
         x0 = ((init if init is not None else torch.zeros(shape)) - shift) * scale
         x = sigmas[0] * x + (1.0 - sigmas[0]) * x0
     bridge.check_interrupted()
-    captions = flow_captions(engine, s, shape[0], positive_cond, negative_cond)
+    captions = flow_captions(engine, s.positive, s.negative, s.guided, shape[0], positive_cond, negative_cond)
     with engine.session("unet"), torch.no_grad():
         x = _denoise(engine, captions, x, sigmas, grid, s, runner, quiet)
     out = {"samples": x.float().cpu() / scale + shift}
