@@ -229,6 +229,27 @@ WORKFLOWS = [
         "models/text_encoders/qwen_3_4b.safetensors and models/vae/ae.safetensors (fp8 variants load too). The "
         "'stream' policy keeps every stage, the 4B text encoder included, inside 6 GB. Turbo is distilled for 9 "
         "steps at cfg 1 (no negative pass)."),
+    W("ksampler_core_interop", "Core nodes around the Fused KSampler", [
+        N(2, "CheckpointLoaderSimple", 0, 0, values={"ckpt_name": SD15}, width=320),
+        _loader(1, SD15, "balanced", row=1),
+        N(3, "CLIPTextEncode", 1, 0, values={"text": "a red fox curled up asleep in fresh snow, soft morning light, "
+                                                     "wildlife photograph"},
+          links={"clip": (2, 1)}, title="CLIP Text Encode (positive)", width=360),
+        N(4, "CLIPTextEncode", 1, 1, values={"text": NEG}, links={"clip": (2, 1)},
+          title="CLIP Text Encode (negative)", width=360),
+        N(5, "EmptyLatentImage", 1, 2, values={"width": 512, "height": 512, "batch_size": 1}),
+        N(6, "LeanKSampler", 2, 0, values={
+            "seed": 42, "steps": 20, "cfg": 7.0, "sampler_name": "dpmpp_2m", "scheduler": "karras", "denoise": 1.0,
+            "acceleration": "cuda_graph", "positive_prompt": "", "negative_prompt": ""},
+          links={"lean_model": (1, 0), "positive": (3, 0), "negative": (4, 0), "latent_image": (5, 0)}, width=400),
+        N(7, "VAEDecode", 3, 0, links={"samples": (6, 0), "vae": (2, 2)}),
+        _save(8, 4, (7, 0), "leandiffusion_ksampler_core_interop"),
+    ], [("ComfyUI's loader and text encoding", [2, 3, 4, 5], "#3f789e"), ("Sample", [1, 6], "#8A8"),
+        ("ComfyUI's decode, save", [7, 8], "#b58b2a")],
+        "The Fused KSampler takes core KSampler's inputs with core KSampler's meaning: the CONDITIONING of ComfyUI's "
+        "CLIP Text Encode, a LATENT from Empty Latent Image, the same sampler and scheduler names; with the same "
+        "seed it gives core KSampler's latent, faster (the model call replays a CUDA graph). Its LATENT goes "
+        "straight into ComfyUI's VAE Decode. The Memory Pool Loader loads the same checkpoint for the sampler."),
     W("comfy_conditioning", "ComfyUI CONDITIONING into the Fused DDIM Sampler", [
         _loader(1, SD15, "balanced"),
         N(2, "CLIPLoader", 0, 1, values={"clip_name": "clip_l.safetensors", "type": "stable_diffusion",
