@@ -40,7 +40,8 @@ CASE = "1024_9steps"
 # cases a device call of their own: accelerations (none, cuda_graph, compile+cuda_graph), fidelity, dit_forward,
 # stream, and the fp8 parts (not in the default set: ask for them, e.g. ``cuda_graph,fp8,stream_fp8``; see
 # ``zimage_fp8.py``).
-ALL_PARTS = ("dit_forward", "none", "cuda_graph", "compile+cuda_graph", "fidelity", "stream", "fp8", "stream_fp8")
+ALL_PARTS = ("dit_forward", "none", "cuda_graph", "compile+cuda_graph", "fidelity", "stream", "fp8", "stream_fp8",
+             "ksampler")
 DEFAULT_PARTS = ALL_PARTS[:6]
 
 
@@ -126,6 +127,18 @@ def _speed(ctx: BenchContext, comps: dict, pipe, engine, size: int, steps: int, 
     return latents, times
 
 
+def _ksampler(ctx: BenchContext, engine, times: dict, size: int, steps: int, repeat: int) -> None:
+    """The Fused KSampler (cuda_graph, prompt -> latent) against the diffusers pipeline of the same run (its
+    FlowMatchEuler scheduler matches ``euler``; diffusers has no ``res_multistep``: reported against the same peer)."""
+    from .zimage_models import ksampler_run
+
+    for sampler in ("euler", "res_multistep"):
+        ms = time_ms(ksampler_run(engine, size, steps, sampler), warmup=1, repeat=repeat, device=ctx.device)
+        ctx.record(CASE, f"ksampler_ms_{sampler}", ms, times["diffusers"], "diffusers ZImagePipeline bf16",
+                   target=1.15, target_kind="ratio>=", unit="ms",
+                   notes=f"Fused KSampler {sampler} / simple, cuda_graph, cfg 1, prompt -> latent, {steps} steps")
+
+
 def _fidelity(ctx: BenchContext, comps: dict, latents: dict, size: int, steps: int) -> None:
     from .zimage_models import zimage_pipeline
 
@@ -183,6 +196,8 @@ def run(ctx: BenchContext) -> None:
     if cuda and "dit_forward" in parts:
         _dit_forward_ms(ctx, comps, engine, size)
     latents, times = _speed(ctx, comps, pipe, engine, size, steps, repeat)
+    if cuda and "ksampler" in parts:
+        _ksampler(ctx, engine, times, size, steps, repeat)
     logger.info("%s", engine.placement.report())
     if cuda:
         if "fidelity" in parts:

@@ -79,3 +79,16 @@ def ours_run(engine, size: int, steps: int, acceleration: str):
         return (sample_flow(engine, settings, quiet=True)["samples"] - shift) * scale
 
     return run
+
+
+def ksampler_run(engine, size: int, steps: int, sampler: str, scheduler: str = "simple"):
+    """The Fused KSampler (``cuda_graph``, cfg 1, the prompt as text) from an empty 16-channel latent."""
+    from ..nodes.ksampler import LeanKSampler
+
+    latent = {"samples": torch.zeros(1, 16, size // 8, size // 8)}
+
+    def run() -> torch.Tensor:
+        return LeanKSampler().run(engine, 0, steps, 1.0, sampler, scheduler, latent, 1.0, "cuda_graph",
+                                  positive_prompt=PROMPT)[0]["samples"]
+
+    return run

@@ -36,8 +36,8 @@ FRAGMENTATION = 1.3
 # SiLU, w3's, their product) = 8, beside the block input, its modulated copy and the glue's image/caption tokens
 # (3); attention peaks lower (q, k, v, one float32 RoPE temporary of 2, input, kept tokens: ~9); 5 more for a step
 # captured in a CUDA graph, whose private pool holds the step's activations beside the eager warm-up's (a guided
-# 1024 px step with a 512-token caption ran out of memory under the 6 GB cap at 11)
-TRANSIENT_FACTOR = {"transformer": 18, "resnet": 6, "downsample": 2, "upsample": 3, "dit": 16}
+# 1024 px step with a 512-token caption ran out of memory under the 6 GB cap at 11 and at 16; 20 holds)
+TRANSIENT_FACTOR = {"transformer": 18, "resnet": 6, "downsample": 2, "upsample": 3, "dit": 20}
 
 
 def module_bytes(module: Optional[torch.nn.Module], dtype: torch.dtype) -> int:

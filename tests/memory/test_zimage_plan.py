@@ -53,7 +53,7 @@ def test_the_dit_and_text_activation_estimates_by_hand(parts):
     fragmentation, bf16, + 576 MiB CUDA workspace. Text: 512 tokens x batch 2, 37 kept hidden states + 36 layers'
     key/value cache (2 x 8 heads x 128) + the MLP's 3 x 9728 + 2 x 2560, x 1.3, bf16, + 576 MiB."""
     plan = _plan(parts, "stream").plan
-    assert plan.unet_activation_bytes == int(1.3 * 16 * (2 * 4608 * 3840) * 2) + 576 * MiB
+    assert plan.unet_activation_bytes == int(1.3 * 20 * (2 * 4608 * 3840) * 2) + 576 * MiB
     per_token = 37 * 2560 + 36 * 2 * 1024 + 3 * 9728 + 2 * 2560
     assert plan.text_activation_bytes == int(1.3 * 2 * 512 * per_token * 2) + 576 * MiB
     assert plan.text_tokens == 512
@@ -89,6 +89,8 @@ def test_every_budget_from_the_working_minimum_up_keeps_every_stage_within_it(pa
     minimum = working_minimum_bytes(parts, CUDA, torch.bfloat16, SHAPE)
     modes = set()
     for budget in (minimum / GiB, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0, 24.0):
+        if budget < minimum / GiB:
+            continue
         planned = _plan(parts, "stream", budget)
         plan = planned.plan
         assert max(plan.peaks.values()) <= plan.budget_bytes, budget
