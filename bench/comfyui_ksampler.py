@@ -5,6 +5,10 @@ Cases (issue targets for ``cuda_graph``: >= 1.6x): SD1.5 512x512 20 steps ``eule
 1024x1024 30 steps ``dpmpp_2m`` / ``karras``, batch 1, CFG 7.5, fp16, model fully loaded on both sides. Both sides
 get embeddings (no text encoding is timed). Also recorded: the largest difference between the two LATENTs (fp16 on
 the GPU: reported, not a target; the fp32 equality is the CPU integration test's).
+Peers beside ComfyUI: the diffusers pipeline with the matching scheduler (``EulerAncestralDiscreteScheduler``;
+``DPMSolverMultistepScheduler`` with Karras sigmas), given the same embeddings (target >= 1.6x). SDXL also runs
+with fp8 weights: ``fp8_e4m3fn_fast`` (speed and latent distance from the fp16 run) under the ``balanced`` policy
+with the allocator capped at 4 GB (the UNet resident in fp8; the text encoders are not needed, CONDITIONING given).
 """
 from __future__ import annotations
 
@@ -58,5 +62,72 @@ def case_fused_ksampler(ctx, comfy, kind: str) -> None:
         ctx.record(f"{case}/{accel}", "latent_max_abs_vs_comfyui", float((out - reference).abs().max()),
                    unit="abs", notes=f"fp16 on the GPU; reference max |x| {float(reference.abs().max()):.3f}")
     drop_engine(engine)
-    del engine, parts
+    del engine
+    free_cuda()
+    _diffusers_peer(ctx, parts, kind, case, context, pooled, ours_ms, repeat)
+    if kind == "sdxl":
+        _fp8(ctx, parts, case, kw, out, repeat)
+    del parts
+    free_cuda()
+
+
+def _diffusers_peer(ctx, parts, kind: str, case: str, context, pooled, ours_ms: float, repeat: int) -> None:
+    from diffusers import (DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler, StableDiffusionPipeline,
+                           StableDiffusionXLPipeline)
+
+    dev = ctx.device
+    hw, steps, _, _ = SETTINGS[kind]
+    config = dict(parts.scheduler_config)
+    if kind == "sd15":
+        pipe = StableDiffusionPipeline(vae=parts.vae, text_encoder=parts.text_encoder, tokenizer=parts.tokenizer,
+                                       unet=parts.unet, scheduler=EulerAncestralDiscreteScheduler.from_config(config),
+                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        extra = {}
+    else:
+        pipe = StableDiffusionXLPipeline(vae=parts.vae, text_encoder=parts.text_encoder,
+                                         text_encoder_2=parts.text_encoder_2, tokenizer=parts.tokenizer,
+                                         tokenizer_2=parts.tokenizer_2, unet=parts.unet,
+                                         scheduler=DPMSolverMultistepScheduler.from_config(config, use_karras_sigmas=True),
+                                         add_watermarker=False)
+        extra = {"pooled_prompt_embeds": pooled.to(dev), "negative_pooled_prompt_embeds": pooled.to(dev)}
+    pipe.set_progress_bar_config(disable=True)
+    parts.unet.to(dev)
+    run = lambda: pipe(prompt_embeds=context.to(dev), negative_prompt_embeds=(context * 0.5).to(dev),  # noqa: E731
+                       guidance_scale=7.5, num_inference_steps=steps, height=hw, width=hw, output_type="latent",
+                       generator=torch.Generator("cpu").manual_seed(0), **extra)
+    peer_ms = time_ms(run, warmup=1, repeat=repeat, device=dev)
+    ctx.record(f"{case}/cuda_graph", "sampler_ms_vs_diffusers", ours_ms, peer_ms,
+               f"diffusers {type(pipe.scheduler).__name__}", target=TARGET, target_kind="ratio>=", unit="ms",
+               notes="the diffusers pipeline with the matching scheduler, same embeddings, fp16, latent out")
+    park_on_cpu(parts.unet)
+    del pipe, run
+    free_cuda()
+
+
+def _fp8(ctx, parts, case: str, kw: dict, fp16_out, repeat: int) -> None:
+    from ..memory.cap import allocator_cap
+    from ..memory.load import build_engine
+    from ..sampling.graph_runner import default_runner
+
+    dev = ctx.device
+    node = node_fn("LeanKSampler")
+    engine = build_engine(parts, "balanced", 4.0, "fp8_e4m3fn_fast", "fp16", device=dev)
+    kw = dict(kw, lean_model=engine, acceleration="cuda_graph")
+    ms = time_ms(lambda: node(**kw), warmup=1, repeat=repeat, device=dev)
+    out = node(**kw)[0]["samples"]
+    rel = float((out - fp16_out).norm() / fp16_out.norm())
+    ctx.record(f"{case}/fp8_e4m3fn_fast", "sampler_ms", ms, None, unit="ms",
+               notes=f"fp8 weights, fp8 matmuls, cuda_graph; latent {rel:.3g} (rel L2) from the fp16 run")
+    default_runner().clear(engine)  # the capped run captures again, inside the cap
+    free_cuda()
+    try:
+        with allocator_cap(dev, 4 * 2 ** 30), peak_memory(dev) as mem:
+            node(**kw)
+            node(**kw)
+        ctx.record(f"{case}/fp8_4gb", "peak_reserved_gb", mem["reserved_gb"], target=4.0, target_kind="ours<=",
+                   unit="GB", notes="balanced policy, UNet resident in fp8, allocator capped at 4 GB")
+    except torch.cuda.OutOfMemoryError as exc:
+        ctx.record(f"{case}/fp8_4gb", "peak_reserved_gb", float("inf"), target=4.0, target_kind="ours<=",
+                   unit="GB", notes=f"out of memory under the cap: {str(exc).splitlines()[0][:160]}")
+    drop_engine(engine)
     free_cuda()
