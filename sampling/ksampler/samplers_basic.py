@@ -74,12 +74,12 @@ def sample_euler_ancestral(denoiser, x, sigmas, *, sampling=None, noise_sampler=
                            s_noise=1.0):
     if sampling is not None and sampling.is_flow:
         return _euler_ancestral_rf(denoiser, x, sigmas, noise_sampler, callback, eta, s_noise)
-    s_in = _ones(x)
+    s_in, values = _ones(x), sigmas.tolist()
     for i in range(len(sigmas) - 1):
         denoised = denoiser(x, sigmas[i] * s_in)
         sigma_down, sigma_up = ancestral_step(sigmas[i], sigmas[i + 1], eta)
         _report(callback, i, x, denoised)
-        if float(sigma_down) == 0:
+        if values[i + 1] == 0:  # exactly when sigma_down is 0 (eta <= 1), decided without waiting for the device
             x = denoised
         else:
             d = to_d(x, sigmas[i], denoised)
@@ -164,13 +164,13 @@ def sample_lcm(denoiser, x, sigmas, *, sampling=None, noise_sampler=None, callba
 
 def sample_res_multistep(denoiser, x, sigmas, *, sampling=None, noise_sampler=None, callback=None, s_noise=1.0):
     """ComfyUI's res_multistep (eta 0): Euler first, then the second-order multistep update of arXiv 2308.02157."""
-    s_in = _ones(x)
+    s_in, values = _ones(x), sigmas.tolist()
     old_sigma_down = old_denoised = None
     for i in range(len(sigmas) - 1):
         denoised = denoiser(x, sigmas[i] * s_in)
         sigma_down = sigmas[i + 1]  # eta 0: no ancestral split
         _report(callback, i, x, denoised)
-        if float(sigma_down) == 0 or old_denoised is None:
+        if values[i + 1] == 0 or old_denoised is None:
             x = x + to_d(x, sigmas[i], denoised) * (sigma_down - sigmas[i])
         else:
             t, t_old = sigmas[i].log().neg(), old_sigma_down.log().neg()
