@@ -39,7 +39,7 @@ def check_latent(engine: LeanEngine, latent_image: Any) -> torch.Tensor:
         raise TypeError("latent_image: expected a LATENT dict with a 'samples' tensor (as VAEEncode or "
                         f"EmptyLatentImage give), got {type(latent_image).__name__}")
     if latent_image.get("noise_mask") is not None:
-        raise ValueError("latent_image has a 'noise_mask' (inpainting); the Fused DDIM Sampler does not inpaint - "
+        raise ValueError("latent_image has a 'noise_mask' (inpainting); the pack's samplers do not inpaint - "
                          "remove the SetLatentNoiseMask node or use ComfyUI's KSampler")
     samples = latent_image["samples"]
     if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or not samples.is_floating_point():

@@ -130,3 +130,5 @@ def test_a_non_engine_or_a_bad_latent_is_refused(sd1):
         sample_k(sd1, _settings(), torch.zeros(1, 4, 8, 8))
     with pytest.raises(ValueError, match="latent_image"):
         sample_k(sd1, _settings(), {"samples": torch.full((1, 4, 8, 8), float("nan"))})
+    with pytest.raises(ValueError, match="noise_mask.*do not inpaint.*KSampler"):
+        sample_k(sd1, _settings(), {"samples": torch.zeros(1, 4, 8, 8), "noise_mask": torch.ones(1, 8, 8)})
