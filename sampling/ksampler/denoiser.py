@@ -19,9 +19,9 @@ from typing import Callable, Optional
 import torch
 
 from ... import bridge
+from ..loop import bound_run_ahead
 
 PREDICTIONS = ("epsilon", "v_prediction", "flow")
-_RUN_AHEAD = 2
 
 
 class DenoiserProgram:
@@ -88,9 +88,5 @@ class Denoiser:
         self.calls += 1
         out = self.program.denoised.clone()
         if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._in_flight.append(event)
-            if len(self._in_flight) > _RUN_AHEAD:
-                self._in_flight.popleft().synchronize()
+            bound_run_ahead(self._in_flight)
         return out

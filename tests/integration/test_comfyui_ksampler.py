@@ -14,15 +14,12 @@ or noise mismatch moves the latent by orders of magnitude more. The sampler math
 sides, is held to 1e-4 absolute in ``test_comfyui_ksampler_flow.py``.
 """
 import itertools
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-import leandiffusion
-from leandiffusion.runner.local import comfyui_python
+from leandiffusion.tests.integration.pack_worker import run_pack_worker
 from leandiffusion.sampling.ksampler.settings import SAMPLER_NAMES, SCHEDULER_NAMES
 from leandiffusion.tests.kit.clip_l import SD1_CLIP_L_CHECKPOINT
 
@@ -62,18 +59,8 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def results(clip_l_model_files, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ksampler")
-    (folder / "cases.json").write_text(json.dumps(CASES))
-    pack_parent = folder / "pack"  # ComfyUI's interpreter imports the pack through a link named as the package
-    pack_parent.mkdir()
-    (pack_parent / "leandiffusion").symlink_to(Path(leandiffusion.__file__).parent, target_is_directory=True)
-    comfy_path = os.environ["COMFYUI_PATH"]
     checkpoint = str(Path(clip_l_model_files) / "checkpoints" / SD1_CLIP_L_CHECKPOINT)
-    run = subprocess.run([comfyui_python(comfy_path), WORKER, comfy_path, str(pack_parent), checkpoint,
-                          str(folder / "cases.json"), str(folder / "out.json")], capture_output=True, text=True,
-                         timeout=1800)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads((folder / "out.json").read_text())
+    return run_pack_worker(WORKER, tmp_path_factory.mktemp("ksampler"), CASES, checkpoint)
 
 
 @pytest.mark.parametrize("case", [c["id"] for c in CASES])

@@ -7,15 +7,11 @@ ComfyUI 0.3.64 cannot load Z-Image, so the worker (``comfy_ksampler_flow.py``) r
 KSampler with diffusers' transformer as the model, called as ZImagePipeline calls it.
 """
 import itertools
-import json
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
-import leandiffusion
-from leandiffusion.runner.local import comfyui_python
+from leandiffusion.tests.integration.pack_worker import run_pack_worker
 from leandiffusion.sampling.ksampler.settings import SAMPLER_NAMES, SCHEDULER_NAMES
 
 pytestmark = pytest.mark.comfyui
@@ -42,17 +38,7 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ksampler_flow")
-    (folder / "cases.json").write_text(json.dumps(CASES))
-    pack_parent = folder / "pack"
-    pack_parent.mkdir()
-    (pack_parent / "leandiffusion").symlink_to(Path(leandiffusion.__file__).parent, target_is_directory=True)
-    comfy_path = os.environ["COMFYUI_PATH"]
-    run = subprocess.run([comfyui_python(comfy_path), WORKER, comfy_path, str(pack_parent),
-                          str(folder / "cases.json"), str(folder / "out.json")], capture_output=True, text=True,
-                         timeout=1800)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads((folder / "out.json").read_text())
+    return run_pack_worker(WORKER, tmp_path_factory.mktemp("ksampler_flow"), CASES)
 
 
 @pytest.mark.parametrize("case", [c["id"] for c in CASES])
