@@ -136,13 +136,24 @@ def tiny_engine(family: str):
     return engine_from_parts(parts, device="cpu", dtype=torch.float32, vae_dtype=torch.float32)
 
 
-def full_engine(kind: str, device: torch.device):
-    """A resident fp16 engine over a full-size random SD1.5 (``kind="sd15"``) or SDXL (``"sdxl"``) UNet and the SD
-    VAE, with stand-in text encoders (conditioning is fed precomputed)."""
-    from ..memory.engine import ModelParts, engine_from_parts
+def full_parts(kind: str, device, host: bool = False):
+    """``ModelParts`` over a full-size random SD1.5 (``kind="sd15"``) or SDXL (``"sdxl"``) UNet and the SD VAE (fp16,
+    built on ``device``; moved to the host with ``host``), with stand-in text encoders (conditioning is fed
+    precomputed). The same seeds every call: every build holds the same weights."""
+    from ..memory.engine import ModelParts
 
-    parts = ModelParts(family="sdxl" if kind == "sdxl" else "sd1", unet=full_unet(kind, device=device),
-                       vae=full_vae(device=device), text_encoder=NoText(), tokenizer=None,
-                       scheduler_config=dict(SCHEDULER), text_encoder_2=NoText() if kind == "sdxl" else None,
-                       name=f"random-{kind}")
-    return engine_from_parts(parts, device=device, dtype=torch.float16, vae_dtype=torch.float16)
+    unet, vae = full_unet(kind, device=device), full_vae(device=device)
+    if host:
+        unet, vae = unet.to("cpu"), vae.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return ModelParts(family="sdxl" if kind == "sdxl" else "sd1", unet=unet, vae=vae, text_encoder=NoText(),
+                      tokenizer=None, scheduler_config=dict(SCHEDULER),
+                      text_encoder_2=NoText() if kind == "sdxl" else None, name=f"random-{kind}")
+
+
+def full_engine(kind: str, device: torch.device):
+    """A resident fp16 engine over :func:`full_parts`."""
+    from ..memory.engine import engine_from_parts
+
+    return engine_from_parts(full_parts(kind, device), device=device, dtype=torch.float16, vae_dtype=torch.float16)

@@ -24,8 +24,12 @@ Modes: smoke = CPU tiny SD1/SDXL, 1 step (plumbing only; accelerations fall back
 quick = both cases, every acceleration, 3 timed runs (SDXL 2) instead of 5, ``none`` (no target) run once for the
 parity records but not timed (SDXL's regional compile dominates: ``sampling/compile.py``); full = every
 acceleration timed with 5 runs.
-``LEANDIFFUSION_BENCH_SAMPLER_CASES`` (comma list of ``sd15``, ``sdxl``) restricts the cases, e.g. to give SDXL's
-compile its own device call.
+``LEANDIFFUSION_BENCH_SAMPLER_CASES`` (comma list of ``ALL_CASES``; default ``sd15,sdxl``) picks the cases, e.g. to
+give SDXL's compile its own device call. The SDXL fp8 cases ``sdxl_fp8`` (``fp8_e4m3fn_fast`` against the diffusers
+peer) and ``sdxl_fp8_4gb`` (``fp8_e4m3fn`` resident under a 4 GB allocator cap) are asked for by name
+(``sampler_fp8.py``; in smoke mode too), e.g. in one device call:
+    LEANDIFFUSION_BENCH_SAMPLER_CASES=sdxl_fp8,sdxl_fp8_4gb bash scripts/device_bench.sh --quick --suite sampler \
+        --budget 240
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import torch
 
 from .harness import BenchContext, peak_memory, time_ms
 from .models import full_engine, tiny_engine
+from .sampler_loops import CFG, conditioning, diffusers_loop, ours_loop, use_sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +51,8 @@ SMOKE_BUDGET_S = 60
 QUICK_BUDGET_S = 300  # SDXL's regional compile is the largest part
 FULL_BUDGET_S = 540
 
-CFG = 7.5
+DEFAULT_CASES = ("sd15", "sdxl")
+ALL_CASES = DEFAULT_CASES + ("sdxl_fp8", "sdxl_fp8_4gb")
 TARGETS = {"sd15": {"cuda_graph": 2.0, "compile+cuda_graph": 3.0},
            "sdxl": {"cuda_graph": 1.4, "compile+cuda_graph": 1.8}}
 # rough seconds a case needs (first run included, compile and capture for compile+cuda_graph), to skip instead of
@@ -72,83 +78,10 @@ def _skip(ctx: BenchContext, case: str, reason: str) -> None:
         logger.info("%s skipped: %s", case, reason)
 
 
-def _conditioning(engine, kind: str, batch: int, size: int, seed: int = 0):
-    from ..memory.engine import PromptEmbeds
-    from ..sampling.cfg import conditioning_from_embeds
-
-    g = torch.Generator().manual_seed(seed)
-    config = engine.parts.unet.config
-    dim = config.cross_attention_dim
-    pooled = None  # SDXL: the add-embedding input minus the 6 time-id embeddings
-    if engine.parts.is_sdxl:
-        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-
-    def embeds():
-        ctx = torch.randn(1, 77, dim, generator=g).to(engine.device, engine.dtype)
-        pool = None if pooled is None else torch.randn(1, pooled, generator=g).to(engine.device, engine.dtype)
-        return PromptEmbeds(ctx, pool)
-
-    cond, uncond = embeds(), embeds()
-    return conditioning_from_embeds(engine, cond, uncond, batch, size, size)
-
-
 def _scope(engine) -> str:
     from ..sampling.compile import compile_scope, resolved_scope
 
     return resolved_scope(engine.parts.unet, compile_scope())
-
-
-def _use_sdpa(unet) -> str:
-    """Pin diffusers' SDPA attention processor (its default on torch 2) for peer and ours alike; returns its name."""
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
-    unet.set_attn_processor(AttnProcessor2_0())
-    names = {type(p).__name__ for p in unet.attn_processors.values()}
-    return ",".join(sorted(names))
-
-
-def _diffusers_loop(engine, conditioning, x_init: torch.Tensor, steps: int, style: str = "pipeline"):
-    """The peer: diffusers' pipeline loop (batched CFG + ``DDIMScheduler.step``), fp16 latents as the pipeline keeps.
-
-    ``style="pipeline"``: exactly as ``StableDiffusionPipeline.__call__`` runs it - ``set_timesteps(device=cuda)``,
-    so ``DDIMScheduler.step`` indexes its CPU ``alphas_cumprod`` with a CUDA timestep and tests ``prev_timestep >=
-    0`` on it: host<->device synchronisations every step. ``style="nosync"``: the same operations with the
-    scheduler's timesteps on the CPU (``step`` gets a CPU timestep, no synchronisation) and the UNet's timesteps
-    uploaded once before the loop: the fastest honest way to run diffusers' loop eagerly. Timed region (both):
-    ``set_timesteps``, the latent upload, ``steps`` x (cat, UNet, guidance, ``step``); no text encoding.
-    """
-    from diffusers import DDIMScheduler
-
-    unet = engine.parts.unet
-    sched = DDIMScheduler(**engine.parts.scheduler_config)
-    c, u = conditioning.cond, conditioning.uncond
-    context = torch.cat([u.context, c.context])
-    added = None
-    if conditioning.time_ids is not None:
-        added = {"text_embeds": torch.cat([u.pooled, c.pooled]),
-                 "time_ids": torch.cat([conditioning.time_ids, conditioning.time_ids])}
-    kwargs = {"added_cond_kwargs": added} if added else {}
-    if style not in ("pipeline", "nosync"):
-        raise ValueError(f"style={style!r}: expected 'pipeline' or 'nosync'")
-
-    @torch.no_grad()
-    def run() -> torch.Tensor:
-        if style == "pipeline":
-            sched.set_timesteps(steps, device=engine.device)
-            pairs = [(t, t) for t in sched.timesteps]
-        else:
-            sched.set_timesteps(steps)
-            pairs = list(zip(sched.timesteps, sched.timesteps.to(engine.device)))
-        latents = x_init.to(engine.device, engine.dtype)
-        for t_sched, t_unet in pairs:
-            model_in = torch.cat([latents] * 2)
-            pred = unet(model_in, t_unet, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
-            pu, pc = pred.chunk(2)
-            pred = pu + CFG * (pc - pu)
-            latents = sched.step(pred, t_sched, latents, return_dict=False)[0]
-        return latents
-
-    return run
 
 
 def _unet_call_ms(engine, conditioning, x_init: torch.Tensor, calls: int = 10) -> float:
@@ -173,17 +106,6 @@ def _unet_call_ms(engine, conditioning, x_init: torch.Tensor, calls: int = 10) -
     return time_ms(run, warmup=1, repeat=3, device=engine.device) / calls
 
 
-def _ours(engine, conditioning, x_init, schedule, acceleration, runner):
-    from ..sampling.loop import denoise
-
-    def run() -> torch.Tensor:
-        with engine.session("unet"):
-            return denoise(engine, conditioning, x_init, schedule, CFG, "batched", acceleration, runner=runner,
-                           quiet=True)
-
-    return run
-
-
 def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerations, repeat: int) -> None:
     from ..sampling import ddim
     from ..sampling.graph_runner import GraphRunner
@@ -192,16 +114,16 @@ def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerat
     factor = 8
     batch = 1
     schedule = ddim.make_schedule(engine.parts.scheduler_config, steps)
-    cond = _conditioning(engine, kind, batch, size)
+    cond = conditioning(engine, kind, batch, size)
     g = torch.Generator().manual_seed(1234)
     x_init = torch.randn(batch, 4, size // factor, size // factor, generator=g)
     dev = engine.device
     notes = f"{steps} steps, batch {batch}, CFG {CFG} batched, fp16, random weights, text encoding excluded"
 
-    attn = _use_sdpa(engine.parts.unet) if dev.type == "cuda" else "default"
+    attn = use_sdpa(engine.parts.unet) if dev.type == "cuda" else "default"
     peers = {}
     for style in ("pipeline", "nosync"):
-        fn = _diffusers_loop(engine, cond, x_init, steps, style)
+        fn = diffusers_loop(engine, cond, x_init, steps, style)
         out_style = fn().float()  # first run: cuDNN/cuBLAS handles and kernel selection, outside the timing
         peers[style] = (time_ms(fn, warmup=1, repeat=repeat, device=dev), out_style)
     for style, (ms, _) in peers.items():
@@ -211,7 +133,7 @@ def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerat
     peer_style = min(peers, key=lambda k: peers[k][0])
     peer_ms, peer_out = peers[peer_style]
     peer_name = f"diffusers eager loop ({peer_style})"
-    peer_fn = _diffusers_loop(engine, cond, x_init, steps, peer_style)
+    peer_fn = diffusers_loop(engine, cond, x_init, steps, peer_style)
     peer_times = [peer_ms]
     ctx.record(case, "peer_styles_rel", _rel(peers["nosync"][1], peers["pipeline"][1]), target=1e-3,
                target_kind="ours<=", notes="the two peer styles compute the same latents (||a - b|| / ||b||)")
@@ -228,7 +150,7 @@ def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerat
         if not _has_time(ctx, COST_S.get((kind, acc), 60) if not ctx.smoke else 1):
             _skip(ctx, f"{case}/{acc}", "not enough of the suite's time budget left")
             continue
-        fn = _ours(engine, cond, x_init, schedule, acc, runner)
+        fn = ours_loop(engine, cond, x_init, schedule, acc, runner)
         # the previous acceleration's graph (and its private memory pool, which empty_cache cannot return) is
         # dropped first: kept, it sat reserved through this acceleration's first run and counted in its peak
         runner.clear()
@@ -269,15 +191,29 @@ def _case(ctx: BenchContext, kind: str, engine, size: int, steps: int, accelerat
                      f"the case: the host-speed drift the ratios are exposed to ({', '.join(f'{t:.0f}' for t in peer_times)} ms)")
 
 
+def wanted_cases() -> list:
+    """``LEANDIFFUSION_BENCH_SAMPLER_CASES`` as a list (default ``DEFAULT_CASES``); unknown names are refused."""
+    text = os.environ.get("LEANDIFFUSION_BENCH_SAMPLER_CASES", "").replace(" ", "")
+    wanted = [c for c in text.split(",") if c] or list(DEFAULT_CASES)
+    unknown = [c for c in wanted if c not in ALL_CASES]
+    if unknown:
+        raise ValueError(f"LEANDIFFUSION_BENCH_SAMPLER_CASES: unknown case(s) {unknown}; expected names from "
+                         f"{ALL_CASES}")
+    return wanted
+
+
 def run(ctx: BenchContext) -> None:
+    from .sampler_fp8 import run_cases as fp8_cases
+
+    wanted = wanted_cases()
     if ctx.smoke:
         for family in ("sd1", "sdxl"):
             engine = tiny_engine(family)
             _case(ctx, "tiny-" + family, engine, 64, 1, ("none", "cuda_graph", "compile+cuda_graph"), repeat=1)
+        fp8_cases(ctx, wanted, repeat=1)
         return
     if ctx.device.type != "cuda":
         raise RuntimeError("the sampler suite needs a CUDA device outside smoke mode")
-    wanted = os.environ.get("LEANDIFFUSION_BENCH_SAMPLER_CASES", "sd15,sdxl").replace(" ", "").split(",")
     plan = [("sd15", 512, 20, ("none", "cuda_graph", "compile+cuda_graph")),
             ("sdxl", 1024, 30, ("none", "cuda_graph", "compile+cuda_graph"))]
     for kind, size, steps, accelerations in plan:
@@ -294,3 +230,4 @@ def run(ctx: BenchContext) -> None:
             del engine
             gc.collect()
             torch.cuda.empty_cache()
+    fp8_cases(ctx, wanted, repeat=2 if ctx.quick else 5)

@@ -8,6 +8,7 @@ Invariants
   needs more fails with out of memory instead of passing quietly. Peak reserved memory is read back as well.
 - Times are prompt -> latent end to end, 9 steps at 1024x1024, cfg 1, as the resident case; the ratio targets compare
   with the resident ``cuda_graph`` time of the same run (``resident_ms``).
+- Smoke mode (the CPU): the tiny Z-Image of the suite's resident part (same seed) through the same code; no cap.
 """
 from __future__ import annotations
 
@@ -24,7 +25,17 @@ logger = logging.getLogger(__name__)
 GiB = 2 ** 30
 
 
-def host_components(ctx: BenchContext, dtype: torch.dtype) -> dict:
+def on_gpu(ctx: BenchContext) -> bool:
+    return not ctx.smoke and ctx.device.type == "cuda"
+
+
+def host_components(ctx: BenchContext, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A fresh components dict on the host: the full-size random Z-Image (built on the GPU, where filling the
+    weights is fast, then moved), or in smoke mode the suite's tiny Z-Image (seed 0, fp32)."""
+    if not on_gpu(ctx):
+        from ..memory.tiny_zimage import build_tiny_zimage
+
+        return build_tiny_zimage(seed=0)
     from .zimage_models import full_zimage_components
 
     comps = full_zimage_components(ctx.device, dtype)
@@ -34,30 +45,32 @@ def host_components(ctx: BenchContext, dtype: torch.dtype) -> dict:
     return comps
 
 
-def _free() -> None:
+def free_device() -> None:
+    """Collect garbage and return the caching allocator's free blocks (a no-op for CUDA without a GPU)."""
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
-def _ours(ctx: BenchContext, comps: dict, budget_gb: float, weight_dtype: str, steps: int, repeat: int):
+def _ours(ctx: BenchContext, comps: dict, budget_gb: float, weight_dtype: str, size: int, steps: int, repeat: int):
     from ..memory.cap import allocator_cap
     from ..memory.engine import parts_from_components
     from ..memory.load import build_engine
 
     engine = build_engine(parts_from_components(comps, name="zimage-random"), "stream", vram_budget_gb=budget_gb,
-                          weight_dtype=weight_dtype, vae_dtype="bf16", device=ctx.device)
+                          weight_dtype=weight_dtype, vae_dtype="bf16" if on_gpu(ctx) else "fp32", device=ctx.device)
     logger.info("%s", engine.placement.report())
-    run = ours_run(engine, 1024, steps, "cuda_graph")
+    run = ours_run(engine, size, steps, "cuda_graph")
     with allocator_cap(ctx.device, int(budget_gb * GiB)), peak_memory(ctx.device) as mem:
         ms = time_ms(run, warmup=1, repeat=repeat, device=ctx.device)
         latent = run().float().cpu()
     del engine, run
-    _free()
+    free_device()
     return ms, mem["reserved_gb"], latent
 
 
-def _peer(ctx: BenchContext, comps: dict, budget_gb: float, steps: int, repeat: int):
+def _peer(ctx: BenchContext, comps: dict, budget_gb: float, size: int, steps: int, repeat: int):
     from diffusers.hooks import apply_group_offloading
 
     from ..memory.cap import allocator_cap
@@ -68,21 +81,21 @@ def _peer(ctx: BenchContext, comps: dict, budget_gb: float, steps: int, repeat: 
         apply_group_offloading(module, onload_device=ctx.device, offload_device=torch.device("cpu"),
                                offload_type="leaf_level", use_stream=True, record_stream=True)
     pipe.vae.to(ctx.device)
-    run = peer_run(pipe, 1024, steps)
+    run = peer_run(pipe, size, steps)
     with allocator_cap(ctx.device, int(budget_gb * GiB)), peak_memory(ctx.device) as mem:
         ms = time_ms(run, warmup=1, repeat=repeat, device=ctx.device)
     del pipe, run
-    _free()
+    free_device()
     return ms, mem["reserved_gb"]
 
 
 def budget_case(ctx: BenchContext, case: str, budget_gb: float, weight_dtype: str, resident_ms: float,
-                resident_latent, steps: int, repeat: int, with_peer: bool) -> None:
+                resident_latent, steps: int, repeat: int, with_peer: bool, size: int = 1024) -> None:
     """Our ``stream`` at ``budget_gb`` (and, ``with_peer``, diffusers' group offload under the same cap)."""
     dtype = torch.bfloat16
     comps = host_components(ctx, dtype)
     try:
-        ms, peak, latent = _ours(ctx, comps, budget_gb, weight_dtype, steps, repeat)
+        ms, peak, latent = _ours(ctx, comps, budget_gb, weight_dtype, size, steps, repeat)
     except torch.cuda.OutOfMemoryError as exc:
         ctx.record(case, "peak_reserved_gb", float("inf"), target=budget_gb, target_kind="ours<=", unit="GB",
                    notes=f"out of memory under the cap: {str(exc).splitlines()[0][:160]}")
@@ -97,6 +110,6 @@ def budget_case(ctx: BenchContext, case: str, budget_gb: float, weight_dtype: st
                    notes="the streamed run against the resident run of the same weights")
     if with_peer and ctx.has_time(60):
         comps = host_components(ctx, dtype)
-        peer_ms, peer_peak = _peer(ctx, comps, budget_gb, steps, repeat)
+        peer_ms, peer_peak = _peer(ctx, comps, budget_gb, size, steps, repeat)
         ctx.record(case, "e2e_ms_vs_group_offload", ms, peer_ms, "diffusers leaf group offload + streams",
                    target=1.45, target_kind="ratio>=", unit="ms", notes=f"peer peak reserved {peer_peak:.2f} GB")

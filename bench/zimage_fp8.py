@@ -1,23 +1,32 @@
-"""The zimage suite's fp8 cases: full-size Z-Image-Turbo with the DiT's weights stored in fp8 (``weight_dtype``
+"""The zimage suite's fp8 parts: Z-Image-Turbo with the DiT's weights stored in fp8 (``weight_dtype``
 ``fp8_e4m3fn`` and ``fp8_e4m3fn_fast``), fully resident and under a 4 GB budget.
 
-Records (case ``1024_9steps``, the same prompt, seed and sizes as the bf16 rows of the same run):
-- ``e2e_ms_<storage>``: prompt -> latent with ``cuda_graph``, against diffusers' bf16 pipeline (target for
-  ``fp8_e4m3fn_fast``: >= 1.6x) and against our bf16 ``cuda_graph`` time;
-- ``rel_vs_bf16_<storage>`` and, when the fidelity part ran, ``rel_vs_fp32_<storage>``: distances reported;
-- ``stream_4gb_fp8``: ``stream`` at 4 GB with ``fp8_e4m3fn`` (allocator capped; targets: peak <= 4 GB and <= 1.25x
-  the resident fp8 time), through ``zimage_budget.budget_case``.
-Each engine is built on the GPU from fresh random weights of the same seeds (the quantization replaces the DiT's
-weights in place) after the bf16 engine and pipeline were freed.
+Parts (``LEANDIFFUSION_BENCH_ZIMAGE_CASES``; not in the default set, which they would push past the ``--quick`` call's
+time), e.g. in one device call after the bf16 ``cuda_graph`` row they compare with:
+    LEANDIFFUSION_BENCH_ZIMAGE_CASES=cuda_graph,fp8,stream_fp8 bash scripts/device_bench.sh --quick --suite zimage \\
+        --budget 400
+(add ``fidelity`` for the distances from diffusers' fp32 pipeline; it costs about 60 s more: ``--budget 480``).
+- ``fp8``: a ``full`` engine per storage, ``cuda_graph``, prompt -> latent at the bf16 rows' prompt, seed and size.
+  Records (case ``1024_9steps``): ``e2e_ms_<storage>`` against diffusers' bf16 ``ZImagePipeline`` (target for
+  ``fp8_e4m3fn_fast``: >= 1.6x), ``e2e_ms_<storage>_vs_bf16`` against our bf16 ``cuda_graph`` time,
+  ``peak_reserved_gb_<storage>``, ``rel_vs_bf16_<storage>`` and, when the fidelity part ran, ``rel_vs_fp32_<storage>``
+  (relative L2 distances of the latents; reported, no target).
+- ``stream_fp8``: ``stream`` at 4 GB with ``fp8_e4m3fn`` (allocator capped; targets: peak <= 4 GB and <= 1.25x the
+  resident ``fp8_e4m3fn`` time of the same run, which it runs first if ``fp8`` is not asked for), through
+  ``zimage_budget.budget_case`` (case ``stream_4gb_fp8``).
+Invariant: each engine is built from a fresh host copy of the same weights (the quantization replaces the DiT's
+weights in place, so engines never share modules), after the bf16 engine, the pipeline and their CUDA graphs were
+released; the GPU memory still allocated when a build starts is in the peak row's notes.
+Smoke mode: the tiny Z-Image on the CPU (fp32 compute, no fp8 matmuls, no cap) through the same code.
 """
 from __future__ import annotations
 
-import gc
 import logging
 
 import torch
 
 from .harness import BenchContext, peak_memory, time_ms
+from .zimage_budget import free_device, host_components, on_gpu
 from .zimage_models import ours_run
 
 logger = logging.getLogger(__name__)
@@ -25,61 +34,76 @@ logger = logging.getLogger(__name__)
 CASE = "1024_9steps"
 STORAGES = ("fp8_e4m3fn", "fp8_e4m3fn_fast")
 FAST_TARGET = 1.6
+STREAM_BUDGET_GB = 4.0
+PARTS = ("fp8", "stream_fp8")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def _allocated_gb() -> float:
+    return torch.cuda.memory_allocated() / 2 ** 30 if torch.cuda.is_available() else 0.0
+
+
 def _resident(ctx: BenchContext, storage: str, size: int, steps: int, repeat: int):
     from ..memory.engine import parts_from_components
     from ..memory.load import build_engine
-    from .zimage_models import full_zimage_components
+    from ..sampling.graph_runner import default_runner
 
-    comps = full_zimage_components(ctx.device)
+    comps = host_components(ctx)
+    before = _allocated_gb()
     engine = build_engine(parts_from_components(comps, name="zimage-random"), "full", weight_dtype=storage,
-                          vae_dtype="bf16", device=ctx.device)
+                          vae_dtype="bf16" if on_gpu(ctx) else "fp32", device=ctx.device)
     del comps
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_device()
     run = ours_run(engine, size, steps, "cuda_graph")
     with peak_memory(ctx.device) as mem:
         ms = time_ms(run, warmup=1, repeat=repeat, device=ctx.device)
     latent = run().float().cpu()
+    default_runner().clear(engine)
     del engine, run
-    gc.collect()
-    torch.cuda.empty_cache()
-    return ms, mem["reserved_gb"], latent
+    free_device()
+    return ms, mem["reserved_gb"], latent, before
+
+
+def _record_resident(ctx: BenchContext, storage: str, result, times: dict, latents: dict, steps: int) -> None:
+    ms, peak, latent, before = result
+    target = FAST_TARGET if storage.endswith("fast") else None
+    ctx.record(CASE, f"e2e_ms_{storage}", ms, times.get("diffusers"), "diffusers ZImagePipeline bf16",
+               target=target if "diffusers" in times else None, target_kind="ratio>=" if target else "", unit="ms",
+               notes=f"fp8 weight storage, full policy, cuda_graph, prompt -> latent, {steps} steps")
+    if "cuda_graph" in times:
+        ctx.record(CASE, f"e2e_ms_{storage}_vs_bf16", ms, times["cuda_graph"], "ours bf16 cuda_graph", unit="ms")
+    ctx.record(CASE, f"peak_reserved_gb_{storage}", peak, unit="GB",
+               notes=f"full policy; {before:.2f} GB still allocated on the device when the build started")
+    if "cuda_graph" in latents:
+        ctx.record(CASE, f"rel_vs_bf16_{storage}", _rel(latent, latents["cuda_graph"]), unit="rel L2",
+                   notes="fp8-stored DiT against our bf16 latent (same weights before quantization, same noise)")
+    if "fp32" in latents:
+        ctx.record(CASE, f"rel_vs_fp32_{storage}", _rel(latent, latents["fp32"]), unit="rel L2",
+                   notes="against diffusers' fp32 pipeline on the same (unquantized) weights")
 
 
 def fp8_cases(ctx: BenchContext, times: dict, latents: dict, size: int, steps: int, repeat: int,
               parts: tuple) -> None:
+    """The asked-for fp8 parts; ``times`` / ``latents``: the bf16 part's (``diffusers``, ``cuda_graph``, ``fp32``)."""
     resident = {}
     for storage in STORAGES:
         if "fp8" not in parts and not (storage == "fp8_e4m3fn" and "stream_fp8" in parts):
             continue
-        if not ctx.has_time(60):
+        if not ctx.has_time(60 if on_gpu(ctx) else 0):
             ctx.skip(f"{CASE}/{storage}", "no time left in the suite's budget")
             continue
-        ms, peak, latent = _resident(ctx, storage, size, steps, repeat)
-        resident[storage] = (ms, latent)
-        target = FAST_TARGET if storage.endswith("fast") else None
-        if "diffusers" in times:
-            ctx.record(CASE, f"e2e_ms_{storage}", ms, times["diffusers"], "diffusers ZImagePipeline bf16",
-                       target=target, target_kind="ratio>=" if target else "", unit="ms",
-                       notes=f"fp8 weight storage, cuda_graph, prompt -> latent, {steps} steps")
-        if "cuda_graph" in times:
-            ctx.record(CASE, f"e2e_ms_{storage}_vs_bf16", ms, times["cuda_graph"], "ours bf16 cuda_graph",
-                       unit="ms")
-        ctx.record(CASE, f"peak_reserved_gb_{storage}", peak, unit="GB")
-        if "cuda_graph" in latents:
-            ctx.record(CASE, f"rel_vs_bf16_{storage}", _rel(latent, latents["cuda_graph"]), unit="rel L2",
-                       notes="fp8-stored DiT against our bf16 latent (same noise)")
-        if "fp32" in latents:
-            ctx.record(CASE, f"rel_vs_fp32_{storage}", _rel(latent, latents["fp32"]), unit="rel L2",
-                       notes="against diffusers' fp32 pipeline on the same (unquantized) weights")
-    if "stream_fp8" in parts and "fp8_e4m3fn" in resident and ctx.has_time(90):
-        from .zimage_budget import budget_case
+        resident[storage] = _resident(ctx, storage, size, steps, repeat)
+        _record_resident(ctx, storage, resident[storage], times, latents, steps)
+    if "stream_fp8" not in parts:
+        return
+    if "fp8_e4m3fn" not in resident or not ctx.has_time(90 if on_gpu(ctx) else 0):
+        ctx.skip("stream_4gb_fp8", "no resident fp8_e4m3fn time to compare with, or no time left")
+        return
+    from .zimage_budget import budget_case
 
-        ms, latent = resident["fp8_e4m3fn"]
-        budget_case(ctx, "stream_4gb_fp8", 4.0, "fp8_e4m3fn", ms, latent, steps, repeat, with_peer=False)
+    ms, _, latent, _ = resident["fp8_e4m3fn"]
+    budget_case(ctx, "stream_4gb_fp8", STREAM_BUDGET_GB, "fp8_e4m3fn", ms, latent, steps, repeat, with_peer=False,
+                size=size)

@@ -53,7 +53,7 @@ def test_each_acceleration_peak_starts_without_another_accelerations_graph(monke
             return x_init.clone()
         return run
 
-    monkeypatch.setattr(suite_sampler, "_ours", ours)
+    monkeypatch.setattr(suite_sampler, "ours_loop", ours)
     held_at_reset = {}
 
     @contextlib.contextmanager

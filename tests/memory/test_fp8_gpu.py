@@ -146,3 +146,30 @@ def test_cpu_and_gpu_quantize_to_the_same_bytes():
     for m in layers:
         (qc, sc), (qg, sg) = fp8.quantize(m.weight), fp8.quantize(m.weight.cuda())
         assert sc == sg and torch.equal(qc.view(torch.uint8), qg.cpu().view(torch.uint8))
+
+
+def test_flow_sampler_graphs_and_stream_with_fast_fp8_on_the_gpu():
+    """The Fused Flow Sampler on a fast-fp8 Z-Image DiT: the CUDA-graph replay (``_scaled_mm`` captured inside the
+    step) equals the eager run, and ``stream`` at its working minimum equals ``full`` (same bytes, same layers; the
+    bound allows another cuBLAS algorithm under a tight budget)."""
+    from leandiffusion.memory.policies import stream_working_minimum_gb
+    from leandiffusion.sampling.flow.loop import sample_flow
+    from leandiffusion.sampling.flow.settings import FlowSettings
+    from leandiffusion.sampling.graph_runner import GraphRunner
+
+    def run(engine, acceleration):
+        settings = FlowSettings("a red cat on a wall", "blurry", seed=3, steps=2, cfg=4.0, width=32, height=48,
+                                batch_size=2, acceleration=acceleration)
+        return sample_flow(engine, settings, runner=GraphRunner(), quiet=True)["samples"].float()
+
+    full = build_engine(_parts("zimage"), "full", weight_dtype="fp8_e4m3fn_fast", device="cuda")
+    assert any(m.fp8_fast for _, m in fp8.fp8_layers(full.parts.unet))
+    eager, graph = run(full, "none"), run(full, "cuda_graph")
+    parts = _parts("zimage")
+    fp8.quantize_module(parts.unet, torch.bfloat16)
+    stream = build_engine(parts, "stream", stream_working_minimum_gb(parts, "cuda", torch.bfloat16),
+                          weight_dtype="fp8_e4m3fn_fast", device="cuda")
+    assert stream.placement.streamer.schedule.streamed
+    streamed = run(stream, "cuda_graph")
+    print(f"graph vs eager {_rel(graph, eager):.2e}, stream vs full {_rel(streamed, graph):.2e}")
+    assert _rel(graph, eager) <= 1e-3 and _rel(streamed, graph) <= 1e-3
