@@ -6,9 +6,11 @@ time), e.g. in one device call after the bf16 ``cuda_graph`` row they compare wi
     LEANDIFFUSION_BENCH_ZIMAGE_CASES=cuda_graph,fp8,stream_fp8 bash scripts/device_bench.sh --quick --suite zimage \\
         --budget 400
 (add ``fidelity`` for the distances from diffusers' fp32 pipeline; it costs about 60 s more: ``--budget 480``).
-- ``fp8``: a ``full`` engine per storage, ``cuda_graph``, prompt -> latent at the bf16 rows' prompt, seed and size.
+- ``fp8``: a ``full`` engine per storage, ``cuda_graph`` (``fp8_e4m3fn_fast`` also ``compile+cuda_graph``, rows
+  suffixed ``_compile+cuda_graph``), prompt -> latent at the bf16 rows' prompt, seed and size.
   Records (case ``1024_9steps``): ``e2e_ms_<storage>`` against diffusers' bf16 ``ZImagePipeline`` (target for
-  ``fp8_e4m3fn_fast``: >= 1.6x), ``e2e_ms_<storage>_vs_bf16`` against our bf16 ``cuda_graph`` time,
+  ``fp8_e4m3fn_fast`` under ``compile+cuda_graph``: >= 1.6x), ``e2e_ms_<storage>_vs_bf16`` against our bf16 time
+  under the same acceleration (when that part ran),
   ``peak_reserved_gb_<storage>``, ``rel_vs_bf16_<storage>`` and, when the fidelity part ran, ``rel_vs_fp32_<storage>``
   (relative L2 distances of the latents; reported, no target).
 - ``stream_fp8``: ``stream`` at 4 GB with ``fp8_e4m3fn`` (allocator capped; targets: peak <= 4 GB and <= 1.25x the
@@ -46,7 +48,14 @@ def _allocated_gb() -> float:
     return torch.cuda.memory_allocated() / 2 ** 30 if torch.cuda.is_available() else 0.0
 
 
-def _resident(ctx: BenchContext, storage: str, size: int, steps: int, repeat: int):
+def _accelerations(storage: str) -> tuple:
+    """``cuda_graph`` for every storage; the fp8 matmul storage also under ``compile+cuda_graph``, where inductor
+    fuses the activation's per-tensor quantization (amax, scale, cast) into the ops around each GEMM."""
+    return ("cuda_graph", "compile+cuda_graph") if storage.endswith("fast") else ("cuda_graph",)
+
+
+def _resident(ctx: BenchContext, storage: str, size: int, steps: int, repeat: int) -> tuple[dict, float]:
+    """``({acceleration: (ms, peak reserved GB, latent)}, GB allocated before the build)`` of one ``full`` engine."""
     from ..memory.engine import parts_from_components
     from ..memory.load import build_engine
     from ..sampling.graph_runner import default_runner
@@ -57,32 +66,38 @@ def _resident(ctx: BenchContext, storage: str, size: int, steps: int, repeat: in
                           vae_dtype="bf16" if on_gpu(ctx) else "fp32", device=ctx.device)
     del comps
     free_device()
-    run = ours_run(engine, size, steps, "cuda_graph")
-    with peak_memory(ctx.device) as mem:
-        ms = time_ms(run, warmup=1, repeat=repeat, device=ctx.device)
-    latent = run().float().cpu()
-    default_runner().clear(engine)
-    del engine, run
+    results = {}
+    for acceleration in _accelerations(storage):
+        run = ours_run(engine, size, steps, acceleration)
+        with peak_memory(ctx.device) as mem:
+            ms = time_ms(run, warmup=1, repeat=repeat, device=ctx.device)
+        results[acceleration] = (ms, mem["reserved_gb"], run().float().cpu())
+        default_runner().clear(engine)
+        del run
+    del engine
     free_device()
-    return ms, mem["reserved_gb"], latent, before
+    return results, before
 
 
 def _record_resident(ctx: BenchContext, storage: str, result, times: dict, latents: dict, steps: int) -> None:
-    ms, peak, latent, before = result
-    target = FAST_TARGET if storage.endswith("fast") else None
-    ctx.record(CASE, f"e2e_ms_{storage}", ms, times.get("diffusers"), "diffusers ZImagePipeline bf16",
-               target=target if "diffusers" in times else None, target_kind="ratio>=" if target else "", unit="ms",
-               notes=f"fp8 weight storage, full policy, cuda_graph, prompt -> latent, {steps} steps")
-    if "cuda_graph" in times:
-        ctx.record(CASE, f"e2e_ms_{storage}_vs_bf16", ms, times["cuda_graph"], "ours bf16 cuda_graph", unit="ms")
-    ctx.record(CASE, f"peak_reserved_gb_{storage}", peak, unit="GB",
-               notes=f"full policy; {before:.2f} GB still allocated on the device when the build started")
-    if "cuda_graph" in latents:
-        ctx.record(CASE, f"rel_vs_bf16_{storage}", _rel(latent, latents["cuda_graph"]), unit="rel L2",
-                   notes="fp8-stored DiT against our bf16 latent (same weights before quantization, same noise)")
-    if "fp32" in latents:
-        ctx.record(CASE, f"rel_vs_fp32_{storage}", _rel(latent, latents["fp32"]), unit="rel L2",
-                   notes="against diffusers' fp32 pipeline on the same (unquantized) weights")
+    results, before = result
+    for acceleration, (ms, peak, latent) in results.items():
+        suffix = storage if acceleration == "cuda_graph" else f"{storage}_{acceleration}"
+        target = FAST_TARGET if storage.endswith("fast") and acceleration == _accelerations(storage)[-1] else None
+        ctx.record(CASE, f"e2e_ms_{suffix}", ms, times.get("diffusers"), "diffusers ZImagePipeline bf16",
+                   target=target if "diffusers" in times else None, target_kind="ratio>=" if target else "",
+                   unit="ms", notes=f"fp8 weight storage, full policy, {acceleration}, prompt -> latent, {steps} steps")
+        if acceleration in times:
+            ctx.record(CASE, f"e2e_ms_{suffix}_vs_bf16", ms, times[acceleration], f"ours bf16 {acceleration}",
+                       unit="ms")
+        ctx.record(CASE, f"peak_reserved_gb_{suffix}", peak, unit="GB",
+                   notes=f"full policy; {before:.2f} GB still allocated on the device when the build started")
+        if "cuda_graph" in latents:
+            ctx.record(CASE, f"rel_vs_bf16_{suffix}", _rel(latent, latents["cuda_graph"]), unit="rel L2",
+                       notes="fp8-stored DiT against our bf16 latent (same weights before quantization, same noise)")
+        if "fp32" in latents:
+            ctx.record(CASE, f"rel_vs_fp32_{suffix}", _rel(latent, latents["fp32"]), unit="rel L2",
+                       notes="against diffusers' fp32 pipeline on the same (unquantized) weights")
 
 
 def fp8_cases(ctx: BenchContext, times: dict, latents: dict, size: int, steps: int, repeat: int,
@@ -104,6 +119,6 @@ def fp8_cases(ctx: BenchContext, times: dict, latents: dict, size: int, steps: i
         return
     from .zimage_budget import budget_case
 
-    ms, _, latent, _ = resident["fp8_e4m3fn"]
+    ms, _, latent = resident["fp8_e4m3fn"][0]["cuda_graph"]
     budget_case(ctx, "stream_4gb_fp8", STREAM_BUDGET_GB, "fp8_e4m3fn", ms, latent, steps, repeat, with_peer=False,
                 size=size)

@@ -44,8 +44,13 @@ def test_zimage_fp8_parts_record_their_rows(fp8_smoke):
         rel = rows[("1024_9steps", f"rel_vs_bf16_{storage}")]["ours"]
         assert 1e-3 < rel < 0.1, (storage, rel)
         assert rows[("1024_9steps", f"e2e_ms_{storage}")]["peer_name"] == "diffusers ZImagePipeline bf16"
-    assert rows[("1024_9steps", "e2e_ms_fp8_e4m3fn_fast")]["target"].startswith(">= 1.6x")
+    fast_compiled = "fp8_e4m3fn_fast_compile+cuda_graph"
+    for metric in ("e2e_ms", "peak_reserved_gb", "rel_vs_bf16", "rel_vs_fp32"):
+        assert ("1024_9steps", f"{metric}_{fast_compiled}") in rows, metric
+    assert rows[("1024_9steps", f"e2e_ms_{fast_compiled}")]["target"].startswith(">= 1.6x")
+    assert rows[("1024_9steps", "e2e_ms_fp8_e4m3fn_fast")]["target"] == ""
     assert rows[("1024_9steps", "e2e_ms_fp8_e4m3fn")]["target"] == ""
+    assert ("1024_9steps", "e2e_ms_fp8_e4m3fn_compile+cuda_graph") not in rows
     stream = {m: r for (case, m), r in rows.items() if case == "stream_4gb_fp8"}
     assert set(stream) == {"peak_reserved_gb", "e2e_ms_vs_resident", "rel_vs_resident"}
     assert stream["rel_vs_resident"]["ours"] == 0.0
