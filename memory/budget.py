@@ -10,7 +10,8 @@ Invariants (an engine whose plan is budgeted -- policy ``stream`` -- on a CUDA d
   (``sampling.graph_runner``) -- is registered here (``register_device_cache``). Before a text or VAE stage places
   its weights, these caches are released when what the process holds plus the stage's weights and its working
   floor (``STAGE_FLOOR_BYTES``) would not fit under the cap less the loader's headroom; the next sampler run
-  captures its graphs again. The UNet stage keeps them when it replays them; an eager UNet run releases them when
+  captures its graphs again. A text stage told its call's ``(prompts, tokens)`` counts the activations of that
+  call (``text_activation_at``), not of the plan's longest prompt, so a short prompt keeps the graphs. The UNet stage keeps them when it replays them; an eager UNet run releases them when
   they would leave its activations (the plan's estimate) no room (``ensure_room``).
 - ``room_bytes``: what the cap leaves now for the running stage's working memory (after the loader's headroom);
   the Tiled VAE Decode / Encode size their tiles from it (``vae.targets``).
@@ -29,6 +30,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .cap import allocator_cap, device_storage_bytes
+from .text_units import streams_text, text_activation_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +110,28 @@ def release_device_caches(parts) -> None:
         torch.cuda.empty_cache()
 
 
-def make_room(placement, stage: str, cap: int) -> bool:
+def text_activation_at(placement, text_shape: Optional[tuple[int, int]]) -> Optional[int]:
+    """The text stage's activation + workspace estimate for ``text_shape`` = ``(prompts, tokens)`` of its one
+    encoder call (``memory.text_units``' formula, the plan's own at the plan's longest prompt), or ``None`` when
+    the shape is not known or the encoder is not one the plan sizes that way."""
+    encoder = getattr(placement.parts, "text_encoder", None)
+    if text_shape is None or not streams_text(encoder):
+        return None
+    prompts, tokens = (int(v) for v in text_shape)
+    dtype = getattr(placement, "text_dtype", torch.float32)
+    return text_activation_bytes(encoder, prompts, tokens, torch.empty((), dtype=dtype).element_size(),
+                                 placement.device.type)
+
+
+def make_room(placement, stage: str, cap: int, text_shape: Optional[tuple[int, int]] = None) -> bool:
     """Release the registered device caches of the engine's model when the stage's weights and working floor would
-    not fit under ``cap`` (less headroom) beside what the process holds; True if they were released."""
+    not fit under ``cap`` (less headroom) beside what the process holds; True if they were released. The text
+    stage's working memory is sized for ``text_shape`` when given (a short prompt leaves a sampler's cached
+    graphs in place where the plan's longest prompt would not)."""
     if stage not in STAGE_FLOOR_BYTES:
         return False
-    need = placement.budget.entering_bytes(stage) + STAGE_FLOOR_BYTES[stage]
+    activations = text_activation_at(placement, text_shape) if stage == "text" else None
+    need = placement.budget.entering_bytes(stage, activations) + STAGE_FLOOR_BYTES[stage]
     return _release_if_short(placement, need, cap, f"{stage} stage")
 
 
@@ -143,14 +161,15 @@ def _release_if_short(placement, need: int, cap: int, what: str) -> bool:
 
 
 @contextlib.contextmanager
-def stage_budget(placement, stage: str) -> Iterator[int]:
+def stage_budget(placement, stage: str, text_shape: Optional[tuple[int, int]] = None) -> Iterator[int]:
     """Hold the process under the engine's budget for one stage (module docstring); yields the cap in bytes
-    (``NO_CAP`` where nothing is capped). Enter before the stage places its weights."""
+    (``NO_CAP`` where nothing is capped). Enter before the stage places its weights; ``text_shape`` as
+    ``make_room``."""
     if _capped_device(placement) is None:
         yield NO_CAP
         return
     cap = cap_bytes(placement)
     if stage != "unet":
-        make_room(placement, stage, cap)
+        make_room(placement, stage, cap, text_shape)
     with allocator_cap(placement.device, cap):
         yield cap

@@ -94,7 +94,7 @@ class Placement(Protocol):
     budget: VramBudget  # where the weights live and the hard limit, if any
     epoch: int  # bumped whenever the weights move to new device addresses (a captured graph must be recaptured)
 
-    def enter(self, engine: "LeanEngine", stage: str) -> None: ...
+    def enter(self, engine: "LeanEngine", stage: str, text_shape: Optional[tuple[int, int]] = None) -> None: ...
 
     def exit(self, engine: "LeanEngine", stage: str) -> None: ...
 
@@ -137,7 +137,7 @@ class ResidentPlacement:
     budget = UNBUDGETED
     epoch = 0
 
-    def enter(self, engine: "LeanEngine", stage: str) -> None:
+    def enter(self, engine: "LeanEngine", stage: str, text_shape: Optional[tuple[int, int]] = None) -> None:
         module_for_stage(engine.parts, stage, engine.device, engine.dtype_for(stage))
 
     def exit(self, engine: "LeanEngine", stage: str) -> None:
@@ -224,11 +224,13 @@ class LeanEngine:
 
     # ----------------------------------------------------------------- sessions
     @contextlib.contextmanager
-    def session(self, stage: str) -> Iterator["LeanEngine"]:
-        """Run ``stage`` ("text", "unet", "vae"): place its weights per policy and attach this view's adapters."""
+    def session(self, stage: str, text_shape: Optional[tuple[int, int]] = None) -> Iterator["LeanEngine"]:
+        """Run ``stage`` ("text", "unet", "vae"): place its weights per policy and attach this view's adapters.
+        ``text_shape``: ``(prompts, tokens)`` of the text stage's one encoder call, when the caller knows it (a hard
+        budget then sizes the stage's working memory from it, not from the plan's longest prompt)."""
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r}: expected one of {STAGES}")
-        self.placement.enter(self, stage)
+        self.placement.enter(self, stage, text_shape)
         attached = []
         fast = contextlib.ExitStack()  # the one-pass GEGLUs: entered before the adapters, closed after them
         try:

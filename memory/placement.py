@@ -126,12 +126,13 @@ class ModelPlacement:
         return self.budget.resident_bytes if self.budget.streams_unet else self.plan.peaks.get("text", 0)
 
     # ----------------------------------------------------------------- Placement protocol
-    def enter(self, engine, stage: str) -> None:
+    def enter(self, engine, stage: str, text_shape: Optional[tuple[int, int]] = None) -> None:
         if not self._live:
             self._setup()
         scope = contextlib.ExitStack()
         try:
-            scope.enter_context(stage_budget(self, stage))  # a hard budget holds for the whole stage (budget.py)
+            # a hard budget holds for the whole stage (budget.py)
+            scope.enter_context(stage_budget(self, stage, text_shape))
             for swap in self._swaps.get(stage, []):
                 swap.onload()
         except BaseException:

@@ -13,7 +13,9 @@ Working memory at ``batch`` prompts of ``TEXT_TOKENS`` tokens (bytes in the run 
 layer's hidden state (``output_hidden_states``: ``layers + 1`` of ``tokens x hidden``) and the key/value cache the
 model fills by default (``2 x kv width`` per layer and token), plus the largest transient inside one layer (its
 SwiGLU MLP's three intermediate-wide tensors beside the layer input and its normed copy), times
-``plan.FRAGMENTATION``, plus ``plan.WORKSPACE_CUDA`` on CUDA. FLOPs per unit: ``2 x tokens x weights`` plus the
+``plan.FRAGMENTATION``, plus ``TEXT_WORKSPACE_CUDA`` on CUDA (cuBLAS's workspace, 32 MiB on Hopper, SDPA's and the
+allocator's rounding: an encoder forward runs no convolution algorithms, which make most of the UNet's
+``plan.WORKSPACE_CUDA``). FLOPs per unit: ``2 x tokens x weights`` plus the
 attention's two ``tokens^2 x width`` products.
 """
 from __future__ import annotations
@@ -25,12 +27,13 @@ import torch
 
 from .dit_units import token_block_unit
 from .hostmem import FlatLayout
-from .plan import FRAGMENTATION, WORKSPACE_CUDA
+from .plan import FRAGMENTATION
 from .stream_schedule import minimum_arena_bytes
 from .unet_units import Unit
 
 TEXT_TOKENS = 512  # the longest prompt the flow sampler encodes (``sampling/flow/text.py`` MAX_TOKENS)
 HOST_MODULES = ("embed_tokens",)
+TEXT_WORKSPACE_CUDA = 256 * 2 ** 20  # library workspaces + allocator slack of one encoder forward (docstring)
 MLP_TENSORS = 3  # gate, act(gate) -> product, up: three intermediate-wide tensors live at once
 
 
@@ -81,7 +84,7 @@ def text_activation_bytes(encoder: torch.nn.Module, batch: int, tokens: int, ele
     head_dim = _width(cfg, "head_dim", hidden // heads)
     kv = _width(cfg, "num_key_value_heads", heads) * head_dim
     per_token = (layers + 1) * hidden + layers * 2 * kv + MLP_TENSORS * int(cfg.intermediate_size) + 2 * hidden
-    workspace = WORKSPACE_CUDA if device_type == "cuda" else 0
+    workspace = TEXT_WORKSPACE_CUDA if device_type == "cuda" else 0
     return int(FRAGMENTATION * batch * tokens * per_token * elem_size) + workspace
 
 

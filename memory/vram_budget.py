@@ -76,16 +76,20 @@ class VramBudget:
             return None
         return self.limit_bytes - self.resident_bytes - self.headroom_bytes
 
-    def entering_bytes(self, stage: str) -> int:
+    def entering_bytes(self, stage: str, text_activation_bytes: Optional[int] = None) -> int:
         """Bytes ``stage`` brings onto the device when it is entered: the weights of a stage placed only while used,
-        or a streamed text encoder's staging ring; for the text stage also its activation estimate (0 where the plan
-        makes none: CLIP encoders)."""
+        or a streamed text encoder's staging ring; for the text stage also its activations: the plan's estimate
+        (0 where the plan makes none: CLIP encoders), or ``text_activation_bytes`` where the caller sized them for
+        the prompts at hand (never more than the plan's estimate)."""
+        activations = self.text_activation_bytes
+        if text_activation_bytes is not None and self.text_activation_bytes:
+            activations = min(activations, int(text_activation_bytes))
         if stage == "vae" and self.vae is StageMode.WHILE_USED:
             return self.vae_bytes
         if stage == "text" and self.text is StageMode.WHILE_USED:
-            return self.text_bytes + self.text_activation_bytes
+            return self.text_bytes + activations
         if stage == "text" and self.text is StageMode.STREAM:
-            return self.text_arena_bytes + self.text_activation_bytes
+            return self.text_arena_bytes + activations
         return 0
 
 

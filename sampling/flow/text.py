@@ -8,7 +8,10 @@ rendered here rather than through the tokenizer's own template, so a tokenizer w
 tokenizer files) encodes the same ids. Prompts are padded to the longest of the call, not to ``MAX_TOKENS``: the
 encoder is causal, so right padding never changes the rows kept.
 
-Encoding runs inside ``engine.session("text")`` on the stage's device and dtype (the VRAM policy decides where).
+Encoding runs inside ``engine.session("text")`` on the stage's device and dtype (the VRAM policy decides where),
+told the call's ``(prompts, tokens)``: under a hard VRAM budget the stage then keeps a sampler's cached CUDA graphs
+when this call's working memory fits beside them (a recapture costs two eager steps). Should the call still run
+out of memory under the budget, the graphs are released and it runs once more (``memory/budget.py``).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from ...memory.budget import release_device_caches
 from ...memory.engine import LeanEngine
 
 MAX_TOKENS = 512
@@ -43,10 +47,22 @@ def encode_prompts(engine: LeanEngine, prompts: Sequence[str]) -> list[torch.Ten
     tokenizer = engine.parts.tokenizer
     texts = [chat_text(p) for p in prompts]
     batch = tokenizer(texts, padding="longest", max_length=MAX_TOKENS, truncation=True, return_tensors="pt")
-    with engine.session("text"):
+    shape = (len(texts), int(batch.input_ids.shape[1]))
+    try:
+        return _encode(engine, batch, shape)
+    except torch.cuda.OutOfMemoryError:
+        if not engine.placement.budget.hard:
+            raise
+    # retried outside the handler, whose traceback would keep the failed attempt's tensors alive
+    release_device_caches(engine.parts)
+    return _encode(engine, batch, None)
+
+
+def _encode(engine: LeanEngine, batch, text_shape) -> list[torch.Tensor]:
+    with engine.session("text", text_shape):
         device = engine.stage_device("text")
         ids = batch.input_ids.to(device)
         mask = batch.attention_mask.to(device).bool()
         hidden = engine.parts.text_encoder(input_ids=ids, attention_mask=mask,
                                            output_hidden_states=True).hidden_states[-2]
-        return [hidden[i][mask[i]].to(engine.device, engine.dtype) for i in range(len(texts))]
+        return [hidden[i][mask[i]].to(engine.device, engine.dtype) for i in range(hidden.shape[0])]

@@ -186,13 +186,84 @@ def test_text_stage_counts_its_weights_only_when_they_come_to_the_device(fake_cu
     assert budget.make_room(on_device, "text", 2 * GiB) is True  # its 500 MiB of weights do not fit
 
 
+def _zimage_text_placement(text_activation_bytes, text_arena_bytes=400 * MiB):
+    """A placement stand-in streaming the tiny Z-Image's Qwen3 encoder under a 2 GiB budget."""
+    from leandiffusion.memory.engine import parts_from_components
+    from leandiffusion.memory.tiny_zimage import build_tiny_zimage
+
+    hard = VramBudget(limit_bytes=2 * GiB, text=StageMode.STREAM, text_arena_bytes=text_arena_bytes,
+                      text_activation_bytes=text_activation_bytes, unet=StageMode.STREAM)
+    return SimpleNamespace(budget=hard, device=torch.device("cuda", 0), streamer=None, text_dtype=torch.bfloat16,
+                           parts=parts_from_components(build_tiny_zimage(seed=0)))
+
+
+def test_text_activation_at_uses_the_plans_formula_at_the_calls_shape():
+    from leandiffusion.memory.text_units import TEXT_WORKSPACE_CUDA, text_activation_bytes
+
+    placement = _zimage_text_placement(1 * GiB)
+    encoder = placement.parts.text_encoder
+    cfg = encoder.config
+    layers, hidden, kv = len(encoder.layers), cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    per_token = (layers + 1) * hidden + layers * 2 * kv + 3 * cfg.intermediate_size + 2 * hidden  # docstring
+    assert budget.text_activation_at(placement, (2, 40)) == int(1.3 * 2 * 40 * per_token * 2) + TEXT_WORKSPACE_CUDA
+    assert budget.text_activation_at(placement, (2, 40)) == text_activation_bytes(encoder, 2, 40, 2, "cuda")
+    assert budget.text_activation_at(placement, None) is None
+    assert budget.text_activation_at(_placement(), (1, 40)) is None  # no decoder-only encoder to size
+
+
+def test_a_short_prompt_keeps_the_graphs_where_the_plans_longest_would_not_fit(fake_cuda):
+    """2 GiB budget, 768 MiB held + a 400 MiB graph pool (880 MiB left): the text stage brings its 400 MiB ring and
+    the 128 MiB floor. With the plan's 1 GiB activation estimate it must drop the graphs; told a 2 x 40-token call
+    (the formula's 256 MiB workspace and under 1 MiB of activations for the tiny encoder) it keeps them; a shape
+    that sizes above the plan's estimate counts the estimate."""
+    big = _zimage_text_placement(1 * GiB)
+    fake_cuda.reserved = 768 * MiB
+    graphs = GraphCache(fake_cuda, big.parts, 400 * MiB)
+    assert budget.make_room(big, "text", 2 * GiB, text_shape=(2, 40)) is False
+    assert graphs.nbytes == 400 * MiB
+    assert budget.make_room(big, "text", 2 * GiB) is True and graphs.nbytes == 0
+    small = _zimage_text_placement(10 * MiB)  # the plan's estimate is the ceiling: the call's larger one is not used
+    assert small.budget.entering_bytes("text", budget.text_activation_at(small, (2, 40))) == 410 * MiB
+
+
+def test_the_flow_prompt_encoder_tells_the_stage_its_shape_and_retries_without_graphs(monkeypatch):
+    """``encode_prompts`` opens the text stage with ``(prompts, tokens)`` of its call; an out-of-memory under a hard
+    budget releases the model's cached graphs and encodes again (plan-sized), with the same result."""
+    from leandiffusion.memory.engine import parts_from_components
+    from leandiffusion.memory.tiny_zimage import build_tiny_zimage
+    from leandiffusion.sampling.flow import text
+
+    engine = build_engine(parts_from_components(build_tiny_zimage(seed=0)), "full", device="cpu")
+    want = text.encode_prompts(engine, ["a red cat", "a much longer prompt about a dog"])
+    shapes, released = [], []
+    session = type(engine).session
+
+    def failing_once(self, stage, text_shape=None):
+        shapes.append(text_shape)
+        if len(shapes) == 1:
+            raise torch.cuda.OutOfMemoryError("out of memory under the cap")
+        return session(self, stage, text_shape)
+
+    monkeypatch.setattr(type(engine), "session", failing_once)
+    monkeypatch.setattr(text, "release_device_caches", released.append)
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # no hard budget: nothing to release, the error stands
+        text.encode_prompts(engine, ["a red cat", "a much longer prompt about a dog"])
+    tokens = engine.parts.tokenizer([text.chat_text("a much longer prompt about a dog")]).input_ids[0]
+    assert shapes == [(2, len(tokens))] and released == []
+    shapes.clear()
+    monkeypatch.setattr(engine.placement, "budget", VramBudget(limit_bytes=GiB))
+    got = text.encode_prompts(engine, ["a red cat", "a much longer prompt about a dog"])
+    assert shapes == [(2, len(tokens)), None] and released == [engine.parts]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 # --------------------------------------------------------------------------------------------- the placement
 def _record_stage_budgets(monkeypatch) -> list:
     """Replace the placement's ``stage_budget`` by one that records each open and close."""
     events = []
 
     @contextlib.contextmanager
-    def recording(placement, stage):
+    def recording(placement, stage, text_shape=None):
         events.append(("open", stage))
         try:
             yield budget.NO_CAP
@@ -266,7 +337,7 @@ def test_eager_sampling_under_a_budget_asks_for_room_and_graph_runs_do_not(budge
 class HintingPlacement:
     """Enter/exit do nothing; out-of-memory errors get the budget's advice."""
 
-    def enter(self, engine, stage):
+    def enter(self, engine, stage, text_shape=None):
         pass
 
     def exit(self, engine, stage):

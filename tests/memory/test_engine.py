@@ -48,7 +48,7 @@ class LoggingPlacement:
     def __init__(self, log, device="cpu"):
         self.log, self._device = log, torch.device(device)
 
-    def enter(self, engine, stage):
+    def enter(self, engine, stage, text_shape=None):
         self.log.append(("enter", stage))
 
     def exit(self, engine, stage):

@@ -130,3 +130,20 @@ def test_the_streamed_dit_stays_within_the_budget(streamed, reference, capped, a
     measured = capped.placement.measured
     assert {"text", "unet"} <= set(measured)
     assert all(value <= BUDGET_GB * GiB + streamed[1] for value, _ in measured.values())
+
+
+def test_a_short_prompt_replays_the_captured_step_under_the_cap(streamed, capped):
+    """Two ``cuda_graph`` runs of a short prompt at cfg 1 under the cap: the second replays the first's graph (its
+    text stage, sized for the prompt at hand, fits beside the graph's pool, so nothing is released and recaptured)
+    and gives the same latent; the peak stays within the budget."""
+    from leandiffusion.sampling.graph_runner import GraphRunner
+
+    runner = GraphRunner()
+    settings = FlowSettings("a red fox in the snow", seed=3, steps=2, cfg=1.0, width=1024, height=1024,
+                            acceleration="cuda_graph")
+    first = sample_flow(capped, settings, runner=runner, quiet=True)["samples"]
+    second = sample_flow(capped, settings, runner=runner, quiet=True)["samples"]
+    assert runner.captures(capped) == 1
+    assert torch.equal(first, second)
+    peak = _peak_over_base(streamed)
+    assert peak <= BUDGET_GB * GiB, f"peak reserved {peak / GiB:.3f} GiB over {BUDGET_GB} GiB"
