@@ -1,4 +1,5 @@
-"""ComfyUI's DPM-Solver++ samplers with its meaning: dpmpp_2m, dpmpp_sde, dpmpp_2m_sde (midpoint) and dpmpp_3m_sde.
+"""ComfyUI's DPM-Solver++ samplers with its meaning: dpmpp_2m, dpmpp_sde, dpmpp_2m_sde (midpoint; heun by
+option) and dpmpp_3m_sde.
 
 The SDE samplers work in half-log-SNR ``lambda = log(alpha / sigma)``: ``-log sigma`` for discrete models and
 ``-logit sigma`` for flow models (whose first sigma of 1 is moved to ``percent_to_sigma(1e-4)`` so lambda stays
@@ -44,10 +45,11 @@ def _check_sde(name, sigmas, sampling, noise_sampler, eta, s_noise):
 
 def _offset_first(sigmas, sampling):
     """A flow model's first sigma of 1 (infinite lambda) moved just below it, as ComfyUI does; plus the floats."""
-    if len(sigmas) > 1 and sampling.is_flow and float(sigmas[0]) >= 1:
+    values = sigmas.tolist()
+    if len(values) > 1 and sampling.is_flow and values[0] >= 1:
         sigmas = sigmas.clone()
-        sigmas[0] = sampling.percent_to_sigma(1e-4)
-    return sigmas, sigmas.tolist()
+        sigmas[0] = values[0] = sampling.percent_to_sigma(1e-4)
+    return sigmas, values
 
 
 def sample_dpmpp_2m(denoiser, x, sigmas, *, sampling=None, noise_sampler=None, callback=None):
