@@ -12,7 +12,7 @@ import os
 import pytest
 
 from leandiffusion.sampling.ksampler.schedulers import SCHEDULER_NAMES
-from leandiffusion.tests.integration.comfy_worker import run_comfy_worker
+from leandiffusion.tests.kit.comfy_worker import run_comfy_worker
 
 pytestmark = pytest.mark.comfyui
 WORKER = os.path.join(os.path.dirname(__file__), "comfy_ksampler_sigmas.py")

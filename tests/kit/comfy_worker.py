@@ -1,9 +1,11 @@
-"""Run a comparison worker script under ComfyUI's own interpreter and read back its JSON answer.
+"""Runs a comparison worker script under ComfyUI's own interpreter and reads back its JSON answer; the one runner of
+every test that compares the pack with ComfyUI's code inside one ComfyUI process.
 
-The worker is called as ``python WORKER COMFYUI_PATH PACK_PARENT [ARGS...] CASES_JSON OUT_JSON``: ``PACK_PARENT`` holds
-a link named ``leandiffusion`` to the package under test, so ComfyUI's interpreter imports this checkout (the pack is
-not installed there). Why a subprocess: ComfyUI's modules and its Python (scipy, torchsde, einops) are a reference
-that never enters the pack's process.
+Invariant: the worker is called as ``python WORKER COMFYUI_PATH PACK_PARENT [ARGS...] CASES_JSON OUT_JSON``, where
+``PACK_PARENT`` holds a link named ``leandiffusion`` to the package under test (the checkout this process imported,
+since the pack is not installed in ComfyUI's environment); a failing worker fails the test with its stderr.
+Why a subprocess: ComfyUI's modules and its environment (scipy, torchsde, einops) are a reference that never enters
+the pack's process, while both sides inside the worker share one torch build.
 """
 import json
 import os
@@ -14,8 +16,9 @@ import leandiffusion
 from leandiffusion.runner.local import comfyui_python
 
 
-def run_comfy_worker(worker: str, folder: Path, cases: list, args: tuple = (), timeout: int = 900) -> dict:
-    """Write ``cases`` to ``folder``, run ``worker`` with ComfyUI's interpreter (``COMFYUI_PATH``), return its JSON."""
+def run_comfy_worker(worker: str, folder: Path, cases: list, *args, timeout: int = 1800) -> dict:
+    """Write ``cases`` to ``folder``, run ``worker`` with ComfyUI's interpreter (``COMFYUI_PATH``) and the extra
+    ``args`` (as strings), return its parsed JSON answer."""
     (folder / "cases.json").write_text(json.dumps(cases))
     pack_parent = folder / "pack"
     pack_parent.mkdir(exist_ok=True)

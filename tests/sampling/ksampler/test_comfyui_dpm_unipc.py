@@ -6,15 +6,11 @@ caller's sigmas as ComfyUI does. The noise sampler is ComfyUI's own, shared by b
 samplers' math alone. ComfyUI's interpreter runs ``comfy_dpm_unipc.py``.
 """
 import itertools
-import json
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
-import leandiffusion
-from leandiffusion.runner.local import comfyui_python
+from leandiffusion.tests.kit.comfy_worker import run_comfy_worker
 
 pytestmark = pytest.mark.comfyui
 WORKER = os.path.join(os.path.dirname(__file__), "comfy_dpm_unipc.py")
@@ -55,17 +51,7 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dpm_unipc")
-    (folder / "cases.json").write_text(json.dumps(CASES))
-    pack_parent = folder / "pack"
-    pack_parent.mkdir()
-    (pack_parent / "leandiffusion").symlink_to(Path(leandiffusion.__file__).parent, target_is_directory=True)
-    comfy_path = os.environ["COMFYUI_PATH"]
-    run = subprocess.run([comfyui_python(comfy_path), WORKER, comfy_path, str(pack_parent),
-                          str(folder / "cases.json"), str(folder / "out.json")], capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads((folder / "out.json").read_text())
+    return run_comfy_worker(WORKER, tmp_path_factory.mktemp("dpm_unipc"), CASES, timeout=900)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

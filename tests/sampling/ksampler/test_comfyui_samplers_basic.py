@@ -59,7 +59,7 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_comfy_worker(WORKER, tmp_path_factory.mktemp("samplers_basic"), CASES)
+    return run_comfy_worker(WORKER, tmp_path_factory.mktemp("samplers_basic"), CASES, timeout=900)
 
 
 RUNS = [c for c in CASES if c["type"] == "run"]
