@@ -22,7 +22,6 @@ import comfy.options  # noqa: E402
 comfy.options.enable_args_parsing()
 import torch  # noqa: E402
 
-import comfy.model_sampling as cms  # noqa: E402
 import comfy.sample  # noqa: E402
 import comfy.samplers  # noqa: E402
 
@@ -30,29 +29,12 @@ sys.path.insert(0, pack_parent)
 from leandiffusion.sampling.ksampler.latent_noise import fix_empty_latent_channels, prepare_noise  # noqa: E402
 from leandiffusion.sampling.ksampler.model_sampling import max_denoise, model_sampling_for_family  # noqa: E402
 from leandiffusion.sampling.ksampler.schedulers import sigmas_for  # noqa: E402
+from leandiffusion.tests.kit.comfy_samplings import EpsSampling, VSampling, flow_sampling  # noqa: E402
 
 
-class ComfyEps(cms.ModelSamplingDiscrete, cms.EPS):
-    pass
-
-
-class ComfyV(cms.ModelSamplingDiscrete, cms.V_PREDICTION):
-    pass
-
-
-class ComfyFlow(cms.ModelSamplingDiscreteFlow, cms.CONST):
-    pass
-
-
-def _comfy_flow():
-    ms = ComfyFlow()
-    ms.set_parameters(shift=3.0)
-    return ms
-
-
-MODELS = {"sd15-eps": (ComfyEps(), model_sampling_for_family("sd1")),
-          "sd2-v": (ComfyV(), model_sampling_for_family("sd2-v")),
-          "flow-shift3": (_comfy_flow(), model_sampling_for_family("zimage"))}
+MODELS = {"sd15-eps": (EpsSampling(), model_sampling_for_family("sd1")),
+          "sd2-v": (VSampling(), model_sampling_for_family("sd2-v")),
+          "flow-shift3": (flow_sampling(3.0), model_sampling_for_family("zimage"))}
 
 
 def compare(theirs, ours) -> dict:

@@ -29,22 +29,9 @@ from comfy.extra_samplers import uni_pc as comfy_uni_pc  # noqa: E402
 
 sys.path.insert(0, pack_parent)
 from leandiffusion.sampling.ksampler import samplers_dpm, unipc  # noqa: E402
+from leandiffusion.tests.kit.comfy_samplings import model_samplings  # noqa: E402
 
 OURS = {**samplers_dpm.SAMPLERS, **unipc.SAMPLERS}
-
-
-class EpsSampling(cms.ModelSamplingDiscrete, cms.EPS):
-    pass
-
-
-class FlowSampling(cms.ModelSamplingDiscreteFlow, cms.CONST):
-    pass
-
-
-def _model_samplings():
-    flow = FlowSampling()
-    flow.set_parameters(shift=3.0)
-    return {"eps": EpsSampling(), "flow": flow}
 
 
 def _toy_denoiser(channels: int, counter: list):
@@ -152,7 +139,7 @@ def run_case(case, samplings):
 
 def main():
     cases = json.loads(open(cases_path).read())
-    samplings = _model_samplings()
+    samplings = model_samplings()
     with torch.no_grad():
         out = {case["id"]: run_case(case, samplings) for case in cases}
     with open(out_path, "w") as f:

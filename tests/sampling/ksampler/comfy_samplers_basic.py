@@ -31,22 +31,9 @@ import comfy.samplers  # noqa: E402
 
 sys.path.insert(0, pack_parent)
 from leandiffusion.sampling.ksampler import samplers_basic, step_noise  # noqa: E402
+from leandiffusion.tests.kit.comfy_samplings import model_samplings  # noqa: E402
 
 SHAPE = (2, 4, 6, 5)
-
-
-class EpsSampling(cms.ModelSamplingDiscrete, cms.EPS):
-    pass
-
-
-class FlowSampling(cms.ModelSamplingDiscreteFlow, cms.CONST):
-    pass
-
-
-def model_samplings():
-    flow = FlowSampling()
-    flow.set_parameters(shift=3.0)
-    return {"eps": EpsSampling(), "flow": flow}
 
 
 def toy_denoiser(counter):
