@@ -52,6 +52,13 @@ def _report(callback, i, x, denoised):
         callback(i, x, denoised)
 
 
+def check_sigmas(name: str, sigmas) -> None:
+    """Raise unless ``sigmas`` is the 1-D float tensor every sampler takes (one check, one message for all)."""
+    if not isinstance(sigmas, torch.Tensor) or sigmas.ndim != 1 or not sigmas.is_floating_point():
+        got = tuple(sigmas.shape) if isinstance(sigmas, torch.Tensor) else type(sigmas).__name__
+        raise ValueError(f"sigmas={got}: {name} takes a 1-D float tensor of sigmas (schedulers.sigmas_for)")
+
+
 def _check_run(name: str, denoiser, x, sigmas) -> list:
     """Validate a sampler's common inputs; returns the sigmas as Python floats (the run's one host copy)."""
     if not callable(denoiser):
@@ -59,9 +66,7 @@ def _check_run(name: str, denoiser, x, sigmas) -> list:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
         got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x: {name} takes the noise-scaled floating-point latent [B, ...], got {got}")
-    if not isinstance(sigmas, torch.Tensor) or sigmas.ndim != 1 or not sigmas.is_floating_point():
-        got = f"{sigmas.dtype} {tuple(sigmas.shape)}" if isinstance(sigmas, torch.Tensor) else type(sigmas).__name__
-        raise ValueError(f"sigmas: {name} takes a 1-D floating-point tensor (schedulers.sigmas_for), got {got}")
+    check_sigmas(name, sigmas)
     return sigmas.tolist()
 
 

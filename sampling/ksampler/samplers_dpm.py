@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .samplers_basic import SamplerSpec, _ones, _report, ancestral_step
+from .samplers_basic import SamplerSpec, _ones, _report, ancestral_step, check_sigmas
 
 
 def _lambda(sigma, sampling):
@@ -21,13 +21,6 @@ def _lambda(sigma, sampling):
 
 def _sigma_of_lambda(half_log_snr, sampling):
     return half_log_snr.neg().sigmoid() if sampling.is_flow else half_log_snr.neg().exp()
-
-
-def check_sigmas(name, sigmas):
-    """Raise unless ``sigmas`` is the 1-D float tensor a sampler takes."""
-    if not isinstance(sigmas, torch.Tensor) or sigmas.ndim != 1 or not sigmas.is_floating_point():
-        got = tuple(sigmas.shape) if isinstance(sigmas, torch.Tensor) else type(sigmas).__name__
-        raise ValueError(f"sigmas={got}: {name} takes a 1-D float tensor of sigmas (schedulers.sigmas_for)")
 
 
 def _check_sde(name, sigmas, sampling, noise_sampler, eta, s_noise):

@@ -18,14 +18,14 @@ from typing import Callable, Optional
 
 import torch
 
-NoiseSampler = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from ..settings import MAX_SEED  # ComfyUI's seed widget range is [0, 2^64 - 1]
 
-SEED_MAX = 2 ** 64 - 1  # ComfyUI's seed widget range is [0, 2^64 - 1]
+NoiseSampler = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-        raise ValueError(f"seed={seed!r}: expected an int in [0, {SEED_MAX}] (the KSampler seed)")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed={seed!r}: expected an int in [0, {MAX_SEED}] (the KSampler seed)")
     return seed
 
 

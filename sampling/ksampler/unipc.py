@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .samplers_basic import SamplerSpec
-from .samplers_dpm import check_sigmas
+from .samplers_basic import SamplerSpec, check_sigmas
 
 
 def _log_alpha(sigma):

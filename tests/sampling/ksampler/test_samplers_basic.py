@@ -190,7 +190,7 @@ def test_a_single_sigma_returns_the_start():
 
 
 @pytest.mark.parametrize("name,kwargs,match", [
-    ("euler", dict(sigmas=torch.ones(2, 3)), "sigmas: euler takes a 1-D"),
+    ("euler", dict(sigmas=torch.ones(2, 3)), r"sigmas=\(2, 3\): euler takes a 1-D"),
     ("heun", dict(x=torch.ones(1, 4, 2, 2, dtype=torch.long)), "x: heun takes"),
     ("dpm_2", dict(denoiser="unet"), "denoiser='unet'"),
     ("euler_ancestral", dict(noise_sampler=None), "noise_sampler=None: euler_ancestral needs it"),
