@@ -1,16 +1,18 @@
-"""ComfyUI's DPM-Solver++ samplers with its meaning: dpmpp_2m, dpmpp_sde, dpmpp_2m_sde (midpoint) and dpmpp_3m_sde.
+"""ComfyUI's DPM-Solver++ samplers with its meaning: dpmpp_2m, dpmpp_sde, dpmpp_2m_sde (midpoint; heun by
+option) and dpmpp_3m_sde.
 
 The SDE samplers work in half-log-SNR ``lambda = log(alpha / sigma)``: ``-log sigma`` for discrete models and
 ``-logit sigma`` for flow models (whose first sigma of 1 is moved to ``percent_to_sigma(1e-4)`` so lambda stays
 finite), and draw Brownian-tree noise (``step_noise``). Scalars stay 0-d float32 tensors as in ComfyUI, branch
 decisions read Python floats. Invariant: for the same denoiser, sigmas and noise sampler the result equals ComfyUI's
-sampler of the same name.
+sampler of the same name. Why the checks: a sampler that lacks its noise sampler or model sampling fails before the
+first model call with a ValueError naming the fix, instead of a TypeError mid-run.
 """
 from __future__ import annotations
 
 import torch
 
-from .samplers_basic import SamplerSpec, _ones, _report, ancestral_step
+from .samplers_basic import SamplerSpec, _ones, _report, ancestral_step, check_sigmas
 
 
 def _lambda(sigma, sampling):
@@ -21,15 +23,31 @@ def _sigma_of_lambda(half_log_snr, sampling):
     return half_log_snr.neg().sigmoid() if sampling.is_flow else half_log_snr.neg().exp()
 
 
+def _check_sde(name, sigmas, sampling, noise_sampler, eta, s_noise):
+    """The SDE samplers' inputs: sigmas, the model sampling (lambda depends on it) and, when they add noise, the
+    noise sampler ComfyUI would build (a Brownian tree seeded with the run's seed)."""
+    check_sigmas(name, sigmas)
+    if not hasattr(sampling, "is_flow") or not hasattr(sampling, "percent_to_sigma"):
+        raise ValueError(f"sampling={sampling!r}: {name} needs the model sampling (is_flow, percent_to_sigma); pass "
+                         f"model_sampling.model_sampling_for(engine)")
+    if noise_sampler is None and eta > 0 and s_noise > 0:
+        raise ValueError(f"noise_sampler=None: {name} adds noise at eta={eta}, s_noise={s_noise}; pass "
+                         f"registry.noise_sampler_for(spec, x, sigmas, seed, sampling) (a Brownian tree, as ComfyUI), "
+                         f"or eta=0 for the deterministic solver")
+
+
 def _offset_first(sigmas, sampling):
     """A flow model's first sigma of 1 (infinite lambda) moved just below it, as ComfyUI does; plus the floats."""
-    if len(sigmas) > 1 and sampling.is_flow and float(sigmas[0]) >= 1:
+    values = sigmas.tolist()
+    if len(values) > 1 and sampling.is_flow and values[0] >= 1:
         sigmas = sigmas.clone()
-        sigmas[0] = sampling.percent_to_sigma(1e-4)
-    return sigmas, sigmas.tolist()
+        sigmas[0] = values[0] = sampling.percent_to_sigma(1e-4)
+    return sigmas, values
 
 
 def sample_dpmpp_2m(denoiser, x, sigmas, *, sampling=None, noise_sampler=None, callback=None):
+    """Deterministic; ``-log sigma`` time on every model, as ComfyUI's (it has no flow branch)."""
+    check_sigmas("dpmpp_2m", sigmas)
     s_in, values = _ones(x), sigmas.tolist()
     old_denoised = None
     for i in range(len(sigmas) - 1):
@@ -49,6 +67,7 @@ def sample_dpmpp_2m(denoiser, x, sigmas, *, sampling=None, noise_sampler=None, c
 
 def sample_dpmpp_sde(denoiser, x, sigmas, *, sampling=None, noise_sampler=None, callback=None, eta=1.0, s_noise=1.0,
                      r=1 / 2):
+    _check_sde("dpmpp_sde", sigmas, sampling, noise_sampler, eta, s_noise)
     if len(sigmas) <= 1:
         return x
     s_in = _ones(x)
@@ -95,8 +114,11 @@ def _sde_noise(x, noise_sampler, sigmas, i, h, eta, s_noise):
 
 
 def sample_dpmpp_2m_sde(denoiser, x, sigmas, *, sampling=None, noise_sampler=None, callback=None, eta=1.0,
-                        s_noise=1.0):
-    """Solver type 'midpoint' (ComfyUI's default for this name)."""
+                        s_noise=1.0, solver_type="midpoint"):
+    """Second-order correction 'midpoint' (ComfyUI's default for this name) or 'heun'."""
+    if solver_type not in ("midpoint", "heun"):
+        raise ValueError(f"solver_type={solver_type!r}: dpmpp_2m_sde takes 'midpoint' (ComfyUI's default) or 'heun'")
+    _check_sde("dpmpp_2m_sde", sigmas, sampling, noise_sampler, eta, s_noise)
     if len(sigmas) <= 1:
         return x
     s_in = _ones(x)
@@ -114,7 +136,10 @@ def sample_dpmpp_2m_sde(denoiser, x, sigmas, *, sampling=None, noise_sampler=Non
             x, alpha_t = _sde_base_step(x, denoised, sigmas, i, h, h_eta, lambda_t, eta)
             if old_denoised is not None:
                 r = h_last / h
-                x = x + 0.5 * alpha_t * (-h_eta).expm1().neg() * (1 / r) * (denoised - old_denoised)
+                if solver_type == "heun":
+                    x = x + alpha_t * ((-h_eta).expm1().neg() / (-h_eta) + 1) * (1 / r) * (denoised - old_denoised)
+                else:
+                    x = x + 0.5 * alpha_t * (-h_eta).expm1().neg() * (1 / r) * (denoised - old_denoised)
             x = _sde_noise(x, noise_sampler, sigmas, i, h, eta, s_noise)
         old_denoised, h_last = denoised, h
     return x
@@ -122,6 +147,7 @@ def sample_dpmpp_2m_sde(denoiser, x, sigmas, *, sampling=None, noise_sampler=Non
 
 def sample_dpmpp_3m_sde(denoiser, x, sigmas, *, sampling=None, noise_sampler=None, callback=None, eta=1.0,
                         s_noise=1.0):
+    _check_sde("dpmpp_3m_sde", sigmas, sampling, noise_sampler, eta, s_noise)
     if len(sigmas) <= 1:
         return x
     s_in = _ones(x)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from leandiffusion.tests.integration.pack_worker import run_pack_worker
 from leandiffusion.sampling.ksampler.settings import SAMPLER_NAMES, SCHEDULER_NAMES
 from leandiffusion.tests.kit.clip_l import SD1_CLIP_L_CHECKPOINT
+from leandiffusion.tests.kit.comfy_worker import run_comfy_worker
 
 pytestmark = pytest.mark.comfyui
 WORKER = os.path.join(os.path.dirname(__file__), "comfy_ksampler.py")
@@ -60,7 +60,7 @@ CASES = _cases()
 @pytest.fixture(scope="module")
 def results(clip_l_model_files, tmp_path_factory):
     checkpoint = str(Path(clip_l_model_files) / "checkpoints" / SD1_CLIP_L_CHECKPOINT)
-    return run_pack_worker(WORKER, tmp_path_factory.mktemp("ksampler"), CASES, checkpoint)
+    return run_comfy_worker(WORKER, tmp_path_factory.mktemp("ksampler"), CASES, checkpoint)
 
 
 @pytest.mark.parametrize("case", [c["id"] for c in CASES])

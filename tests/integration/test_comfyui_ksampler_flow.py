@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from leandiffusion.tests.integration.pack_worker import run_pack_worker
 from leandiffusion.sampling.ksampler.settings import SAMPLER_NAMES, SCHEDULER_NAMES
+from leandiffusion.tests.kit.comfy_worker import run_comfy_worker
 
 pytestmark = pytest.mark.comfyui
 WORKER = os.path.join(os.path.dirname(__file__), "comfy_ksampler_flow.py")
@@ -38,7 +38,7 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_pack_worker(WORKER, tmp_path_factory.mktemp("ksampler_flow"), CASES)
+    return run_comfy_worker(WORKER, tmp_path_factory.mktemp("ksampler_flow"), CASES)
 
 
 @pytest.mark.parametrize("case", [c["id"] for c in CASES])

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from leandiffusion.sampling.ksampler.model_sampling import DiscreteSampling, FlowSampling
-from leandiffusion.sampling.ksampler.schedulers import calculate_sigmas, sigmas_for
-from leandiffusion.sampling.ksampler.settings import SCHEDULER_NAMES
+from leandiffusion.sampling.ksampler import settings
+from leandiffusion.sampling.ksampler.schedulers import DISCARD_PENULTIMATE, SCHEDULER_NAMES, calculate_sigmas, \
+    sigmas_for
 
 SD = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012, "num_train_timesteps": 1000}
 MODELS = {"eps": DiscreteSampling(SD, "epsilon"), "flow": FlowSampling(3.0)}
@@ -60,7 +61,25 @@ def test_beta_places_steps_at_beta_quantiles():
     assert sigmas[:-1].tolist() == [float(ms.sigmas[t]) for t in ts]
 
 
-@pytest.mark.parametrize("sampler", ["dpm_2", "uni_pc"])
+def test_the_names_are_comfyuis_in_its_order_and_the_nodes_offer_the_same():
+    assert SCHEDULER_NAMES == ("simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", "beta", "normal")
+    assert tuple(settings.SCHEDULER_NAMES) == SCHEDULER_NAMES
+
+
+def test_normal_and_sgm_uniform_space_timesteps_evenly():
+    ms = MODELS["eps"]
+    normal = calculate_sigmas(ms, "normal", 4)
+    ts = numpy.linspace(999, 0, 4)  # from sigma_max's timestep down to sigma_min's, both ends included
+    assert normal[:-1].tolist() == [float(ms.sigma(torch.tensor(float(t)))) for t in ts]
+    sgm = calculate_sigmas(ms, "sgm_uniform", 4)
+    assert sgm[:-1].tolist() == [float(ms.sigma(torch.tensor(float(t)))) for t in numpy.linspace(999, 0, 5)[:-1]]
+    flow = MODELS["flow"]  # timestep = 1000 sigma, sigma(t) = shift(t / 1000): the smallest sigma is shifted twice
+    got = calculate_sigmas(flow, "normal", 3)[:-1].double().numpy()
+    s = numpy.linspace(1.0, flow.sigma_min, 3)
+    assert got == pytest.approx(3 * s / (1 + 2 * s), abs=1e-6)
+
+
+@pytest.mark.parametrize("sampler", sorted(DISCARD_PENULTIMATE))
 def test_samplers_that_discard_the_penultimate_sigma_get_one_more_step_and_lose_it(sampler):
     ms = MODELS["eps"]
     plain = calculate_sigmas(ms, "karras", 6)
@@ -69,17 +88,30 @@ def test_samplers_that_discard_the_penultimate_sigma_get_one_more_step_and_lose_
     assert len(calculate_sigmas(ms, "karras", 6, sampler)) == len(plain)
 
 
+def test_the_penultimate_sigma_rule_names_comfyuis_four_samplers():
+    assert DISCARD_PENULTIMATE == {"dpm_2", "dpm_2_ancestral", "uni_pc", "uni_pc_bh2"}
+    assert len(sigmas_for(MODELS["eps"], "simple", 5, 1.0, "euler")) == 6
+    assert torch.equal(sigmas_for(MODELS["eps"], "simple", 5, 0.5, "dpm_2"),
+                       calculate_sigmas(MODELS["eps"], "simple", 10, "dpm_2")[-6:])
+
+
 def test_denoise_keeps_the_tail_of_a_longer_schedule_and_zero_keeps_nothing():
     ms = MODELS["eps"]
     tail = sigmas_for(ms, "normal", 6, 0.5, "euler")
     assert torch.equal(tail, calculate_sigmas(ms, "normal", 12)[-7:])
     assert torch.equal(sigmas_for(ms, "normal", 6, 1.0, "euler"), calculate_sigmas(ms, "normal", 6))
     assert sigmas_for(ms, "normal", 6, 0.0, "euler").numel() == 0
+    assert torch.equal(sigmas_for(ms, "karras", 3, 0.6, "euler"), calculate_sigmas(ms, "karras", 5)[-4:])  # int(5.0)
+    assert torch.equal(sigmas_for(ms, "karras", 3, 0.99995, "euler"), calculate_sigmas(ms, "karras", 3))
 
 
-@pytest.mark.parametrize("kwargs, match", [({"scheduler": "linear_quadratic"}, "scheduler='linear_quadratic'"),
-                                           ({"steps": 0}, "steps=0"), ({"denoise": 1.5}, "denoise=1.5")])
-def test_bad_inputs_are_refused_by_name(kwargs, match):
-    args = {"scheduler": "karras", "steps": 4, "denoise": 1.0, **kwargs}
-    with pytest.raises(ValueError, match=match):
-        sigmas_for(MODELS["eps"], args["scheduler"], args["steps"], args["denoise"], "euler")
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"scheduler": "linear_quadratic"}, ValueError, "scheduler='linear_quadratic'"),
+    ({"steps": 0}, ValueError, "steps=0"), ({"steps": 2.5}, TypeError, "steps=2.5"),
+    ({"steps": True}, TypeError, "steps=True"), ({"denoise": 1.5}, ValueError, "denoise=1.5"),
+    ({"denoise": -0.1}, ValueError, "denoise=-0.1"), ({"denoise": float("nan")}, TypeError, "denoise=nan"),
+    ({"denoise": 1e-7}, ValueError, "denoise=1e-07"), ({"sampler_name": None}, TypeError, "sampler_name=None")])
+def test_bad_inputs_are_refused_by_name(kwargs, error, match):
+    args = {"scheduler": "karras", "steps": 4, "denoise": 1.0, "sampler_name": "euler", **kwargs}
+    with pytest.raises(error, match=match):
+        sigmas_for(MODELS["eps"], args["scheduler"], args["steps"], args["denoise"], args["sampler_name"])
