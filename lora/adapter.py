@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .architectures import check_family
+from ..memory.families import check_node_runs
 from ..memory.fp8_weights import is_fp8_layer, storage_name
 from .keymap import Target, resolve
 from .loader import load_lora
@@ -141,6 +142,7 @@ def inject_lora(engine, lora_path: str | Path, strength: float = 1.0, strength_t
     if not all(hasattr(engine, a) for a in ("parts", "placement", "adapters", "with_adapter", "stage_device")):
         raise TypeError(f"lean_model: expected a LEAN_MODEL from the Memory Pool Loader, got "
                         f"{type(engine).__name__}; connect the loader's (or another LoRA node's) lean_model output")
+    check_node_runs(engine.family, "Dynamic LoRA Injector")
     strength = _check_strength("strength", strength)
     strength_text_encoder = _check_strength("strength_text_encoder", strength_text_encoder)
     if mode not in MODES:

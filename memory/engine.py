@@ -44,7 +44,7 @@ class ModelParts:
     ``unet`` holds the family's denoiser, whatever its architecture (a UNet, or a DiT such as Z-Image's
     transformer): the ``unet`` stage runs it, so policies, streaming and adapters treat every family alike."""
 
-    family: str  # "sd1", "sd2", "sd2-v", "sdxl", "zimage"
+    family: str  # "sd1", "sd2", "sd2-v", "sdxl", "zimage", "qwen_image"
     unet: torch.nn.Module
     vae: torch.nn.Module
     text_encoder: torch.nn.Module
@@ -84,7 +84,9 @@ class ModelParts:
 
     @property
     def latent_channels(self) -> int:
-        return int(self.vae.config.latent_channels)
+        """The VAE's latent channels (``z_dim`` in the config of Qwen-Image's ``AutoencoderKLQwenImage``)."""
+        config = self.vae.config
+        return int(config.latent_channels if hasattr(config, "latent_channels") else config.z_dim)
 
 
 class Placement(Protocol):

@@ -234,3 +234,12 @@ def _defaults_table() -> dict:
 def is_dit_family(name: str) -> bool:
     """Whether ``name``'s denoiser is a flow-matching DiT (sampled by the flow sampler, not DDIM)."""
     return family_defaults(name).get("denoiser") == "dit"
+
+
+def check_node_runs(family: str, node: str) -> None:
+    """``ValueError`` naming ``lean_model`` when ``node`` does not run ``family`` yet (its ``nodes_not_yet`` row in
+    ``families.json``: node -> what to do instead); checked before the node opens any stage."""
+    row = _defaults_table().get(family, {})  # a family without a row (a test stand-in) runs everywhere it did
+    fix = row.get("nodes_not_yet", {}).get(node)
+    if fix is not None:
+        raise ValueError(f"lean_model is a {family} model ({row['display']}); the {node} does not run it yet: {fix}")

@@ -2,9 +2,10 @@
 
 Invariant: components load with diffusers' / transformers' own ``from_pretrained(local_files_only=True)``, each
 weight then in memory of its own, never a view of a file on disk (``torchfile.own_file_backed``); the
-family comes from a declarative table of pipeline classes plus the UNet config (SD1 vs SD2 by the UNet's
-projection style, the one architectural difference) and the scheduler's ``prediction_type``. Tokenizers: the
-folder's own ``tokenizer``/``tokenizer_2``, else the single-file search order of ``memory/tokenizers.py``.
+family comes from a declarative table of pipeline classes (``model_index.json``'s ``_class_name``, never the
+folder's name) plus the UNet config (SD1 vs SD2 by the UNet's projection style, the one architectural difference)
+and the scheduler's ``prediction_type``. Tokenizers: the folder's own ``tokenizer``/``tokenizer_2``, else the
+single-file search order of ``memory/tokenizers.py``; a DiT folder (Z-Image, Qwen-Image) must carry its own.
 """
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ logger = logging.getLogger(__name__)
 PIPELINES = {
     "StableDiffusionPipeline": "sd", "StableDiffusionImg2ImgPipeline": "sd", "StableDiffusionXLPipeline": "sdxl",
     "StableDiffusionXLImg2ImgPipeline": "sdxl", "ZImagePipeline": "zimage", "ZImageImg2ImgPipeline": "zimage",
+    "QwenImagePipeline": "qwen_image", "QwenImageImg2ImgPipeline": "qwen_image",
+}
+# pipeline class -> (family, model) this pack will run but does not yet (refused with "not supported yet").
+NOT_YET = {
+    "QwenImageEditPipeline": ("qwen_image_edit", "Qwen-Image-Edit"),
+    "QwenImageEditPlusPipeline": ("qwen_image_edit", "Qwen-Image-Edit Plus"),
 }
 REFUSED = {
     "StableDiffusion3Pipeline": "sd3 (Stable Diffusion 3 / 3.5)", "FluxPipeline": "flux (Flux)",
@@ -58,12 +65,17 @@ def load_diffusers_folder(folder: Path) -> dict:
     if cls in REFUSED:
         raise UnsupportedFamilyError(f"model={folder.name!r}: detected family '{REFUSED[cls]}' ({cls}), which "
                                      f"LeanDiffusion does not run; supported families are SD1.x, SD2.x and SDXL base")
+    if cls in NOT_YET:
+        family, display = NOT_YET[cls]
+        raise UnsupportedFamilyError(f"model={folder.name!r}: detected family '{family}' ({display}, {cls}), which "
+                                     f"is not supported yet; Qwen-Image text-to-image folders (QwenImagePipeline) "
+                                     f"load")
     kind = PIPELINES.get(cls)
     if kind is None:
         raise UnsupportedFamilyError(f"model={folder.name!r}: pipeline class {cls!r} is not an SD1.x/SD2.x/SDXL "
-                                     f"or Z-Image text-to-image pipeline")
-    if kind == "zimage":
-        return load_zimage_folder(folder)
+                                     f"or Z-Image text-to-image pipeline (nor Qwen-Image's QwenImagePipeline)")
+    if kind in DIT_FOLDERS:
+        return DIT_FOLDERS[kind](folder)
     for part in ("unet", "vae", "text_encoder") + (("text_encoder_2",) if kind == "sdxl" else ()):
         if not (folder / part).is_dir():
             what = "an SDXL refiner (no first text encoder)" if part == "text_encoder" and kind == "sdxl" else "incomplete"
@@ -97,24 +109,50 @@ def load_zimage_folder(folder: Path) -> dict:
     """A Z-Image components dict (``transformer``, Qwen3 ``text_encoder``, ``tokenizer``, 16-channel ``vae``,
     ``scheduler_config``) from a ``ZImagePipeline`` folder, as ``memory.tiny_zimage.build_tiny_zimage`` returns."""
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
-    from transformers import AutoTokenizer, Qwen3Model
+    from transformers import Qwen3Model
 
-    for part in ("transformer", "vae", "text_encoder", "tokenizer"):
+    return _dit_folder(folder, "zimage", "Z-Image", {"transformer": ZImageTransformer2DModel,
+                                                     "text_encoder": Qwen3Model, "vae": AutoencoderKL})
+
+
+def load_qwen_image_folder(folder: Path) -> dict:
+    """A Qwen-Image components dict from a ``QwenImagePipeline`` folder: ``transformer``, ``vae``
+    (``AutoencoderKLQwenImage``), ``tokenizer``, ``scheduler_config`` and as ``text_encoder`` the *language model*
+    of the folder's ``Qwen2_5_VLForConditionalGeneration``: text-to-image reads only its last hidden state over
+    text, so the vision tower and the LM head are dropped after loading (a decoder-only model, as Z-Image's)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    components = _dit_folder(folder, "qwen_image", "Qwen-Image",
+                             {"transformer": QwenImageTransformer2DModel,
+                              "text_encoder": Qwen2_5_VLForConditionalGeneration, "vae": AutoencoderKLQwenImage})
+    model = components["text_encoder"].model
+    components["text_encoder"] = getattr(model, "language_model", model)  # transformers < 4.52: the text model
+    return components
+
+
+DIT_FOLDERS = {"zimage": load_zimage_folder, "qwen_image": load_qwen_image_folder}
+
+
+def _dit_folder(folder: Path, family: str, display: str, classes: dict) -> dict:
+    """``family``'s components from a DiT pipeline folder: each module of ``classes`` (sub-folder -> class), the
+    ``tokenizer`` (``AutoTokenizer``) and the scheduler config; a missing sub-folder is refused first."""
+    from transformers import AutoTokenizer
+
+    for part in (*classes, "tokenizer"):
         if not (folder / part).is_dir():
-            raise UnsupportedFamilyError(f"model={folder.name!r}: the Z-Image folder has no '{part}' sub-folder "
+            raise UnsupportedFamilyError(f"model={folder.name!r}: the {display} folder has no '{part}' sub-folder "
                                          f"(incomplete download); re-download the whole folder")
     kw = dict(local_files_only=True)
-    components = {"family": "zimage", "transformer": _component(folder, "transformer", ZImageTransformer2DModel, kw),
-                  "text_encoder": _component(folder, "text_encoder", Qwen3Model, kw),
-                  "vae": _component(folder, "vae", AutoencoderKL, kw)}
+    components = {"family": family, **{part: _component(folder, part, cls, kw) for part, cls in classes.items()}}
     try:
         components["tokenizer"] = AutoTokenizer.from_pretrained(str(folder / "tokenizer"), **kw)
     except (OSError, ValueError) as exc:
         raise ValueError(f"model={folder.name!r}: the 'tokenizer' sub-folder could not be loaded "
                          f"({load_error_reason(exc)}); re-download the folder") from exc
-    _, components["scheduler_config"] = _scheduler_config(folder, "zimage")
-    for module in ("transformer", "text_encoder", "vae"):
-        components[module].eval().requires_grad_(False)
+    _, components["scheduler_config"] = _scheduler_config(folder, family)
+    for part in classes:
+        components[part].eval().requires_grad_(False)
     return components
 
 

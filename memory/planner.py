@@ -15,6 +15,8 @@ Per policy (``T``, ``U``, ``V``: text, UNet, VAE weight bytes; ``act``: the UNet
   A budget below the working minimum (``stream_minimum_bytes``) is refused with that number.
 - ``auto``: the first of full > balanced > lowvram whose peak fits ``free_vram.usable_free_bytes``, else ``stream``
   at that many bytes (on the CPU: ``full``).
+A family whose ``families.json`` row lists ``vram_policies`` is refused under any other (``check_family_policy``),
+requested or chosen by ``auto``, before anything is placed.
 
 Planning runs on the ``meta`` device (``unet_units.trace_units``): it allocates nothing.
 """
@@ -27,6 +29,7 @@ from typing import Optional
 import torch
 
 from .engine import ModelParts, modules_of_stage
+from .families import family_defaults
 from .fp8_weights import storage_name
 from .free_vram import FREE_FRACTION, usable_free_bytes
 from .plan import GiB, MemoryPlan, activation_bytes, gb, module_bytes
@@ -77,7 +80,20 @@ def plan_placement(parts: ModelParts, config: PolicyConfig, free: Optional[int],
                                           config.working_shape)
     if config.requested == VramPolicy.AUTO:
         config = _resolve_auto(parts, config, units, act, sizes, free, text)
+    check_family_policy(parts.family, config)
     return plan_policy(parts, config, units, act, sizes, name, text)
+
+
+def check_family_policy(family: str, config: PolicyConfig) -> None:
+    """``ValueError`` naming ``vram_policy`` when ``family`` does not run under the (resolved) policy yet (its
+    ``vram_policies`` in ``families.json``; every policy when it lists none)."""
+    allowed = family_defaults(family).get("vram_policies")
+    if allowed is None or config.policy.value in allowed:
+        return
+    chosen = f"'auto' chose '{config.policy.value}' (too little free VRAM for the others)" \
+        if config.requested == VramPolicy.AUTO else f"'{config.policy.value}'"
+    raise ValueError(f"vram_policy={config.requested.value!r}: {chosen} is not supported yet for {family}; use "
+                     f"one of {', '.join(repr(p) for p in allowed)}")
 
 
 def _resolve_auto(parts, config: PolicyConfig, units, act: int, sizes: dict, free: Optional[int],

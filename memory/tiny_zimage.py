@@ -59,16 +59,23 @@ def text_config(vocab_size: int):
                        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
 
 
-def build_qwen_tokenizer():
-    """A byte-level BPE tokenizer without merges (every byte one token) plus Qwen's special tokens and chat
-    template, as a ``PreTrainedTokenizerFast`` (what ``AutoTokenizer`` loads back from its saved folder)."""
+def build_qwen_tokenizer(whole_words: str = ""):
+    """A byte-level BPE tokenizer plus Qwen's special tokens and chat template, as a ``PreTrainedTokenizerFast``
+    (what ``AutoTokenizer`` loads back from its saved folder). Every byte is one token, except the pre-tokenized
+    words of ``whole_words``, each merged into one token (as a real Qwen vocabulary holds common words whole)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = []
+    for word, _ in pre.pre_tokenize_str(whole_words):
+        for end in range(2, len(word) + 1):  # left to right: (w[:1], w[1]), (w[:2], w[2]), ...
+            if word[:end] not in vocab:
+                vocab[word[:end]] = len(vocab)
+                merges.append((word[:end - 1], word[end - 1]))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    core.pre_tokenizer = pre
     core.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|endoftext|>",
                                         eos_token="<|im_end|>", model_max_length=1024)
@@ -108,12 +115,19 @@ def build_tiny_zimage(seed: int = 0) -> dict:
 
 def save_zimage_folder(components: dict, folder: str | Path) -> Path:
     """Save ``components`` as a diffusers ``ZImagePipeline`` folder (what ``from_pretrained`` reads back)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    from diffusers import ZImagePipeline
+
+    return save_flow_pipeline_folder(ZImagePipeline, components, folder)
+
+
+def save_flow_pipeline_folder(pipeline_class, components: dict, folder: str | Path) -> Path:
+    """Save a DiT components dict (``transformer``, ``text_encoder``, ``tokenizer``, ``vae``, a
+    ``FlowMatchEulerDiscreteScheduler`` config) as a diffusers folder of ``pipeline_class``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     folder = Path(folder)
     scheduler = FlowMatchEulerDiscreteScheduler(**components["scheduler_config"])
-    pipe = ZImagePipeline(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
+    pipe = pipeline_class(scheduler=scheduler, vae=components["vae"], text_encoder=components["text_encoder"],
                           tokenizer=components["tokenizer"], transformer=components["transformer"])
     pipe.save_pretrained(str(folder))
     return folder
-

@@ -1,8 +1,10 @@
-"""Fused Flow Sampler node (``LeanFlowSampler``): argument plumbing over ``sampling.flow.loop.sample_flow``."""
+"""Fused Flow Sampler node (``LeanFlowSampler``): argument plumbing over ``sampling.flow.loop.sample_flow`` (Z-Image)
+and ``sampling.qwen.loop.sample_qwen_image`` (a Qwen-Image model)."""
 from __future__ import annotations
 
 from ..sampling.flow.loop import sample_flow
 from ..sampling.flow.settings import SIZE_MULTIPLE, FlowSettings
+from ..sampling.qwen.loop import is_qwen_image, sample_qwen_image
 from ..sampling.settings import ACCELERATIONS, MAX_SEED
 
 
@@ -10,7 +12,8 @@ class LeanFlowSampler:
     DESCRIPTION = ("Flow-matching sampling for Z-Image that reproduces diffusers' ZImagePipeline (same seed, same "
                    "latent), with the guidance combine and the Euler step fused into one kernel and the whole step "
                    "replayed as a CUDA graph (optionally torch.compile'd). Connect a latent for img2img, and Qwen3 "
-                   "CONDITIONING to replace the prompt strings.")
+                   "CONDITIONING to replace the prompt strings. A Qwen-Image model runs diffusers' QwenImagePipeline's "
+                   "text-to-image loop (cfg is its true_cfg_scale), eager, without latent or CONDITIONING inputs.")
     CATEGORY = "LeanDiffusion/sampling"
     FUNCTION = "run"
     RETURN_TYPES = ("LATENT",)
@@ -74,8 +77,9 @@ class LeanFlowSampler:
             latent_image=None, denoise=1.0, positive_cond=None, negative_cond=None):
         settings = FlowSettings(positive=positive, negative=negative, seed=seed, steps=steps, cfg=cfg, width=width,
                                 height=height, batch_size=batch_size, acceleration=acceleration, denoise=denoise)
-        return (sample_flow(lean_model, settings, latent_image=latent_image, positive_cond=positive_cond,
-                            negative_cond=negative_cond),)
+        sample = sample_qwen_image if is_qwen_image(lean_model) else sample_flow
+        return (sample(lean_model, settings, latent_image=latent_image, positive_cond=positive_cond,
+                       negative_cond=negative_cond),)
 
 
 NODE_CLASS_MAPPINGS = {"LeanFlowSampler": LeanFlowSampler}

@@ -66,9 +66,9 @@ def opened_sessions(monkeypatch):
     opened = []
     real = LeanEngine.session
 
-    def session(self, stage):
+    def session(self, stage, *args, **kwargs):
         opened.append(stage)
-        return real(self, stage)
+        return real(self, stage, *args, **kwargs)
 
     monkeypatch.setattr(LeanEngine, "session", session)
     return opened

@@ -16,6 +16,7 @@ import torch
 
 from .. import bridge
 from ..memory.budget import room_bytes
+from ..memory.families import check_node_runs
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,5 +68,6 @@ def resolve_target(lean_model=None, vae=None) -> VaeTarget:
     if lean_model is not None:
         if not hasattr(lean_model, "parts") or not hasattr(lean_model, "session"):
             raise TypeError(f"lean_model: expected a LEAN_MODEL engine, got {type(lean_model).__name__}")
+        check_node_runs(lean_model.parts.family, "Tiled VAE Decode / Encode")
         return from_engine(lean_model)
     return from_comfy(vae)

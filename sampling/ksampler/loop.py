@@ -26,6 +26,7 @@ import torch
 
 from ... import bridge
 from ...memory.engine import LeanEngine
+from ...memory.families import check_node_runs
 from ..graph_runner import GraphRunner
 from ..latent_input import batch_index_of, check_latent, check_latent_size, initial_noise
 from ..loop import vae_scale_factor
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 def check_engine(engine: Any) -> LeanEngine:
     if not isinstance(engine, LeanEngine):
         raise TypeError(f"lean_model: expected a LEAN_MODEL from a Memory Pool Loader, got {type(engine).__name__}")
+    check_node_runs(engine.family, "Fused KSampler")
     return engine
 
 

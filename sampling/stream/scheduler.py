@@ -58,6 +58,7 @@ from ...memory.host_memory import check_host_bytes
 from ...memory.out_of_memory import is_out_of_memory
 from ...memory.cap import allocator_cap, release_library_workspaces
 from ...memory.engine import LeanEngine
+from ...memory.families import check_node_runs
 from .. import ddim
 from ..graph_runner import GraphRunner, default_runner
 from ..loop import vae_scale_factor
@@ -174,6 +175,7 @@ def run_stream(engine: LeanEngine, settings: StreamSettings, runner: Optional[Gr
     """
     if not isinstance(engine, LeanEngine):
         raise TypeError(f"lean_model: expected a LEAN_MODEL from the Memory Pool Loader, got {type(engine).__name__}")
+    check_node_runs(engine.family, "Stream Scheduler Sampler")
     if not isinstance(settings, StreamSettings):
         raise TypeError(f"settings: expected a StreamSettings, got {type(settings).__name__}")
     rows = 0 if positive_cond is None else conditioning_rows(positive_cond, "positive_cond")

@@ -1,0 +1,26 @@
+"""Shared fixtures of the Qwen-Image sampling tests: a tiny Qwen-Image saved as a diffusers folder, the diffusers
+pipeline loaded back from it (the reference) and engines our loader built from the same folder, with the text
+stage resident (``full``) and on the CPU (``lowvram``)."""
+import pytest
+from diffusers import QwenImagePipeline
+
+from leandiffusion.memory.load import load_engine
+from leandiffusion.memory.tiny_qwen_image import build_tiny_qwen_image, save_qwen_image_folder
+
+
+@pytest.fixture(scope="package")
+def qwen_folder(tmp_path_factory):
+    """``<models>/diffusers/tiny-qwen``: the tiny Qwen-Image (seed 1) as a QwenImagePipeline folder."""
+    return save_qwen_image_folder(build_tiny_qwen_image(seed=1),
+                                  tmp_path_factory.mktemp("models") / "diffusers" / "tiny-qwen")
+
+
+@pytest.fixture(scope="package")
+def qwen_pipe(qwen_folder):
+    return QwenImagePipeline.from_pretrained(str(qwen_folder), local_files_only=True)
+
+
+@pytest.fixture(params=["full", "lowvram"])
+def qwen_engine(qwen_folder, monkeypatch, request):
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(qwen_folder.parent.parent))
+    return load_engine(qwen_folder.name, request.param, device="cpu")

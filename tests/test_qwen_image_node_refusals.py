@@ -1,0 +1,71 @@
+"""A Qwen-Image LEAN_MODEL (family ``qwen_image``) loads, but only the Fused Flow Sampler runs it so far: the Fused
+KSampler, the Stream Scheduler Sampler, the Dynamic LoRA Injector and the Tiled VAE nodes refuse it with one error
+naming ``lean_model``, the family and what to do instead, before any stage opens (the family's ``nodes_not_yet``
+row in ``families.json``). The Fused DDIM Sampler refuses it as a flow-matching DiT."""
+import pytest
+import torch
+
+from leandiffusion.memory.load import load_engine
+from leandiffusion.memory.tiny_qwen_image import build_tiny_qwen_image, save_qwen_image_folder
+
+NOT_YET = r"lean_model is a qwen_image model \(Qwen-Image \(MMDiT\)\); the {node} does not run it yet: {fix}"
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory):
+    return save_qwen_image_folder(build_tiny_qwen_image(seed=0),
+                                  tmp_path_factory.mktemp("models") / "diffusers" / "tiny-qwen")
+
+
+@pytest.fixture
+def engine(qwen_folder, monkeypatch):
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(qwen_folder.parent.parent))
+    return load_engine(qwen_folder.name, "full", device="cpu")
+
+
+def test_the_fused_ksampler_refuses_it(engine, opened_sessions):
+    from leandiffusion.nodes.ksampler import LeanKSampler
+
+    with pytest.raises(ValueError, match=NOT_YET.format(node="Fused KSampler",
+                                                        fix="sample it with the Fused Flow Sampler")):
+        LeanKSampler().run(engine, 0, 2, 1.0, "euler", "simple", {"samples": torch.zeros(1, 16, 4, 4)}, 1.0, "none")
+    assert opened_sessions == []
+
+
+def test_the_stream_scheduler_refuses_it(engine, opened_sessions):
+    from leandiffusion.sampling.stream.scheduler import run_stream
+
+    with pytest.raises(ValueError, match=NOT_YET.format(node="Stream Scheduler Sampler",
+                                                        fix="sample it with the Fused Flow Sampler")):
+        run_stream(engine, None)
+    assert opened_sessions == []
+
+
+def test_the_lora_injector_refuses_it(engine, tmp_path):
+    from leandiffusion.lora.adapter import inject_lora
+
+    with pytest.raises(ValueError, match=NOT_YET.format(node="Dynamic LoRA Injector",
+                                                        fix="run the model without a LoRA")):
+        inject_lora(engine, tmp_path / "any.safetensors")
+    assert engine.adapters == ()
+
+
+@pytest.mark.parametrize("method", ["decode", "encode"])
+def test_the_tiled_vae_nodes_refuse_it(engine, method, opened_sessions):
+    from leandiffusion.nodes.vae import LeanTiledVAEDecode, LeanTiledVAEEncode
+
+    node, value = ((LeanTiledVAEDecode(), {"samples": torch.zeros(1, 16, 4, 4)}) if method == "decode"
+                   else (LeanTiledVAEEncode(), torch.zeros(1, 32, 32, 3)))
+    with pytest.raises(ValueError, match=NOT_YET.format(node="Tiled VAE Decode / Encode",
+                                                        fix="decode the LATENT with ComfyUI's own VAE Decode")):
+        getattr(node, method)(value, lean_model=engine)
+    assert opened_sessions == []
+
+
+def test_the_fused_ddim_sampler_refuses_it_as_a_flow_dit(engine, opened_sessions):
+    from leandiffusion.sampling.loop import sample
+    from leandiffusion.sampling.settings import SamplerSettings
+
+    with pytest.raises(ValueError, match=r"lean_model is a qwen_image model \(a flow-matching DiT\)"):
+        sample(engine, SamplerSettings("a cat"))
+    assert opened_sessions == []
