@@ -1,10 +1,11 @@
-"""The Qwen tokenizer for Z-Image split files, from files already on this machine (nothing is ever fetched).
+"""The Qwen tokenizer for Z-Image / Qwen-Image split files, from files already on this machine (never fetched).
 
 Split files carry no tokenizer. Search order:
-1. the ``tokenizer`` sub-folder of a Z-Image diffusers folder in ``models/diffusers`` (a folder whose
-   ``model_index.json`` names a Z-Image pipeline; the first in name order that has tokenizer files);
+1. the ``tokenizer`` sub-folder of a diffusers folder of the same family in ``models/diffusers`` (a folder whose
+   ``model_index.json`` names a Z-Image, resp. Qwen-Image, pipeline; the first in name order that has tokenizer
+   files);
 2. ComfyUI's bundled Qwen tokenizer (``comfy/text_encoders/qwen25_tokenizer``, through the bridge, only inside
-   ComfyUI): Qwen3 shares Qwen2.5's vocabulary and chat tokens;
+   ComfyUI; ComfyUI's Qwen-Image uses it too): Qwen3 shares Qwen2.5's vocabulary and chat tokens;
 3. otherwise ``ValueError`` saying where to put the files.
 
 Invariant: the tokenizer returned tokenizes the chat markers the flow sampler renders (``<|im_start|>``,
@@ -24,6 +25,7 @@ from .folders import PIPELINES
 logger = logging.getLogger(__name__)
 
 CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
+WHERE_FROM = {"zimage": "Z-Image (Tongyi-MAI/Z-Image-Turbo)", "qwen_image": "Qwen-Image (Qwen/Qwen-Image)"}
 
 
 def _has_files(folder: Path) -> bool:
@@ -31,22 +33,23 @@ def _has_files(folder: Path) -> bool:
                                                      and (folder / "merges.txt").is_file())
 
 
-def _zimage_folder_tokenizer(name: str) -> Optional[Path]:
+def _folder_tokenizer(name: str, family: str) -> Optional[Path]:
     try:
         folder = bridge.resolve_model("diffusers", name, "diffusers folder")
         index = json.loads((folder / "model_index.json").read_text())
     except (OSError, ValueError) as exc:  # an unreadable folder is skipped: it is not this input's file
         logger.debug("skipping diffusers folder %s while looking for a Qwen tokenizer: %s", name, exc)
         return None
-    if not isinstance(index, dict) or PIPELINES.get(index.get("_class_name")) != "zimage":
+    if not isinstance(index, dict) or PIPELINES.get(index.get("_class_name")) != family:
         return None
     return folder / "tokenizer" if _has_files(folder / "tokenizer") else None
 
 
-def find_qwen_tokenizer_dir() -> Path:
-    """The folder to load the Qwen tokenizer from (see the module docstring for the order)."""
+def find_qwen_tokenizer_dir(family: str = "zimage") -> Path:
+    """The folder to load the Qwen tokenizer of ``family`` (``zimage`` or ``qwen_image``) from (see the module
+    docstring for the order)."""
     for name in bridge.list_models("diffusers", marker="model_index.json"):
-        found = _zimage_folder_tokenizer(name)
+        found = _folder_tokenizer(name, family)
         if found is not None:
             return found
     comfy = bridge.comfy_qwen_tokenizer_dir()
@@ -55,8 +58,8 @@ def find_qwen_tokenizer_dir() -> Path:
     raise ValueError(
         "text_encoder: no Qwen tokenizer files found (split files carry none); inside ComfyUI they come from "
         "comfy/text_encoders/qwen25_tokenizer. Outside ComfyUI put the tokenizer/ sub-folder and model_index.json "
-        "of a Z-Image diffusers model (Tongyi-MAI/Z-Image-Turbo) into models/diffusers/<any name>/; no other file "
-        "of that folder is needed")
+        f"of a {WHERE_FROM.get(family, WHERE_FROM['zimage'])} diffusers model into models/diffusers/<any name>/; no "
+        "other file of that folder is needed")
 
 
 def load_qwen_tokenizer(folder: Path):

@@ -1,11 +1,14 @@
-"""ComfyUI's split layout of Z-Image (a diffusion model, a text encoder and a VAE file) -> an engine, offline.
+"""ComfyUI's split layout of Z-Image or Qwen-Image (a diffusion model, a text encoder and a VAE file) -> an engine.
 
-Pipeline: resolve the three names -> read the three safetensors headers -> detect each file's part and key layout
-(``memory/zimage_layouts.py``) and check that the files fit each other -> find the Qwen tokenizer
-(``memory/qwen_tokenizer.py``) -> only then read tensors, file by file: upcast fp8 (``memory/fp8_upcast.py``),
-convert to diffusers' layout with diffusers' own converters (``convert_z_image_transformer_checkpoint_to_diffusers``,
-``convert_ldm_vae_checkpoint``; the Qwen3 file only loses its ``model.`` prefix and ``lm_head``), infer the config
-from shapes (``memory/zimage_configs.py``) and load strictly into meta-built modules.
+Pipeline: resolve the three names -> read the three safetensors headers -> detect each file's part, model and key
+layout (``memory/zimage_layouts.py``, ``memory/qwen_image_layouts.py``), take the family the files agree on (the
+diffusion model's, unless the other two agree on another: then the diffusion model is the odd one) and check that
+the files fit each other -> find the Qwen tokenizer (``memory/qwen_tokenizer.py``) -> only then read tensors, file
+by file: upcast fp8 (``memory/fp8_upcast.py``), convert to diffusers' layout with diffusers' own converters
+(Z-Image: ``convert_z_image_transformer_checkpoint_to_diffusers``, ``convert_ldm_vae_checkpoint``; Qwen-Image:
+``convert_wan_vae_to_diffusers``; the DiTs otherwise only lose ComfyUI's prefix, the Qwen3 / Qwen2.5-VL files
+their ``model.`` prefix, ``lm_head`` and vision tower), infer the config from shapes (``memory/zimage_configs.py``,
+``memory/qwen_image_layouts.py``) and load strictly into meta-built modules.
 
 Invariants
 - Every input is checked (names, what each file holds, that they fit together, the tokenizer) before any tensor
@@ -32,13 +35,20 @@ from .ldm import build_module, read_header, read_tensors
 from .load import load_engine_from
 from .qwen_tokenizer import find_qwen_tokenizer_dir, load_qwen_tokenizer
 from .zimage_configs import qwen3_config, transformer_config, vae_config
-from .zimage_layouts import DIT_PREFIX, INPUTS, TEXT_PREFIX, Layout, check_together, detect_layout
+from . import qwen_image_layouts as qwen_layouts
+from . import zimage_layouts
+from .keyrules import first_match
+from .zimage_layouts import DIT_PREFIX, INPUTS, TEXT_PREFIX, WHERE, Layout
 
 logger = logging.getLogger(__name__)
 
 # part -> the model folder its input lists (ComfyUI's names; the older ``unet`` / ``clip`` are searched too)
 FOLDERS = {"transformer": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
 EXTENSIONS = (".safetensors",)
+REGISTRY = qwen_layouts.ROWS + zimage_layouts.REGISTRY  # first match wins; the rows of the two never overlap
+MODELS = {"zimage": "Z-Image", "qwen_image": qwen_layouts.MODEL}
+WANTED = {"zimage": zimage_layouts.WANTED, "qwen_image": qwen_layouts.WANTED}
+ROLES = ("transformer", "text_encoder", "vae")
 
 
 @dataclass(frozen=True)
@@ -59,18 +69,58 @@ def split_choices(role: str) -> list[str]:
     return bridge.list_models(FOLDERS[role], EXTENSIONS)
 
 
-def inspect_split_files(diffusion_model: str, text_encoder: str, vae: str) -> dict[str, SplitFile]:
-    """Resolve the three names, read their headers and detect each file's layout; ``ValueError`` for a name that
-    does not resolve, a file that is another part or model, or files that do not fit each other."""
+def _fix(family: str, role: str) -> str:
+    return zimage_layouts._fix(role, WANTED[family])
+
+
+def _agreed_family(rows: dict) -> str:
+    """The diffusion model's family when another input agrees, else the family the other two agree on (the
+    diffusion model is then the odd input), else the diffusion model's (Z-Image when nothing is known)."""
+    fam = {role: row.family for role, row in rows.items() if row is not None and row.role == role and row.supported}
+    dit = fam.get("transformer")
+    if dit and dit in (fam.get("text_encoder"), fam.get("vae")):
+        return dit
+    if fam.get("text_encoder") and fam.get("text_encoder") == fam.get("vae"):
+        return fam["text_encoder"]
+    return dit or fam.get("text_encoder") or fam.get("vae") or "zimage"
+
+
+def detect_layouts(shapes: dict, names: dict) -> tuple[str, dict]:
+    """(family, role -> registry row) for the three headers; ``ValueError`` naming the input, what its file holds
+    and the fix when a file is unknown, another part, a refused model or a part of the other family."""
+    rows = {role: first_match(REGISTRY, shapes[role]) for role in ROLES}
+    family = _agreed_family(rows)
+    for role, row in rows.items():
+        arg = f"{INPUTS[role]}={names[role]!r}"
+        if row is None:
+            keys = ", ".join(list(shapes[role])[:3]) or "no tensors"
+            raise ValueError(f"{arg}: not a known Z-Image or Qwen-Image part (first keys: {keys}); "
+                             f"{_fix(family, role)}")
+        if row.role != role:
+            raise ValueError(f"{arg}: this file holds a {row.display}, which belongs in the '{INPUTS[row.role]}' "
+                             f"input (folder {WHERE[row.role]}), not here; {_fix(family, role)}")
+        if not row.supported or row.family != family:
+            raise ValueError(f"{arg}: detected a {row.display}, which {MODELS[family]} does not use; "
+                             f"{_fix(family, role)}")
+    return family, rows
+
+
+def inspect_split_files(diffusion_model: str, text_encoder: str, vae: str) -> tuple[str, dict[str, SplitFile]]:
+    """Resolve the three names, read their headers, detect each file's layout and the family they agree on;
+    ``ValueError`` for a name that does not resolve, a file that is another part or model, or files that do not
+    fit each other."""
     names = {"transformer": diffusion_model, "text_encoder": text_encoder, "vae": vae}
     paths = {role: bridge.resolve_model(folder, names[role], INPUTS[role]) for role, folder in FOLDERS.items()}
-    files = {}
-    for role, path in paths.items():
-        shapes = read_header(path, INPUTS[role])
-        files[role] = SplitFile(role, names[role], path, shapes, detect_layout(shapes, role, names[role]))
-    check_together(files["transformer"].shapes, files["text_encoder"].shapes, files["vae"].shapes,
-                   {INPUTS[role]: name for role, name in names.items()})
-    return files
+    shapes = {role: read_header(path, INPUTS[role]) for role, path in paths.items()}
+    family, rows = detect_layouts(shapes, names)
+    files = {role: SplitFile(role, names[role], paths[role], shapes[role], rows[role]) for role in ROLES}
+    args = {INPUTS[role]: name for role, name in names.items()}
+    if family == "qwen_image":
+        qwen_layouts.check_together(shapes["transformer"], shapes["text_encoder"], shapes["vae"], args,
+                                    lambda role: _fix(family, role))
+    else:
+        zimage_layouts.check_together(shapes["transformer"], shapes["text_encoder"], shapes["vae"], args)
+    return family, files
 
 
 def _strip(tensors: dict, prefix: str) -> dict:
@@ -114,13 +164,53 @@ def _vae(tensors: dict, file: SplitFile) -> torch.nn.Module:
     return build_module(lambda: AutoencoderKL(**config), sd, f"{file.arg} (VAE)")
 
 
-BUILDERS = {"transformer": _transformer, "text_encoder": _text_encoder, "vae": _vae}
+def _qwen_transformer(tensors: dict, file: SplitFile) -> torch.nn.Module:
+    from diffusers import QwenImageTransformer2DModel
+
+    sd = _strip(tensors, DIT_PREFIX)  # ComfyUI's names are diffusers' (diffusers' own single-file map is identity)
+    config = qwen_layouts.transformer_config(shapes_of(sd), file.arg)
+
+    def rope(model):  # the RoPE tables are plain attributes computed at construction: rebuild them off the meta device
+        with torch.device("cpu"):
+            model.pos_embed = type(model.pos_embed)(theta=model.pos_embed.theta, axes_dim=model.pos_embed.axes_dim,
+                                                    scale_rope=model.pos_embed.scale_rope)
+
+    return build_module(lambda: QwenImageTransformer2DModel(**config), sd, f"{file.arg} (Qwen-Image DiT)",
+                        finish=rope)
+
+
+def _qwen_text_encoder(tensors: dict, file: SplitFile) -> torch.nn.Module:
+    """The language model of Qwen2.5-VL (what ``load_qwen_image_folder`` keeps): text-to-image reads only its last
+    hidden state, so the vision tower and LM head in the file are not loaded."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding, Qwen2_5_VLTextModel
+
+    sd = {k: v for k, v in _strip(tensors, TEXT_PREFIX).items()
+          if not k.startswith(("lm_head.", "visual.", "model.visual."))}
+    config = qwen_layouts.text_config(shapes_of(sd), file.arg)
+
+    def rotary(model):  # the rotary frequencies are non-persistent buffers: no file holds them
+        model.rotary_emb = Qwen2_5_VLRotaryEmbedding(config=config)
+
+    return build_module(lambda: Qwen2_5_VLTextModel(config), sd, f"{file.arg} (Qwen2.5-VL)", finish=rotary)
+
+
+def _qwen_vae(tensors: dict, file: SplitFile) -> torch.nn.Module:
+    from diffusers import AutoencoderKLQwenImage
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    sd = convert_wan_vae_to_diffusers(dict(tensors)) if file.layout.name == "wan" else dict(tensors)
+    config = qwen_layouts.vae_config(shapes_of(sd), file.arg)
+    return build_module(lambda: AutoencoderKLQwenImage(**config), sd, f"{file.arg} (Qwen-Image VAE)")
+
+
+BUILDERS = {"zimage": {"transformer": _transformer, "text_encoder": _text_encoder, "vae": _vae},
+            "qwen_image": {"transformer": _qwen_transformer, "text_encoder": _qwen_text_encoder, "vae": _qwen_vae}}
 
 
 def load_part(file: SplitFile) -> torch.nn.Module:
     """One file -> its module on the CPU (eval, no gradients), fp8 upcast, every weight its own memory."""
     tensors = upcast_fp8(read_tensors(file.path, INPUTS[file.role]), file.arg)
-    module = BUILDERS[file.role](tensors, file)
+    module = BUILDERS[file.layout.family][file.role](tensors, file)
     del tensors
     own_file_backed(module)
     refuse_non_finite(module.state_dict(), file.arg, "every image black or into noise", "re-download the file")
@@ -131,18 +221,21 @@ def _check_tokenizer(tokenizer, text: SplitFile) -> None:
     vocab = text.shapes.get("embed_tokens.weight", text.shapes.get(TEXT_PREFIX + "embed_tokens.weight"))[0]
     if len(tokenizer) > vocab:
         raise ValueError(f"{text.arg}: its vocabulary has {vocab} entries but the Qwen tokenizer found has "
-                         f"{len(tokenizer)}, so they do not belong together; pick the Qwen3-4B text encoder")
+                         f"{len(tokenizer)}, so they do not belong together; "
+                         f"{_fix(text.layout.family, 'text_encoder')}")
 
 
 def load_split_components(diffusion_model: str, text_encoder: str, vae: str) -> dict:
-    """The Z-Image components dict (as ``memory.folders.load_zimage_folder`` returns) from three split files."""
-    files = inspect_split_files(diffusion_model, text_encoder, vae)
-    tokenizer = load_qwen_tokenizer(find_qwen_tokenizer_dir())
+    """The components dict (as ``memory.folders.load_zimage_folder`` / ``load_qwen_image_folder`` return) from three
+    split files of Z-Image or Qwen-Image."""
+    family, files = inspect_split_files(diffusion_model, text_encoder, vae)
+    tokenizer = load_qwen_tokenizer(find_qwen_tokenizer_dir(family))
     _check_tokenizer(tokenizer, files["text_encoder"])
     modules = {role: load_part(file) for role, file in files.items()}
-    logger.info("loaded Z-Image split files: %s", ", ".join(f"{f.arg} ({f.layout.display})" for f in files.values()))
-    return {"family": "zimage", **modules, "tokenizer": tokenizer,
-            "scheduler_config": dict(family_defaults("zimage")["scheduler"])}
+    logger.info("loaded %s split files: %s", MODELS[family],
+                ", ".join(f"{f.arg} ({f.layout.display})" for f in files.values()))
+    return {"family": family, **modules, "tokenizer": tokenizer,
+            "scheduler_config": dict(family_defaults(family)["scheduler"])}
 
 
 def load_split_engine(diffusion_model: str, text_encoder: str, vae: str, vram_policy: str = "auto",

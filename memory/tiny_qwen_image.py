@@ -37,16 +37,18 @@ TEXT_HIDDEN = 32
 
 
 def transformer_config() -> dict[str, Any]:
-    """``QwenImageTransformer2DModel`` config: 2 blocks, 2 heads of 16 = RoPE axes 4 + 6 + 6."""
-    return dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+    """``QwenImageTransformer2DModel`` config: 2 blocks, 2 heads of 32 with the real model's RoPE split of a head
+    (1/8 frame, 7/16 per image axis: 4 + 14 + 14, as 16 + 56 + 56 of 128), which split files do not record."""
+    return dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32,
                 num_attention_heads=2, joint_attention_dim=TEXT_HIDDEN, guidance_embeds=False,
-                axes_dims_rope=(4, 6, 6))
+                axes_dims_rope=(4, 14, 14))
 
 
 def vae_config() -> dict[str, Any]:
-    """``AutoencoderKLQwenImage`` config: 4 levels (downsamples by 8), 16 latent channels, the real latent
-    normalisation (the class defaults)."""
-    return dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
+    """``AutoencoderKLQwenImage`` config: the real block structure (4 levels downsampling by 8, 2 resnets per level,
+    widths x1 x2 x4 x4: the layout diffusers' Wan-VAE file converter is written for) at base width 8, 16 latent
+    channels, the real latent normalisation (the class defaults)."""
+    return dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                 temperal_downsample=[False, True, True])
 
 

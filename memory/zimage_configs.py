@@ -36,13 +36,21 @@ def _need(shapes: Shapes, key: str, what: str) -> Sequence[int]:
     return shapes[key]
 
 
+def head_layout(shapes: Shapes, q_key: str, norm_key: str, multiple: int, model: str, what: str) -> tuple[int, int]:
+    """(width of the q projection, head size of its q norm), checked to be a DiT's: heads of a multiple of
+    ``multiple`` channels that divide the width (``ValueError`` naming the input otherwise)."""
+    dim = _need(shapes, q_key, what)[0]
+    head = _need(shapes, norm_key, what)[0]
+    if dim % head or head % multiple:
+        raise ValueError(f"{what}: width {dim} and head size {head} are not a {model} DiT's (heads of a multiple of "
+                         f"{multiple} channels that divide the width); re-download the file")
+    return dim, head
+
+
 def transformer_config(shapes: Shapes, what: str = "diffusion_model") -> dict[str, Any]:
     """``ZImageTransformer2DModel`` keyword arguments for a diffusers-layout state dict's ``shapes``."""
-    dim = _need(shapes, "layers.0.attention.to_q.weight", what)[1]
-    head = _need(shapes, "layers.0.attention.norm_q.weight", what)[0]
-    if dim % head or head % 8:
-        raise ValueError(f"{what}: width {dim} and head size {head} are not a Z-Image DiT's (heads of a multiple of "
-                         f"8 channels that divide the width); re-download the file")
+    dim, head = head_layout(shapes, "layers.0.attention.to_q.weight", "layers.0.attention.norm_q.weight", 8,
+                            "Z-Image", what)
     patches = sorted((int(m.group(1)), int(m.group(2))) for key in shapes
                      for m in [re.fullmatch(r"all_x_embedder\.(\d+)-(\d+)\.weight", key)] if m)
     if not patches:

@@ -2,8 +2,9 @@
 
 Invariant: a file's role (diffusion model, text encoder, VAE) and layout come from tensor *names and shapes only*
 (the safetensors header, ``keyrules``), never from its file name or folder, so a file put into the wrong input
-is named for what it is. Rows for parts the Z-Image loader refuses (CLIP, T5, Qwen2.5-VL, Flux, SD UNets and
-VAEs ...) exist so that the error says what was found and what to pick instead. Checks that need two files (the
+is named for what it is. Rows for parts the split loader refuses (CLIP, T5, Flux, SD UNets and VAEs ...) exist so
+that the error says what was found and what to pick instead; Qwen-Image's rows are in ``qwen_image_layouts`` and
+``split_files`` matches a file against both (each row names its ``family``). Checks that need two files (the
 text encoder's width against the DiT's caption width, the VAE's channels against the DiT's) are here too, so
 every input is refused before any tensor is read.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .families import Family
-from .keyrules import AnyOf, Has, Lacks, Shapes, all_of, any_of, first_match, none_of
+from .keyrules import AnyOf, Has, Lacks, Shapes, all_of, any_of, none_of
 
 DIT_PREFIX = "model.diffusion_model."  # Comfy-Org's repackaging (and ComfyUI's own saves) put the DiT under it
 TEXT_PREFIX = "model."  # Hugging Face causal-LM files hold the Qwen3 body under it (lm_head beside it)
@@ -32,6 +33,7 @@ class Layout(Family):
     or the refused model's short name), ``role`` the part it holds ("transformer", "text_encoder", "vae")."""
 
     role: str
+    family: str = "zimage"  # the model whose part it is (split_files picks the family the inputs agree on)
 
 
 def _row(role: str, layout: str, display: str, supported: bool, rule) -> Layout:
@@ -63,18 +65,12 @@ REGISTRY: tuple[Layout, ...] = (
     _row("transformer", "sd3", "Stable Diffusion 3 MMDiT", False,
            all_of(any_of(_dit("joint_blocks.0.context_block.adaLN_modulation.1.bias"),
                          "transformer_blocks.0.ff_context.net.0.proj.weight"))),
-    _row("transformer", "qwen-image", "Qwen-Image MMDiT", False,
-           all_of(_dit("transformer_blocks.0.img_mod.1.weight"))),
     _row("transformer", "sd-unet", "Stable Diffusion / SDXL UNet", False,
            all_of(any_of(_dit("input_blocks.0.0.weight"), "down_blocks.0.resnets.0.conv1.weight"))),
     _row("text_encoder", "hf", "Qwen3 text encoder (Hugging Face layout)", True,
            all_of(_text("layers.0.self_attn.q_norm.weight"), _text(_QWEN_Q), _text("embed_tokens.weight"),
                   none_of(_text("layers.0.self_attn.q_proj.bias"), "visual.patch_embed.proj.weight",
                           "model.visual.patch_embed.proj.weight"))),
-    _row("text_encoder", "qwen-vl", "Qwen2.5-VL / Qwen-VL text encoder (Qwen-Image's)", False,
-           all_of(any_of("visual.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight"))),
-    _row("text_encoder", "qwen2", "Qwen2 / Qwen2.5 language model (biased q_proj, no q_norm)", False,
-           all_of(_text(_QWEN_Q), _text("layers.0.self_attn.q_proj.bias"))),
     _row("text_encoder", "decoder-lm", "decoder language model without Qwen3's q_norm (Llama, Mistral, Gemma ...)",
            False, all_of(_text(_QWEN_Q), Lacks("layers.0.self_attn.q_norm.weight"),
                          Lacks("model.layers.0.self_attn.q_norm.weight"))),
@@ -83,7 +79,7 @@ REGISTRY: tuple[Layout, ...] = (
                          "cond_stage_model.transformer." + _CLIP_TOKENS))),
     _row("text_encoder", "t5", "T5 / UMT5 encoder", False,
            all_of(any_of("encoder.block.0.layer.0.SelfAttention.q.weight", "shared.weight"))),
-    _row("vae", "video", "video / Qwen-Image VAE (3-D convolutions)", False,
+    _row("vae", "video", "video VAE (3-D convolutions)", False,
            all_of(any_of(Has("decoder.conv_in.weight", ndim=5), Has("encoder.conv1.weight", ndim=5),
                          Has("decoder.conv1.weight", ndim=5)))),
     _row("vae", "original", "VAE (original layout)", True,
@@ -95,24 +91,8 @@ REGISTRY: tuple[Layout, ...] = (
 )
 
 
-def _fix(role: str) -> str:
-    return f"pick {WANTED[role]} from {WHERE[role]} in '{INPUTS[role]}'"
-
-
-def detect_layout(shapes: Shapes, role: str, name: str) -> Layout:
-    """The registry row for the file ``name`` chosen in the input of ``role``; ``ValueError`` naming the input, what
-    the file holds and the fix when it is another part, a refused model or nothing known."""
-    arg = f"{INPUTS[role]}={name!r}"
-    row = first_match(REGISTRY, shapes)
-    if row is None:
-        keys = ", ".join(list(shapes)[:3]) or "no tensors"
-        raise ValueError(f"{arg}: not a known Z-Image part (first keys: {keys}); {_fix(role)}")
-    if row.role != role:
-        raise ValueError(f"{arg}: this file holds a {row.display}, which belongs in the '{INPUTS[row.role]}' "
-                         f"input (folder {WHERE[row.role]}), not here; {_fix(role)}")
-    if not row.supported:
-        raise ValueError(f"{arg}: detected a {row.display}, which Z-Image does not use; {_fix(role)}")
-    return row
+def _fix(role: str, wanted: dict = WANTED) -> str:
+    return f"pick {wanted[role]} from {WHERE[role]} in '{INPUTS[role]}'"
 
 
 def _shape(shapes: Shapes, *keys: str) -> Optional[tuple]:

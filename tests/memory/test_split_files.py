@@ -139,7 +139,7 @@ CASES = {
                 lambda z: _fake({"model.diffusion_model.input_blocks.0.0.weight": (8, 4, 3, 3)}),
                 r"detected a Stable Diffusion / SDXL UNet"),
     "unknown": ("vae", "vae", lambda z: _fake({"foo.weight": (2, 2)}),
-                r"vae='bad.safetensors': not a known Z-Image part \(first keys: foo.weight\)"),
+                r"vae='bad.safetensors': not a known Z-Image or Qwen-Image part \(first keys: foo.weight\)"),
 }
 
 
