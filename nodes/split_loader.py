@@ -1,4 +1,4 @@
-"""Memory Pool Loader (split files) node: Z-Image's three split files -> LEAN_MODEL under a VRAM policy + plan.
+"""Memory Pool Loader (split files) node: Z-Image's or Qwen-Image's three split files -> LEAN_MODEL + plan.
 
 Argument plumbing only; the work is in ``memory/split_files.py``. The policy, budget and dtype inputs are the Memory
 Pool Loader's own declarations, so both loaders always offer the same choices.
@@ -15,10 +15,11 @@ def _shared(name: str) -> tuple:
 
 
 class LeanSplitModelLoader:
-    DESCRIPTION = ("Loads Z-Image(-Turbo) from ComfyUI's split files - a diffusion model, a Qwen3 text encoder and "
-                   "the Flux VAE, bf16 or fp8 - into a LeanDiffusion engine under a VRAM policy, and reports the "
-                   "memory plan. Each file's part and layout are read from its tensors, not its name. The Qwen "
-                   "tokenizer comes from a Z-Image folder in models/diffusers or from ComfyUI's own files.")
+    DESCRIPTION = ("Loads Z-Image(-Turbo) or Qwen-Image from ComfyUI's split files - a diffusion model, a text "
+                   "encoder (Qwen3-4B / Qwen2.5-VL-7B) and the VAE (Flux / Qwen-Image), bf16 or fp8 - into a "
+                   "LeanDiffusion engine under a VRAM policy, and reports the memory plan. Each file's model, part "
+                   "and layout are read from its tensors, not its name. The Qwen tokenizer comes from a diffusers "
+                   "folder of the same model in models/diffusers or from ComfyUI's own files.")
     CATEGORY = "LeanDiffusion/loaders"
     RETURN_TYPES = ("LEAN_MODEL", "STRING")
     RETURN_NAMES = ("lean_model", "memory_plan")
@@ -29,15 +30,16 @@ class LeanSplitModelLoader:
     def INPUT_TYPES(cls):
         return {"required": {
             "diffusion_model": (split_choices("transformer"), {"tooltip": (
-                "The Z-Image diffusion model (DiT), a .safetensors file in models/diffusion_models (or the older "
+                "The diffusion model (DiT), a .safetensors file in models/diffusion_models (or the older "
                 "models/unet): z_image_turbo_bf16.safetensors, an fp8_e4m3fn variant, Tongyi's original file or a "
-                "diffusers-layout single file.")}),
+                "diffusers-layout single file; or qwen_image_bf16.safetensors / qwen_image_fp8_e4m3fn.")}),
             "text_encoder": (split_choices("text_encoder"), {"tooltip": (
-                "The Qwen3-4B text encoder, a .safetensors file in models/text_encoders (or the older models/clip): "
-                "qwen_3_4b.safetensors or an fp8 variant. CLIP, T5 and Qwen2.5-VL files do not work with Z-Image.")}),
+                "The text encoder, a .safetensors file in models/text_encoders (or the older models/clip): Z-Image's "
+                "Qwen3-4B (qwen_3_4b.safetensors) or Qwen-Image's Qwen2.5-VL-7B (qwen_2.5_vl_7b.safetensors), bf16 "
+                "or fp8. CLIP and T5 files do not work with either.")}),
             "vae": (split_choices("vae"), {"tooltip": (
-                "The 16-channel Flux VAE, a .safetensors file in models/vae: ae.safetensors (original or diffusers "
-                "layout). SD1.x/SDXL VAEs (4 channels) do not work with Z-Image.")}),
+                "The VAE, a .safetensors file in models/vae: Z-Image's 16-channel Flux VAE (ae.safetensors) or "
+                "qwen_image_vae.safetensors. SD1.x/SDXL VAEs (4 channels) do not work with either.")}),
             "vram_policy": _shared("vram_policy"),
             "vram_budget_gb": _shared("vram_budget_gb"),
             "weight_dtype": _shared("weight_dtype"),
