@@ -11,7 +11,8 @@ Invariants (an engine whose plan is budgeted -- policy ``stream`` -- on a CUDA d
   its weights, these caches are released when what the process holds plus the stage's weights and its working
   floor (``STAGE_FLOOR_BYTES``) would not fit under the cap less the loader's headroom; the next sampler run
   captures its graphs again. A text stage told its call's ``(prompts, tokens)`` counts the activations of that
-  call (``text_activation_at``), not of the plan's longest prompt, so a short prompt keeps the graphs. The UNet stage keeps them when it replays them; an eager UNet run releases them when
+  call (``text_activation_at``), not of the plan's longest prompt, so a short prompt keeps the graphs. The UNet
+  stage keeps them when it replays them; an eager UNet run releases them when
   they would leave its activations (the plan's estimate) no room (``ensure_room``).
 - ``room_bytes``: what the cap leaves now for the running stage's working memory (after the loader's headroom);
   the Tiled VAE Decode / Encode size their tiles from it (``vae.targets``).
