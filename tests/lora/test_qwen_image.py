@@ -4,7 +4,7 @@
 Guards: a Z-Image or SD LoRA into a Qwen-Image model, and a Qwen-Image LoRA into a Z-Image or SD model, refused by
 ``lora_name`` with both families named and the model untouched; layers the MMDiT does not have (a Flux LoRA's
 ``ff`` / ``norm1`` layers) listed, never skipped; merged mode equal to unmerged with the weights restored;
-``target_blocks`` selecting joint blocks by diffusers' names.
+``target_blocks`` selecting joint blocks by diffusers' names, a typo answered with the DiT's blocks.
 """
 import pytest
 import torch
@@ -111,3 +111,6 @@ def test_target_blocks_select_joint_blocks_by_diffusers_names(engine, inputs, tm
     assert {"transformer_blocks.1.attn.to_add_out", "transformer_blocks.1.txt_mod.1", "proj_out"} <= names
     assert all(n.startswith("transformer_blocks.1.") or n == "proj_out" for n in names)
     assert (_run(view, inputs) - _run(engine, inputs)).abs().max().item() > 0.01
+    with pytest.raises(ValueError, match=r"target_blocks: 'transformer_block\.1' names no module of the unet; valid "
+                                         r"choices: img_in, norm_out, .*proj_out, .*transformer_blocks\.0-1, txt_in"):
+        inject_lora(engine, path, 1.0, target_blocks="transformer_block.1")
