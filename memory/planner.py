@@ -9,9 +9,10 @@ Per policy (``T``, ``U``, ``V``: text, UNet, VAE weight bytes; ``act``: the UNet
 - ``stream``: the UNet's resident set fills ``budget - room - always-resident - headroom`` (``stream_schedule.py``),
   the rest streams; ``room`` is what the other stages need beside it. First ``room = act``: the text encoders go on
   the device while used when ``resident + T + ta`` fits the budget. Otherwise a text encoder that streams
-  (``text_units.py``: Qwen3, Qwen2.5-VL's language model) streams block by block through a ring held only while its stage runs, the UNet
-  planned again with ``room = max(act, text ring + ta)`` and the encoder's norm always resident (or, where that
-  costs the UNet less, stays whole with ``room = T + ta``); encoders that cannot stream (CLIP) run on the CPU.
+  (``text_units.py``: Qwen3, Qwen2.5-VL's language model) streams block by block through a ring held only while
+  its stage runs, the UNet planned again with ``room = max(act, text ring + ta)`` and the encoder's norm always
+  resident (or, where that costs the UNet less, stays whole with ``room = T + ta``); encoders that cannot stream
+  (CLIP) run on the CPU.
   A budget below the working minimum (``stream_minimum_bytes``) is refused with that number.
 - ``auto``: the first of full > balanced > lowvram whose peak fits ``free_vram.usable_free_bytes``, else ``stream``
   at that many bytes (on the CPU: ``full``).

@@ -11,43 +11,21 @@ the CFG rows, an edit's reference tokens or the CUDA workspace would pass a peak
 import pytest
 import torch
 
-from leandiffusion.memory.engine import ModelParts
 from leandiffusion.memory.hostmem import FlatLayout
 from leandiffusion.memory.plan import GiB
 from leandiffusion.memory.planner import plan_placement, working_minimum_bytes
 from leandiffusion.memory.policy_config import PolicyConfig, VramPolicy
 from leandiffusion.memory.vram_budget import StageMode
+from leandiffusion.tests.kit.qwen_image_full import meta_qwen_image_parts
 
 MiB = 2 ** 20
 CUDA = torch.device("cuda", 0)
 SHAPE = (2, 128, 128)  # one guided image at 1024 px: the prompt's and the negative's rows in one call
-# Qwen/Qwen-Image text_encoder/config.json, the language model's part
-QWEN25_VL_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6,
-                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
-
-
-def _meta_parts(fp8_blocks: bool = False) -> ModelParts:
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLTextConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
-
-    with torch.device("meta"):
-        dit = QwenImageTransformer2DModel()
-        text = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**QWEN25_VL_7B))
-        vae = AutoencoderKLQwenImage()
-    if fp8_blocks:  # fp8 storage as memory/fp8_weights.py keeps it: one byte per Linear weight element
-        for module in dit.transformer_blocks.modules():
-            if type(module) is torch.nn.Linear:
-                module.weight = torch.nn.Parameter(torch.empty(module.weight.shape, dtype=torch.uint8,
-                                                               device="meta"), requires_grad=False)
-    return ModelParts(family="qwen_image", unet=dit, vae=vae, text_encoder=text, tokenizer=None,
-                      scheduler_config={}, name="qwen-image")
 
 
 @pytest.fixture(scope="module")
 def parts():
-    return _meta_parts()
+    return meta_qwen_image_parts()
 
 
 def _plan(parts, policy, budget_gb=12.0, free=None, shape=SHAPE):
@@ -105,7 +83,7 @@ def test_at_12_gb_every_stage_fits_and_both_stream(parts):
 
 
 def test_at_8_gb_with_fp8_blocks_every_stage_fits_and_fewer_bytes_stream(parts):
-    fp8 = _plan(_meta_parts(fp8_blocks=True), "stream", 8.0).plan
+    fp8 = _plan(meta_qwen_image_parts(fp8_blocks=True), "stream", 8.0).plan
     assert max(fp8.peaks.values()) <= 8 * GiB
     assert fp8.text_mode == "stream" and 0 < fp8.streamed_units < 60
     bf16 = _plan(parts, "stream", 8.0).plan
