@@ -4,8 +4,8 @@ Invariants (what makes the output equal ``QwenImagePipeline(prompt, negative_pro
 num_inference_steps=steps, width, height, num_images_per_prompt=batch, generator=torch.Generator("cpu")
 .manual_seed(seed), output_type="latent")``, unpacked and converted to raw VAE space, ``latent * latents_std +
 latents_mean`` per channel):
-- Prompts: ``text.encode_prompts`` / ``text.prompt_batch`` (the pipeline's ``encode_prompt``), the batch's rows
-  all of the one prompt (and of the negative when guided).
+- Prompts: ``text.encode_prompts`` (the pipeline's ``encode_prompt``), the batch's rows all of the one prompt (and
+  of the negative when guided).
 - Noise: one ``torch.Generator("cpu").manual_seed(seed)`` draw of the whole ``[B, 16, h, w]`` float32 shape, packed
   into 2x2 patches (``latents.pack``).
 - Schedule: ``flow.schedule.flow_sigmas`` (``linspace(1, 1/steps, steps)`` through diffusers'
@@ -29,16 +29,15 @@ and the pack's LATENT conventions do not fit its ``__call__``.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional
 
 import torch
 
 from ... import bridge
 from ...memory.engine import LeanEngine
+from ..dit_steps import PreparedDitSteps, prepare_dit_steps, run_dit_steps
 from ..flow.schedule import TRAIN_TIMESTEPS, flow_sigmas
 from ..flow.settings import FlowSettings
-from ..dit_steps import PreparedDitSteps, prepare_dit_steps, run_dit_steps
 from ..graph_runner import GraphRunner
 from ..loop import resolve_acceleration, step_allocator
 from .accel import compiled_forward_fn, eager_forward_fn
@@ -47,7 +46,6 @@ from .latents import pack, to_raw, unpack
 from .program import QwenStepProgram
 from .text import encode_prompts
 
-logger = logging.getLogger(__name__)
 
 FAMILY = "qwen_image"
 VAE_FACTOR = 8
