@@ -13,7 +13,8 @@ class LeanFlowSampler:
                    "latent), with the guidance combine and the Euler step fused into one kernel and the whole step "
                    "replayed as a CUDA graph (optionally torch.compile'd). Connect a latent for img2img, and Qwen3 "
                    "CONDITIONING to replace the prompt strings. A Qwen-Image model runs diffusers' QwenImagePipeline's "
-                   "text-to-image loop (cfg is its true_cfg_scale), eager, without latent or CONDITIONING inputs.")
+                   "text-to-image loop (cfg is its true_cfg_scale, prompt and negative in one batched call per step), "
+                   "with the same CUDA-graph acceleration, without latent or CONDITIONING inputs.")
     CATEGORY = "LeanDiffusion/sampling"
     FUNCTION = "run"
     RETURN_TYPES = ("LATENT",)
