@@ -103,3 +103,22 @@ def test_an_accelerated_run_that_captured_no_graph_is_unavailable_on_cuda():
     assert qwen_cases.unavailable_reason(ValueError("'stream' is not supported yet for qwen_image")).startswith(
         "unavailable: ")
     assert qwen_cases.unavailable_reason(RuntimeError("shape mismatch")) is None
+
+
+def test_the_full_size_configs_are_the_real_models_sizes():
+    """Built on the meta device (no memory): a typo in the 7B config or a changed diffusers default would
+    benchmark another model."""
+    from accelerate import init_empty_weights
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from leandiffusion.bench.qwen_models import language_model, qwen25_vl_7b_config
+    from leandiffusion.memory.tiny_qwen_image import TEMPLATE_WORDS, build_qwen_tokenizer
+
+    with init_empty_weights():
+        dit = QwenImageTransformer2DModel()
+        text = Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config(build_qwen_tokenizer(TEMPLATE_WORDS)))
+    billions = lambda m: sum(p.numel() for p in m.parameters()) / 1e9  # noqa: E731
+    assert round(billions(dit), 2) == 20.43 and len(dit.transformer_blocks) == 60
+    assert round(billions(text), 2) == 8.29 and round(billions(language_model(text)), 2) == 7.07
+    assert round(billions(text.model.visual), 2) == 0.68
