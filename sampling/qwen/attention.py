@@ -12,12 +12,15 @@ storage apply); the first ``L`` text positions get the rotary angles the unpadde
 Why not SDPA with a key-padding mask (what the diffusers processor does with ``encoder_hidden_states_mask``): on
 Hopper that runs cuDNN's attention with a bias, measurably slower than the unmasked flash kernel at the sizes
 Qwen-Image runs (thousands of image tokens), and batching the guided rows (so streamed weights cross once a step)
-must not cost more than the two separate calls the pipeline makes. The per-group attention is left out of
-``torch.compile`` regions so a new prompt length recompiles nothing.
+must not cost more than the two separate calls the pipeline makes. One processor object serves a model for
+good (``row_groups_installed`` swaps its groups), and the per-group attention, the only code that reads them, is left
+out of ``torch.compile`` regions: a new prompt length recompiles nothing (a CUDA graph, which bakes the slices in,
+is captured per lengths).
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -49,9 +52,12 @@ def row_groups(lengths: Sequence[int]) -> tuple[RowGroup, ...]:
 
 
 @torch.compiler.disable
-def _grouped_attention(q_txt, k_txt, v_txt, q_img, k_img, v_img, groups: tuple[RowGroup, ...]):
+def _grouped_attention(q_txt, k_txt, v_txt, q_img, k_img, v_img, processor: "RowGroupAttnProcessor"):
     """``(text out [B, T, H*D], image out [B, N, H*D])`` from [B, *, H, D] projections (module docstring)."""
-    seq_txt = q_txt.shape[1]
+    groups, batch, seq_txt = processor.groups, q_txt.shape[0], q_txt.shape[1]
+    if not groups or groups[0].start != 0 or groups[-1].stop != batch or any(
+            a.stop != b.start for a, b in zip(groups, groups[1:])):
+        raise ValueError(f"row groups {groups} do not cover the call's {batch} rows in order")
     txt_parts, img_parts = [], []
     for g in groups:
         rows = slice(g.start, g.stop)
@@ -67,17 +73,13 @@ class RowGroupAttnProcessor:
     """Drop-in for diffusers' ``QwenDoubleStreamAttnProcessor2_0`` over rows grouped by text length (module
     docstring); ``encoder_hidden_states_mask`` is ignored: the groups say which text slots are real."""
 
-    def __init__(self, groups: Sequence[RowGroup]):
+    def __init__(self, groups: Sequence[RowGroup] = ()):
         self.groups = tuple(groups)
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                  encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None):
         if encoder_hidden_states is None or attention_mask is not None:
             raise ValueError("RowGroupAttnProcessor takes the text stream and no external attention_mask")
-        batch = hidden_states.shape[0]
-        if self.groups[0].start != 0 or self.groups[-1].stop != batch or any(
-                a.stop != b.start for a, b in zip(self.groups, self.groups[1:])):
-            raise ValueError(f"row groups {self.groups} do not cover the call's {batch} rows in order")
         head_dim = attn.inner_dim // attn.heads
         img = [p(hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
         txt = [p(encoder_hidden_states).unflatten(-1, (-1, head_dim))
@@ -90,24 +92,29 @@ class RowGroupAttnProcessor:
             img_freqs, txt_freqs = image_rotary_emb
             img[:2] = [apply_rotary_emb_qwen(t, img_freqs, use_real=False) for t in img[:2]]
             txt[:2] = [apply_rotary_emb_qwen(t, txt_freqs, use_real=False) for t in txt[:2]]
-        txt_out, img_out = _grouped_attention(*txt, *img, self.groups)
+        txt_out, img_out = _grouped_attention(*txt, *img, self)
         img_out = attn.to_out[0](img_out.contiguous())
         if len(attn.to_out) > 1:
             img_out = attn.to_out[1](img_out)
         return img_out, attn.to_add_out(txt_out.contiguous())
 
 
+_PROCESSORS: "weakref.WeakKeyDictionary[torch.nn.Module, RowGroupAttnProcessor]" = weakref.WeakKeyDictionary()
+
+
 @contextlib.contextmanager
 def row_groups_installed(dit: torch.nn.Module, groups: Sequence[RowGroup]) -> Iterator[None]:
-    """Every block's attention runs :class:`RowGroupAttnProcessor` for ``groups`` inside the block; the previous
-    processors come back on exit (the model stays usable by diffusers' own pipelines)."""
-    processor = RowGroupAttnProcessor(groups)
+    """Every block's attention runs ``dit``'s one :class:`RowGroupAttnProcessor`, set to ``groups``, inside the
+    block; the previous processors and groups come back on exit (the model stays usable by diffusers' pipelines)."""
+    processor = _PROCESSORS.setdefault(dit, RowGroupAttnProcessor())
     attns = [block.attn for block in dit.transformer_blocks]
-    previous = [a.processor for a in attns]
+    previous, previous_groups = [a.processor for a in attns], processor.groups
     try:
+        processor.groups = tuple(groups)
         for a in attns:
             a.processor = processor
         yield
     finally:
+        processor.groups = previous_groups
         for a, p in zip(attns, previous):
             a.processor = p

@@ -7,13 +7,15 @@ RMS-normed text rows, runs its dual-stream blocks with joint attention over ``[t
 image stream. RoPE: image token ``(f, r, c)`` of image ``k`` in ``img_shapes`` gets axis tables centred on the grid
 (``scale_rope``) with frame index ``k``; text token ``j`` gets position ``m + j`` on all three axes, where ``m`` is
 the largest half side over the image shapes. Neither depends on the text length or on padding, so a row whose text
-is zero-padded at its end and masked (``encoder_hidden_states_mask``: padded keys get no attention weight, padded
-queries are never read by the image stream) predicts what its unpadded call predicts; rows of different prompts
-(``[cond x B, uncond x B]`` for true CFG) therefore share one call.
+is zero-padded at its end predicts what its unpadded call predicts when its attention reads only its real text
+slots: every block attends through ``attention.RowGroupAttnProcessor`` (rows grouped by text length, no padding
+mask; it keeps SDPA on the flash kernel), and rows of different prompts (``[cond x B, uncond x B]`` for true CFG)
+share one call.
 
-Static shapes: every text row is laid out in ``capacity`` slots (a bucket of ``TEXT_BUCKETS``) with its mask, and
-the RoPE tables and, for an edit, the packed reference-image tokens are computed outside the step (``QwenLayout``)
-and copied into static buffers: a graph captured for one prompt replays any prompt of the same bucket. Why not the
+Static shapes: every text row is laid out in ``capacity`` slots (a bucket of ``TEXT_BUCKETS``), and the RoPE tables
+and, for an edit, the packed reference-image tokens are computed outside the step (``QwenLayout``) and copied into
+static buffers: compiled blocks see one shape per bucket, and a graph captured for one prompt replays any prompt of
+the same token counts (the rows' lengths are part of its key). Why not the
 module's forward: it builds its mask normalisation with ``torch.as_tensor`` of a host int (an upload per call) and,
 for ``zero_cond_t`` models, its modulation index from ``img_shapes`` lists on the host; both break a capture.
 
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+
+from .attention import row_groups, row_groups_installed
 
 TEXT_BUCKETS = (64, 128, 256, 512)
 Shape = tuple[int, int, int]  # (frames, token rows, token columns) of one packed image
@@ -66,7 +70,7 @@ class QwenLayout:
     static buffers)."""
 
     text: torch.Tensor  # [R, capacity, C_text] model dtype, zero-padded rows
-    text_mask: torch.Tensor  # [R, capacity] bool: slot holds a real text token
+    text_lengths: tuple[int, ...]  # real text tokens per row (the rest of its slots are padding)
     image_freqs: torch.Tensor  # [noise + reference tokens, head_dim / 2] complex
     text_freqs: torch.Tensor  # [capacity, head_dim / 2] complex
     reference: Optional[torch.Tensor]  # [R, reference tokens, C_in] model dtype, or None
@@ -82,13 +86,11 @@ def qwen_layout(dit: torch.nn.Module, rows: Sequence[torch.Tensor], capacity: in
                          "it is not supported yet: load Qwen-Image or Qwen-Image-Edit")
     n_rows, width = len(rows), int(rows[0].shape[-1])
     text = torch.zeros(n_rows, capacity, width, dtype=dtype, device=device)
-    mask = torch.zeros(n_rows, capacity, dtype=torch.bool, device=device)
     for i, row in enumerate(rows):
         n = int(row.shape[0])
         if not 1 <= n <= capacity:
             raise ValueError(f"text row {i} has {n} tokens; expected 1..{capacity}")
         text[i, :n] = row.to(device=device, dtype=dtype)
-        mask[i, :n] = True
     shapes = [tuple(noise_shape)] + (list(reference.shapes) if reference is not None else [])
     image_freqs, text_freqs = dit.pos_embed([shapes], max_txt_seq_len=capacity, device=torch.device(device))
     ref = None
@@ -100,7 +102,7 @@ def qwen_layout(dit: torch.nn.Module, rows: Sequence[torch.Tensor], capacity: in
         noise = math.prod(noise_shape)
         index = torch.ones(n_rows, image_freqs.shape[0], dtype=torch.int32, device=device)
         index[:, :noise] = 0
-    return QwenLayout(text, mask, image_freqs, text_freqs.contiguous(), ref, index)
+    return QwenLayout(text, tuple(int(r.shape[0]) for r in rows), image_freqs, text_freqs.contiguous(), ref, index)
 
 
 def qwen_forward(dit: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, layout: QwenLayout) -> torch.Tensor:
@@ -117,10 +119,11 @@ def qwen_forward(dit: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, layout:
     text = dit.txt_in(dit.txt_norm(layout.text))
     temb = dit.time_text_embed(timestep, hidden)
     rotary = (layout.image_freqs, layout.text_freqs)
-    for block in dit.transformer_blocks:
-        text, hidden = block(hidden_states=hidden, encoder_hidden_states=text,
-                             encoder_hidden_states_mask=layout.text_mask, temb=temb, image_rotary_emb=rotary,
-                             joint_attention_kwargs={}, modulate_index=layout.modulate_index)
+    with row_groups_installed(dit, row_groups(layout.text_lengths)):
+        for block in dit.transformer_blocks:
+            text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=None,
+                                 temb=temb, image_rotary_emb=rotary, joint_attention_kwargs={},
+                                 modulate_index=layout.modulate_index)
     if zero_cond:
         temb = temb.chunk(2, dim=0)[0]
     out = dit.proj_out(dit.norm_out(hidden, temb))

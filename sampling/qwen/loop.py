@@ -123,7 +123,8 @@ def _prepare(engine: LeanEngine, text_rows: list, x: torch.Tensor, sigmas: torch
         program.set_step(timesteps[0], coeffs[0])
 
     shapes = None if reference is None else (tuple(layout.reference.shape), reference.shapes)
-    key = ("qwen_image", tuple(x.shape), dtype, s.guided, capacity, shapes, layout.modulate_index is not None)
+    key = ("qwen_image", tuple(x.shape), dtype, s.guided, capacity, layout.text_lengths, shapes,
+           layout.modulate_index is not None)
     return prepare_dit_steps(engine, resolve_acceleration(engine, s.acceleration, runner), key, build, prepare,
                              eager_forward_fn(dit), lambda: compiled_forward_fn(engine), runner, timesteps, coeffs)
 

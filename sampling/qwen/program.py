@@ -1,9 +1,9 @@
 """One Qwen-Image step over static buffers: what the eager loop runs and the CUDA graph captures.
 
 Invariant: ``QwenStepProgram.step()`` reads only its buffers (state, model input, timestep, coefficients and the
-layout: text rows, mask, RoPE tables, reference tokens) and writes only its buffers, without host synchronisation,
+layout: text rows, RoPE tables, reference tokens) and writes only its buffers, without host synchronisation,
 so an eager step and a graph replay do the same work on the same memory, and a new step, seed or prompt of the same
-text bucket needs only fresh values copied in.
+token counts needs only fresh values copied in.
 
 Per step (``QwenImagePipeline``'s loop with its two CFG calls batched into one):
   pred = transformer(model_input, t, layout)                    rows [cond x B, uncond x B] when guided
@@ -21,7 +21,7 @@ from .forward import QwenLayout
 
 STATE_DTYPE = torch.float32
 DitFn = Callable[[torch.Tensor, torch.Tensor, QwenLayout], torch.Tensor]
-_FIELDS = tuple(QwenLayout.__dataclass_fields__)
+_FIELDS = tuple(name for name in QwenLayout.__dataclass_fields__ if name != "text_lengths")  # the tensors
 
 
 def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, cfg: torch.Tensor) -> torch.Tensor:
@@ -43,11 +43,15 @@ class QwenStepProgram:
         self.model_input = alloc("qwen.model_input", (rows, tokens, features), model_dtype)
         self.timestep = alloc("qwen.timestep", (rows,), model_dtype)
         self.coeffs = alloc("qwen.coeffs", (2,), torch.float32)  # (cfg, sigma_next - sigma)
-        self.layout = QwenLayout(*(None if t is None else alloc(f"qwen.{name}", tuple(t.shape), t.dtype)
-                                   for name, t in zip(_FIELDS, _fields(like))))
+        self.layout = QwenLayout(text_lengths=like.text_lengths, **{
+            name: None if t is None else alloc(f"qwen.{name}", tuple(t.shape), t.dtype)
+            for name, t in zip(_FIELDS, _fields(like))})
 
     def load(self, layout: QwenLayout, x: torch.Tensor) -> None:
         """Copy a run's layout and starting packed latents (model space, float32) into the buffers."""
+        if layout.text_lengths != self.layout.text_lengths:
+            raise ValueError(f"text rows of {layout.text_lengths} tokens do not fit this program's "
+                             f"{self.layout.text_lengths}")
         for name, mine, theirs in zip(_FIELDS, _fields(self.layout), _fields(layout)):
             if (mine is None) != (theirs is None) or (mine is not None and mine.shape != theirs.shape):
                 raise ValueError(f"layout {name} of shape {None if theirs is None else tuple(theirs.shape)} does not "

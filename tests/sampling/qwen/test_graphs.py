@@ -1,8 +1,9 @@
 """The Qwen-Image step through the graph runner on the CPU (a stand-in capture backend, ``tests/kit/graph_backend``),
 tiny random model, fp32.
 
-Guards: the captured step reading anything but its buffers (a different prompt of the same text bucket, or another
-seed, replaying the first capture must give its own eager latent, exactly); a prompt of a larger bucket recapturing;
+Guards: the captured step reading anything but its buffers (another seed replaying the first capture must give its
+own eager latent, exactly); a prompt of other token counts replaying a capture whose attention slices are baked in
+for the first (it must capture anew, and so must a prompt of a larger bucket);
 true CFG taking more than ONE transformer call per step (weights must cross once per step when streamed); the
 regional compile path (dynamo with the ``aot_eager`` backend, no C++ compiler needed) changing the result; and the
 edit seam: ``reference`` tokens through the loop give what a plain two-call loop over the module's own forward
@@ -37,15 +38,16 @@ def _run(engine, runner=None, **kw):
     return sample_qwen_image(engine, _settings(**kw), runner=runner, quiet=True)["samples"]
 
 
-def test_one_capture_serves_every_prompt_of_a_bucket(engine):
-    assert len(encode_prompts(engine, [LONG])[0]) > 64 >= len(encode_prompts(engine, ["two green birds on a wire"])[0])
+def test_one_capture_per_prompt_token_counts(engine):
+    short = encode_prompts(engine, ["a red cat", "two green birds on a wire"])
+    assert len(encode_prompts(engine, [LONG])[0]) > 64 >= len(short[1]) > len(short[0])
     runner = GraphRunner(backend=StandInBackend(), max_graphs=4)
-    for prompt, seed in (("a red cat", 1), ("two green birds on a wire", 2), ("a red cat", 3)):
+    for prompt, seed, captures in (("a red cat", 1, 1), ("a red cat", 3, 1), ("two green birds on a wire", 2, 2)):
         out = _run(engine, runner, prompt=prompt, seed=seed)
         assert torch.equal(out, _run(engine, prompt=prompt, seed=seed, acceleration="none"))
-    assert runner.captures(engine) == 1
+        assert runner.captures(engine) == captures
     _run(engine, runner, prompt=LONG)
-    assert runner.captures(engine) == 2
+    assert runner.captures(engine) == 3
 
 
 @pytest.mark.parametrize("cfg,rows", [(4.0, 4), (1.0, 2)])
