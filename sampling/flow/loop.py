@@ -28,6 +28,7 @@ import torch
 
 from ... import bridge
 from ...memory.engine import LeanEngine
+from ...memory.families import check_node_runs
 from ..graph_runner import GraphRunner, default_runner
 from ..latent_input import batch_index_of, batch_latents, check_latent, check_latent_size, initial_noise
 from ..loop import bound_run_ahead, resolve_acceleration, step_allocator, vae_scale_factor
@@ -48,6 +49,7 @@ def check_flow_engine(engine: Any) -> LeanEngine:
     if not engine.parts.is_flow:
         raise ValueError(f"lean_model is a {engine.family} model; the Fused Flow Sampler runs flow-matching DiTs "
                          f"(Z-Image): use the Fused DDIM Sampler for {engine.family}, or load a Z-Image model")
+    check_node_runs(engine.family, "Fused Flow Sampler")
     return engine
 
 

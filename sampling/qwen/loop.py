@@ -81,17 +81,21 @@ def sample_qwen_image(engine: LeanEngine, settings: FlowSettings, latent_image: 
 
 
 def _denoise(engine: LeanEngine, conds: list, x: torch.Tensor, sigmas: torch.Tensor, size: tuple[int, int],
-             s: FlowSettings, quiet: bool) -> torch.Tensor:
-    """The Euler steps over packed float32 latents ``x``; call inside ``engine.session("unet")``."""
-    img_shapes = [[(1, size[0] // 2, size[1] // 2)]] * x.shape[0]
+             s: FlowSettings, quiet: bool, reference: Optional[torch.Tensor] = None,
+             img_shapes: Optional[list] = None) -> torch.Tensor:
+    """The Euler steps over packed float32 latents ``x``; call inside ``engine.session("unet")``. ``reference``:
+    packed image tokens (model dtype) put after ``x``'s in every call, the prediction cut back to ``x``'s tokens
+    (Qwen-Image-Edit, ``sampling/qwen/edit.py``; ``img_shapes`` then lists the reference grids too)."""
+    img_shapes = img_shapes or [[(1, size[0] // 2, size[1] // 2)]] * x.shape[0]
     timesteps = sigmas[:-1].to(torch.float32) * TRAIN_TIMESTEPS
     sigmas = sigmas.to(engine.device)
     with bridge.ProgressBar(timesteps.shape[0], desc="Qwen-Image", quiet=quiet) as bar:
         for i in range(timesteps.shape[0]):
             bridge.check_interrupted()
-            model_input = x.to(engine.dtype)
+            model_input = x.to(engine.dtype) if reference is None else torch.cat([x.to(engine.dtype), reference], 1)
             t = timesteps[i].expand(x.shape[0]).to(device=engine.device, dtype=engine.dtype) / TRAIN_TIMESTEPS
-            preds = [_transformer(engine, model_input, t, embeds, mask, img_shapes) for embeds, mask in conds]
+            preds = [_transformer(engine, model_input, t, embeds, mask, img_shapes)[:, :x.shape[1]]
+                     for embeds, mask in conds]
             x = x + (sigmas[i + 1] - sigmas[i]) * _guided(preds, s.cfg)
             bar.update(1)
     return x
