@@ -44,7 +44,7 @@ class ModelParts:
     ``unet`` holds the family's denoiser, whatever its architecture (a UNet, or a DiT such as Z-Image's
     transformer): the ``unet`` stage runs it, so policies, streaming and adapters treat every family alike."""
 
-    family: str  # "sd1", "sd2", "sd2-v", "sdxl", "zimage", "qwen_image"
+    family: str  # "sd1", "sd2", "sd2-v", "sdxl", "zimage", "qwen_image", "qwen_image_edit"
     unet: torch.nn.Module
     vae: torch.nn.Module
     text_encoder: torch.nn.Module
@@ -53,6 +53,7 @@ class ModelParts:
     text_encoder_2: Optional[torch.nn.Module] = None
     tokenizer_2: Any = None
     name: str = ""
+    image_processor: Any = None  # Qwen2-VL's, when the text encoder has a vision tower (Qwen-Image-Edit), else None
 
     @property
     def is_sdxl(self) -> bool:
@@ -287,4 +288,5 @@ def parts_from_components(components: dict, name: str = "") -> ModelParts:
         family=components["family"], unet=denoiser, vae=components["vae"],
         text_encoder=components["text_encoder"], tokenizer=components["tokenizer"],
         scheduler_config=dict(components["scheduler_config"]),
-        text_encoder_2=components.get("text_encoder_2"), tokenizer_2=components.get("tokenizer_2"), name=name)
+        text_encoder_2=components.get("text_encoder_2"), tokenizer_2=components.get("tokenizer_2"), name=name,
+        image_processor=components.get("image_processor"))

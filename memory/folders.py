@@ -26,12 +26,10 @@ PIPELINES = {
     "StableDiffusionPipeline": "sd", "StableDiffusionImg2ImgPipeline": "sd", "StableDiffusionXLPipeline": "sdxl",
     "StableDiffusionXLImg2ImgPipeline": "sdxl", "ZImagePipeline": "zimage", "ZImageImg2ImgPipeline": "zimage",
     "QwenImagePipeline": "qwen_image", "QwenImageImg2ImgPipeline": "qwen_image",
+    "QwenImageEditPipeline": "qwen_image_edit", "QwenImageEditPlusPipeline": "qwen_image_edit",
 }
 # pipeline class -> (family, model) this pack will run but does not yet (refused with "not supported yet").
-NOT_YET = {
-    "QwenImageEditPipeline": ("qwen_image_edit", "Qwen-Image-Edit"),
-    "QwenImageEditPlusPipeline": ("qwen_image_edit", "Qwen-Image-Edit Plus"),
-}
+NOT_YET: dict = {}
 REFUSED = {
     "StableDiffusion3Pipeline": "sd3 (Stable Diffusion 3 / 3.5)", "FluxPipeline": "flux (Flux)",
     "StableDiffusionInpaintPipeline": "inpaint (inpainting UNet)",
@@ -73,7 +71,8 @@ def load_diffusers_folder(folder: Path) -> dict:
     kind = PIPELINES.get(cls)
     if kind is None:
         raise UnsupportedFamilyError(f"model={folder.name!r}: pipeline class {cls!r} is not an SD1.x/SD2.x/SDXL "
-                                     f"or Z-Image text-to-image pipeline (nor Qwen-Image's QwenImagePipeline)")
+                                     f"or Z-Image text-to-image pipeline (nor Qwen-Image's QwenImagePipeline or "
+                                     f"QwenImageEdit(Plus)Pipeline)")
     if kind in DIT_FOLDERS:
         return DIT_FOLDERS[kind](folder)
     for part in ("unet", "vae", "text_encoder") + (("text_encoder_2",) if kind == "sdxl" else ()):
@@ -131,7 +130,33 @@ def load_qwen_image_folder(folder: Path) -> dict:
     return components
 
 
-DIT_FOLDERS = {"zimage": load_zimage_folder, "qwen_image": load_qwen_image_folder}
+def load_qwen_image_edit_folder(folder: Path) -> dict:
+    """A Qwen-Image-Edit components dict from a ``QwenImageEditPipeline`` / ``QwenImageEditPlusPipeline`` folder:
+    as :func:`load_qwen_image_folder`, but the text stage keeps the whole Qwen2.5-VL (``Qwen2_5_VLModel``: vision tower
+    and language model; only the LM head is dropped), and ``image_processor`` is the ``processor/`` sub-folder's
+    Qwen2-VL image processor (the processor's tokenizer is the folder's ``tokenizer``)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    if not (folder / "processor" / "preprocessor_config.json").is_file():
+        raise UnsupportedFamilyError(f"model={folder.name!r}: the Qwen-Image-Edit folder has no 'processor' sub-folder "
+                                     f"with a preprocessor_config.json (incomplete download); re-download the whole "
+                                     f"folder")
+    components = _dit_folder(folder, "qwen_image_edit", "Qwen-Image-Edit",
+                             {"transformer": QwenImageTransformer2DModel,
+                              "text_encoder": Qwen2_5_VLForConditionalGeneration, "vae": AutoencoderKLQwenImage})
+    components["text_encoder"] = components["text_encoder"].model
+    try:
+        components["image_processor"] = Qwen2VLImageProcessor.from_pretrained(str(folder / "processor"),
+                                                                               local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model={folder.name!r}: the 'processor' sub-folder could not be loaded "
+                         f"({load_error_reason(exc)}); re-download the folder") from exc
+    return components
+
+
+DIT_FOLDERS = {"zimage": load_zimage_folder, "qwen_image": load_qwen_image_folder,
+               "qwen_image_edit": load_qwen_image_edit_folder}
 
 
 def _dit_folder(folder: Path, family: str, display: str, classes: dict) -> dict:

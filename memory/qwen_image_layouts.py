@@ -143,3 +143,24 @@ def vae_config(shapes: Shapes, what: str = "vae") -> dict[str, Any]:
         raise ValueError(f"{what}: VAE levels with {levels} resnets; not a Qwen-Image VAE: re-download the file")
     return dict(base_dim=base, z_dim=_need(shapes, "decoder.conv_in.weight", what)[1], dim_mult=widths,
                 num_res_blocks=levels[0], attn_scales=[], temperal_downsample=temporal)
+
+
+VISION_HEAD = 80  # Qwen2.5-VL's vision head size (1280 / 16); no tensor records it
+VISION_FIXED: dict[str, Any] = {"window_size": 112, "tokens_per_second": 2, "hidden_act": "silu", "in_channels": 3}
+
+
+def vision_config(shapes: Shapes, what: str = "text_encoder", prefix: str = "visual.") -> dict[str, Any]:
+    """``Qwen2_5_VLVisionConfig`` keyword arguments for the vision tower in a Qwen2.5-VL file's ``shapes`` (keys under
+    ``prefix``). Sizes come from shapes; the head size (80), the window (112 px) and which blocks attend over the
+    whole image (every 8th and the last: 7, 15, 23, 31 of Qwen2.5-VL-7B's 32) are Qwen2.5-VL's published values."""
+    sub = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
+    hidden, _, temporal, patch, _ = _need(sub, "patch_embed.proj.weight", what)
+    depth = _count(sub, r"blocks\.(\d+)\.")
+    merge = round((_need(sub, "merger.mlp.0.weight", what)[1] / hidden) ** 0.5)
+    if hidden % VISION_HEAD:
+        raise ValueError(f"{what}: a vision tower of width {hidden}, not a multiple of Qwen2.5-VL's head size "
+                         f"{VISION_HEAD}; re-download the file")
+    return dict(depth=depth, hidden_size=hidden, intermediate_size=_need(sub, "blocks.0.mlp.gate_proj.weight", what)[0],
+                num_heads=hidden // VISION_HEAD, out_hidden_size=_need(sub, "merger.mlp.2.weight", what)[0],
+                patch_size=patch, temporal_patch_size=temporal, spatial_merge_size=merge,
+                fullatt_block_indexes=[i for i in range(depth) if (i + 1) % 8 == 0 or i == depth - 1], **VISION_FIXED)

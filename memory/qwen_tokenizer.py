@@ -25,6 +25,7 @@ from .folders import PIPELINES
 logger = logging.getLogger(__name__)
 
 CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
+SAME_TOKENIZER = {"qwen_image": ("qwen_image", "qwen_image_edit")}  # Qwen-Image-Edit folders carry Qwen-Image's
 WHERE_FROM = {"zimage": "Z-Image (Tongyi-MAI/Z-Image-Turbo)", "qwen_image": "Qwen-Image (Qwen/Qwen-Image)"}
 
 
@@ -40,7 +41,8 @@ def _folder_tokenizer(name: str, family: str) -> Optional[Path]:
     except (OSError, ValueError) as exc:  # an unreadable folder is skipped: it is not this input's file
         logger.debug("skipping diffusers folder %s while looking for a Qwen tokenizer: %s", name, exc)
         return None
-    if not isinstance(index, dict) or PIPELINES.get(index.get("_class_name")) != family:
+    if not isinstance(index, dict) or PIPELINES.get(index.get("_class_name")) not in SAME_TOKENIZER.get(family,
+                                                                                                       (family,)):
         return None
     return folder / "tokenizer" if _has_files(folder / "tokenizer") else None
 

@@ -7,7 +7,8 @@ the files fit each other -> find the Qwen tokenizer (``memory/qwen_tokenizer.py`
 by file: upcast fp8 (``memory/fp8_upcast.py``), convert to diffusers' layout with diffusers' own converters
 (Z-Image: ``convert_z_image_transformer_checkpoint_to_diffusers``, ``convert_ldm_vae_checkpoint``; Qwen-Image:
 ``convert_wan_vae_to_diffusers``; the DiTs otherwise only lose ComfyUI's prefix, the Qwen3 / Qwen2.5-VL files
-their ``model.`` prefix, ``lm_head`` and vision tower), infer the config from shapes (``memory/zimage_configs.py``,
+their ``model.`` prefix and ``lm_head``, the Qwen2.5-VL file keeps its vision tower when it has one, for
+Qwen-Image-Edit, with Qwen2-VL's image processor built in code: ``memory/qwen_vision.py``), infer the config from shapes (``memory/zimage_configs.py``,
 ``memory/qwen_image_layouts.py``) and load strictly into meta-built modules.
 
 Invariants
@@ -34,6 +35,7 @@ from .keyrules import shapes_of
 from .ldm import build_module, read_header, read_tensors
 from .load import load_engine_from
 from .qwen_tokenizer import find_qwen_tokenizer_dir, load_qwen_tokenizer
+from .qwen_vision import edit_image_processor, vision_patching
 from .zimage_configs import qwen3_config, transformer_config, vae_config
 from . import qwen_image_layouts as qwen_layouts
 from . import zimage_layouts
@@ -49,6 +51,7 @@ REGISTRY = qwen_layouts.ROWS + zimage_layouts.REGISTRY  # first match wins; the 
 MODELS = {"zimage": "Z-Image", "qwen_image": qwen_layouts.MODEL}
 WANTED = {"zimage": zimage_layouts.WANTED, "qwen_image": qwen_layouts.WANTED}
 ROLES = ("transformer", "text_encoder", "vae")
+VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")  # Qwen2-VL's, in its vocabulary
 
 
 @dataclass(frozen=True)
@@ -179,19 +182,38 @@ def _qwen_transformer(tensors: dict, file: SplitFile) -> torch.nn.Module:
                         finish=rope)
 
 
-def _qwen_text_encoder(tensors: dict, file: SplitFile) -> torch.nn.Module:
-    """The language model of Qwen2.5-VL (what ``load_qwen_image_folder`` keeps): text-to-image reads only its last
-    hidden state, so the vision tower and LM head in the file are not loaded."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding, Qwen2_5_VLTextModel
+def _qwen_text_encoder(tensors: dict, file: SplitFile, tokenizer=None) -> torch.nn.Module:
+    """Qwen2.5-VL without its LM head. Without ``visual.*`` tensors (or ``tokenizer``): the language model alone (what
+    ``load_qwen_image_folder`` keeps; text-to-image reads only its last hidden state). With them: the whole
+    ``Qwen2_5_VLModel`` (vision tower + language model, what ``load_qwen_image_edit_folder`` keeps), its vision
+    markers' ids from ``tokenizer``, so the model can edit images."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (Qwen2_5_VLModel, Qwen2_5_VLRotaryEmbedding,
+                                                                    Qwen2_5_VLTextModel,
+                                                                    Qwen2_5_VLVisionRotaryEmbedding)
 
-    sd = {k: v for k, v in _strip(tensors, TEXT_PREFIX).items()
-          if not k.startswith(("lm_head.", "visual.", "model.visual."))}
+    stripped = {k: v for k, v in _strip(tensors, TEXT_PREFIX).items() if not k.startswith("lm_head.")}
+    sd = {k: v for k, v in stripped.items() if not k.startswith(("visual.", "model.visual."))}
     config = qwen_layouts.text_config(shapes_of(sd), file.arg)
+    if tokenizer is None or not any(k.startswith("visual.") for k in stripped):
+        def rotary(model):  # the rotary frequencies are non-persistent buffers: no file holds them
+            model.rotary_emb = Qwen2_5_VLRotaryEmbedding(config=config)
 
-    def rotary(model):  # the rotary frequencies are non-persistent buffers: no file holds them
-        model.rotary_emb = Qwen2_5_VLRotaryEmbedding(config=config)
+        return build_module(lambda: Qwen2_5_VLTextModel(config), sd, f"{file.arg} (Qwen2.5-VL)", finish=rotary)
+    marks = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                     tokenizer.convert_tokens_to_ids(list(VISION_MARKERS))))
+    full = Qwen2_5_VLConfig(text_config=config.to_dict(), tie_word_embeddings=False, **marks,
+                            vision_config=qwen_layouts.vision_config(shapes_of(stripped), file.arg))
+    sd = {**{"language_model." + k: v for k, v in sd.items()},
+          **{k: v for k, v in stripped.items() if k.startswith("visual.")}}
 
-    return build_module(lambda: Qwen2_5_VLTextModel(config), sd, f"{file.arg} (Qwen2.5-VL)", finish=rotary)
+    def rotaries(model):  # the rotary frequencies of both towers are non-persistent buffers: no file holds them
+        with torch.device("cpu"):
+            model.language_model.rotary_emb = Qwen2_5_VLRotaryEmbedding(config=model.config.text_config)
+            model.visual.rotary_pos_emb = Qwen2_5_VLVisionRotaryEmbedding(model.config.vision_config)
+
+    return build_module(lambda: Qwen2_5_VLModel(full), sd, f"{file.arg} (Qwen2.5-VL with vision tower)",
+                        finish=rotaries)
 
 
 def _qwen_vae(tensors: dict, file: SplitFile) -> torch.nn.Module:
@@ -207,10 +229,12 @@ BUILDERS = {"zimage": {"transformer": _transformer, "text_encoder": _text_encode
             "qwen_image": {"transformer": _qwen_transformer, "text_encoder": _qwen_text_encoder, "vae": _qwen_vae}}
 
 
-def load_part(file: SplitFile) -> torch.nn.Module:
-    """One file -> its module on the CPU (eval, no gradients), fp8 upcast, every weight its own memory."""
+def load_part(file: SplitFile, tokenizer=None) -> torch.nn.Module:
+    """One file -> its module on the CPU (eval, no gradients), fp8 upcast, every weight its own memory; a Qwen2.5-VL
+    file is told the ``tokenizer`` (its vision markers' ids)."""
     tensors = upcast_fp8(read_tensors(file.path, INPUTS[file.role]), file.arg)
-    module = BUILDERS[file.layout.family][file.role](tensors, file)
+    build = BUILDERS[file.layout.family][file.role]
+    module = build(tensors, file, tokenizer) if build is _qwen_text_encoder else build(tensors, file)
     del tensors
     own_file_backed(module)
     refuse_non_finite(module.state_dict(), file.arg, "every image black or into noise", "re-download the file")
@@ -231,11 +255,15 @@ def load_split_components(diffusion_model: str, text_encoder: str, vae: str) -> 
     family, files = inspect_split_files(diffusion_model, text_encoder, vae)
     tokenizer = load_qwen_tokenizer(find_qwen_tokenizer_dir(family))
     _check_tokenizer(tokenizer, files["text_encoder"])
-    modules = {role: load_part(file) for role, file in files.items()}
+    modules = {role: load_part(file, tokenizer) for role, file in files.items()}
     logger.info("loaded %s split files: %s", MODELS[family],
                 ", ".join(f"{f.arg} ({f.layout.display})" for f in files.values()))
-    return {"family": family, **modules, "tokenizer": tokenizer,
-            "scheduler_config": dict(family_defaults(family)["scheduler"])}
+    components = {"family": family, **modules, "tokenizer": tokenizer,
+                  "scheduler_config": dict(family_defaults(family)["scheduler"])}
+    if getattr(modules["text_encoder"], "visual", None) is not None:  # Qwen-Image-Edit can run it
+        shapes = _strip(files["text_encoder"].shapes, TEXT_PREFIX)
+        components["image_processor"] = edit_image_processor(**vision_patching(shapes))
+    return components
 
 
 def load_split_engine(diffusion_model: str, text_encoder: str, vae: str, vram_policy: str = "auto",

@@ -7,7 +7,9 @@ conventions wherever a loader or sampler depends on them: ``QwenImageTransformer
 the head size) whose last hidden state is the prompt; a byte-level BPE tokenizer with Qwen's chat markers in which
 every word of ``QwenImagePipeline``'s system prompt is one token, so its prompt template is exactly
 ``TEMPLATE_TOKENS`` tokens long before the user's text, as with the real Qwen2.5 vocabulary (the pipeline drops
-that many leading tokens); an ``AutoencoderKLQwenImage`` with the real per-channel ``latents_mean`` /
+that many leading tokens; likewise Qwen-Image-Edit's template and its 64); Qwen2-VL's vision markers as single
+tokens whose ids the text encoder's config names, so images expand and position as in the real model; an
+``AutoencoderKLQwenImage`` with the real per-channel ``latents_mean`` /
 ``latents_std``; and Qwen-Image's ``FlowMatchEulerDiscreteScheduler`` config (dynamic, exponential shift with a
 terminal stretch). Only widths and depths are small.
 
@@ -31,8 +33,14 @@ QWEN_IMAGE_SCHEDULER: dict[str, Any] = {
 # The text ``QwenImagePipeline.prompt_template_encode`` puts before and after the prompt.
 SYSTEM_PROMPT = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "
                  "relationships of the objects and background:")
-TEMPLATE_WORDS = f"system\nuser\nassistant\n{SYSTEM_PROMPT}"
+# The system prompt of ``QwenImageEditPipeline`` / ``QwenImageEditPlusPipeline`` and the words of their image slots.
+EDIT_SYSTEM_PROMPT = ("Describe the key features of the input image (color, shape, size, texture, objects, "
+                      "background), then explain how the user's text instruction should alter or modify the image. "
+                      "Generate a new image that meets the user's requirements while maintaining consistency with "
+                      "the original input where appropriate.")
+TEMPLATE_WORDS = f"system\nuser\nassistant\n{SYSTEM_PROMPT} {EDIT_SYSTEM_PROMPT} Picture"
 TEMPLATE_TOKENS = 34  # ``QwenImagePipeline.prompt_template_encode_start_idx``
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 TEXT_HIDDEN = 32
 
 
@@ -54,18 +62,21 @@ def vae_config() -> dict[str, Any]:
 
 def text_config(tokenizer):
     """``Qwen2_5_VLConfig`` for ``tokenizer``'s vocabulary: 2 decoder layers of width ``TEXT_HIDDEN`` (2 heads of
-    16, multimodal RoPE sections 2 + 3 + 3) and a 1-block vision tower."""
+    16, multimodal RoPE sections 2 + 3 + 3) and a 1-block vision tower with the real model's head size (80), window
+    (112 px) and a full-attention last block, the vision markers' ids from ``tokenizer``."""
     from transformers import Qwen2_5_VLConfig
 
     ids = dict(bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    marks = dict(vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video)
     text = dict(vocab_size=len(tokenizer), **ids, hidden_size=TEXT_HIDDEN, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
                 tie_word_embeddings=False)
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_HIDDEN,
-                  fullatt_block_indexes=[0], window_size=28)
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    vision = dict(depth=1, hidden_size=160, intermediate_size=64, num_heads=2, out_hidden_size=TEXT_HIDDEN,
+                  fullatt_block_indexes=[0], window_size=112)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids, **marks)
 
 
 def build_tiny_qwen_image(seed: int = 0) -> dict:
@@ -76,6 +87,7 @@ def build_tiny_qwen_image(seed: int = 0) -> dict:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     tokenizer = build_qwen_tokenizer(TEMPLATE_WORDS)
+    tokenizer.add_tokens(list(VISION_TOKENS), special_tokens=True)
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
@@ -97,3 +109,28 @@ def save_qwen_image_folder(components: dict, folder: str | Path) -> Path:
     from diffusers import QwenImagePipeline
 
     return save_flow_pipeline_folder(QwenImagePipeline, components, folder)
+
+
+def save_qwen_image_edit_folder(components: dict, folder: str | Path, plus: bool = True) -> Path:
+    """Save ``components`` as a diffusers ``QwenImageEditPlusPipeline`` (``plus``) or ``QwenImageEditPipeline``
+    folder, with the ``processor/`` sub-folder a real one has (Qwen2-VL's image processor settings and the
+    tokenizer; ``memory/qwen_vision.py``). The processor is written part by part: transformers 5 cannot build a
+    ``Qwen2VLProcessor`` without torchvision."""
+    import json
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
+
+    from .qwen_vision import edit_image_processor
+
+    folder = Path(folder)
+    cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    pipe = cls(scheduler=FlowMatchEulerDiscreteScheduler(**components["scheduler_config"]), vae=components["vae"],
+               text_encoder=components["text_encoder"], tokenizer=components["tokenizer"], processor=None,
+               transformer=components["transformer"])
+    pipe.save_pretrained(str(folder))
+    edit_image_processor().save_pretrained(str(folder / "processor"))
+    components["tokenizer"].save_pretrained(str(folder / "processor"))
+    index = json.loads((folder / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    return folder

@@ -198,7 +198,7 @@ def test_a_failed_load_leaves_no_module_behind(models, monkeypatch):
     bad = dict(names["original-bf16"], vae=kit.write_single(vae, root / "vae" / "nan_vae.safetensors"))
     built = []
     real = split_files.load_part
-    monkeypatch.setattr(split_files, "load_part", lambda f: built.append(weakref.ref(m := real(f))) or m)
+    monkeypatch.setattr(split_files, "load_part", lambda f, *more: built.append(weakref.ref(m := real(f, *more))) or m)
     with pytest.raises(ValueError, match=r"vae='nan_vae.safetensors'.*decoder.conv_out.bias"):
         _load(bad)
     gc.collect()

@@ -26,6 +26,7 @@ import torch
 
 from ... import bridge
 from ...memory.engine import LeanEngine
+from ...memory.families import check_node_runs
 from ..dit_steps import PreparedDitSteps, prepare_dit_steps, run_dit_steps
 from ..graph_runner import GraphRunner
 from ..latent_input import batch_index_of, batch_latents, check_latent, check_latent_size, initial_noise
@@ -46,6 +47,7 @@ def check_flow_engine(engine: Any) -> LeanEngine:
     if not engine.parts.is_flow:
         raise ValueError(f"lean_model is a {engine.family} model; the Fused Flow Sampler runs flow-matching DiTs "
                          f"(Z-Image): use the Fused DDIM Sampler for {engine.family}, or load a Z-Image model")
+    check_node_runs(engine.family, "Fused Flow Sampler")
     return engine
 
 

@@ -1,7 +1,7 @@
 """Qwen-Image loads as the family ``qwen_image`` from a QwenImagePipeline folder, under every VRAM policy (what
 ``stream`` computes: ``test_qwen_image_policies.py``), and the VRAM planner sizes its dual-stream blocks. Guards:
-the family comes from ``model_index.json``, never from the folder's name; Qwen-Image-Edit folders are refused with
-errors naming the input, the reason and what works, before anything is placed; a damaged folder names the
+the family comes from ``model_index.json``, never from the folder's name; an Edit folder without its processor is
+refused with an error naming the input, the reason and what works, before anything is placed; a damaged folder names the
 sub-folder to re-download."""
 import json
 import shutil
@@ -75,10 +75,12 @@ def test_the_family_comes_from_the_files_not_the_name(models, name):
 
 
 @pytest.mark.parametrize("cls", ["QwenImageEditPipeline", "QwenImageEditPlusPipeline"])
-def test_edit_folders_are_refused_as_not_supported_yet(models, cls, opened_sessions):
+def test_an_edit_folder_without_its_processor_is_refused(models, cls, opened_sessions):
+    """Edit folders load as qwen_image_edit (tests/sampling/qwen/test_edit_refusals.py); one without the
+    ``processor/`` its vision encoder needs is named as incomplete before any weight is read."""
     folder = models("my-model", _set_class(cls))
-    with pytest.raises(UnsupportedFamilyError, match=rf"model='my-model': detected family 'qwen_image_edit' .*{cls}"
-                                                     r".*not supported yet; Qwen-Image text-to-image folders"):
+    with pytest.raises(UnsupportedFamilyError, match=r"model='my-model': the Qwen-Image-Edit folder has no "
+                                                     r"'processor' sub-folder .*re-download the whole folder"):
         load_engine(folder.name, "full", device="cpu")
     assert opened_sessions == []
 

@@ -35,3 +35,31 @@ def load_qwen(qwen_folder):
             return load_engine(qwen_folder.name, policy, weight_dtype=weight_dtype, device="cpu")
 
     return load
+
+
+@pytest.fixture(scope="package")
+def edit_folder(tmp_path_factory):
+    """``<models>/diffusers/tiny-qwen-edit``: the tiny Qwen-Image (seed 2) as a QwenImageEditPlusPipeline folder."""
+    from leandiffusion.memory.tiny_qwen_image import save_qwen_image_edit_folder
+
+    return save_qwen_image_edit_folder(build_tiny_qwen_image(seed=2),
+                                       tmp_path_factory.mktemp("models") / "diffusers" / "tiny-qwen-edit")
+
+
+@pytest.fixture(scope="package")
+def edit_pipe(edit_folder):
+    from leandiffusion.tests.kit.qwen_edit import load_edit_pipeline
+
+    return load_edit_pipeline(edit_folder)
+
+
+@pytest.fixture(params=["full", "lowvram"])
+def edit_engine(edit_folder, monkeypatch, request):
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(edit_folder.parent.parent))
+    return load_engine(edit_folder.name, request.param, device="cpu")
+
+
+@pytest.fixture
+def edit_full(edit_folder, monkeypatch):
+    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(edit_folder.parent.parent))
+    return load_engine(edit_folder.name, "full", device="cpu")
