@@ -15,9 +15,11 @@ latents_mean`` per channel):
   (two calls, each as the pipeline makes it) and combines ``u + cfg (c - u)`` rescaled per token to the norm of
   ``c``; otherwise one call on the prompt. Euler: ``x + (sigma_next - sigma) v``; the state stays float32.
 - Every model call runs inside ``engine.session(...)``; ``bridge.check_interrupted()`` runs before every step.
+- img2img (``latent_image``, ``denoise`` < 1): ``start.qwen_start``, the Z-Image flow sampler's meaning of
+  ``denoise``; CONDITIONING (``positive_cond`` / ``negative_cond``, Qwen2.5-VL hidden states) replaces its side's
+  prompt string: ``conditioning.qwen_conditioning``.
 
-Not yet: img2img (``latent_image`` / ``denoise`` < 1), CONDITIONING inputs and CUDA-graph acceleration (the loop
-is eager; ``acceleration`` is accepted and logged). Why hand-written rather than calling the pipeline (the tests'
+Not yet: CUDA-graph acceleration (the loop is eager; ``acceleration`` is accepted and logged). Why hand-written rather than calling the pipeline (the tests'
 reference): the VRAM policy's sessions and the pack's LATENT conventions do not fit its ``__call__``.
 """
 from __future__ import annotations
@@ -29,15 +31,15 @@ import torch
 
 from ... import bridge
 from ...memory.engine import LeanEngine
-from ..flow.schedule import TRAIN_TIMESTEPS, flow_sigmas
+from ..flow.schedule import TRAIN_TIMESTEPS
 from ..flow.settings import FlowSettings
+from .conditioning import qwen_conditioning
 from .latents import pack, to_raw, unpack
-from .text import encode_prompts, prompt_batch
+from .start import qwen_start
 
 logger = logging.getLogger(__name__)
 
 FAMILY = "qwen_image"
-VAE_FACTOR = 8
 
 
 def is_qwen_image(engine: Any) -> bool:
@@ -45,18 +47,11 @@ def is_qwen_image(engine: Any) -> bool:
     return isinstance(engine, LeanEngine) and engine.family == FAMILY
 
 
-def check_qwen_inputs(engine: Any, latent_image: Optional[dict], denoise: float, positive_cond: Any,
-                      negative_cond: Any) -> LeanEngine:
-    """The engine, or an error naming the input this slice of Qwen-Image does not take yet."""
+def check_qwen_inputs(engine: Any) -> LeanEngine:
+    """The engine, or an error naming ``lean_model`` when it is not a Qwen-Image model."""
     if not is_qwen_image(engine):
         got = engine.family if isinstance(engine, LeanEngine) else type(engine).__name__
         raise ValueError(f"lean_model: expected a Qwen-Image model (family {FAMILY}), got {got}")
-    for name, value in (("latent_image", latent_image), ("positive_cond", positive_cond),
-                        ("negative_cond", negative_cond)):
-        if value is not None:
-            raise ValueError(f"{name}: not supported yet for {FAMILY} (text-to-image only); disconnect it")
-    if denoise != 1.0:
-        raise ValueError(f"denoise={denoise!r}: img2img is not supported yet for {FAMILY}; set denoise to 1.0")
     return engine
 
 
@@ -64,20 +59,21 @@ def sample_qwen_image(engine: LeanEngine, settings: FlowSettings, latent_image: 
                       positive_cond: Any = None, negative_cond: Any = None, quiet: bool = False) -> dict:
     """Run the loop; returns ``{"samples": raw latents [B, 16, h, w] float32 on the CPU}`` (module docstring)."""
     s = settings.validated()
-    check_qwen_inputs(engine, latent_image, s.denoise, positive_cond, negative_cond)
+    check_qwen_inputs(engine)
     if s.acceleration != "none":
         logger.info("Qwen-Image runs eager in this version; acceleration=%r is ignored", s.acceleration)
-    h, w = s.height // VAE_FACTOR, s.width // VAE_FACTOR
-    noise = torch.randn((s.batch_size, engine.parts.latent_channels, h, w),
-                        generator=torch.Generator("cpu").manual_seed(s.seed), dtype=torch.float32)
-    sigmas = flow_sigmas(engine.parts.scheduler_config, s.steps, h, w)
+    start, sigmas, batch_index = qwen_start(engine, s, latent_image)
+    h, w = start.shape[2], start.shape[3]
     bridge.check_interrupted()
-    prompts = [s.positive, s.negative] if s.guided else [s.positive]
-    rows = encode_prompts(engine, prompts)
-    conds = [prompt_batch([r], s.batch_size) for r in rows]
+    sides = 2 if s.guided else 1
+    conds = qwen_conditioning(engine, [s.positive, s.negative][:sides], [positive_cond, negative_cond][:sides],
+                              ["positive_cond", "negative_cond"][:sides], start.shape[0])
     with engine.session("unet"), torch.no_grad():
-        x = _denoise(engine, conds, pack(noise).to(engine.device), sigmas, (h, w), s, quiet)
-    return {"samples": to_raw(unpack(x.cpu(), h, w), engine.parts.vae)}
+        x = _denoise(engine, conds, pack(start).to(engine.device), sigmas, (h, w), s, quiet)
+    out = {"samples": to_raw(unpack(x.cpu(), h, w), engine.parts.vae)}
+    if batch_index is not None:
+        out["batch_index"] = batch_index
+    return out
 
 
 def _denoise(engine: LeanEngine, conds: list, x: torch.Tensor, sigmas: torch.Tensor, size: tuple[int, int],
