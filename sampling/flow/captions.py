@@ -21,8 +21,8 @@ from .text import check_prompt, encode_prompts
 def _from_conditioning(value: Any, name: str, width: int, encoder: str = "Qwen3") -> list[torch.Tensor]:
     if not isinstance(value, (list, tuple)) or len(value) != 1 or not isinstance(value[0], (list, tuple)) \
             or len(value[0]) != 2 or not isinstance(value[0][0], torch.Tensor):
-        raise ValueError(f"{name}: expected a CONDITIONING with one entry [tensor [b, L, C], dict] from a {encoder} text "
-                         f"encoder node; combined or empty conditionings are not supported here")
+        raise ValueError(f"{name}: expected a CONDITIONING with one entry [tensor [b, L, C], dict] from a {encoder} "
+                         f"text encoder node; combined or empty conditionings are not supported here")
     cond, extra = value[0]
     if cond.ndim != 3 or cond.shape[-1] != width or cond.shape[1] < 1 or not cond.is_floating_point():
         raise ValueError(f"{name} has shape {tuple(cond.shape)}; this model needs {encoder} hidden states "

@@ -19,8 +19,9 @@ latents_mean`` per channel):
   ``denoise``; CONDITIONING (``positive_cond`` / ``negative_cond``, Qwen2.5-VL hidden states) replaces its side's
   prompt string: ``conditioning.qwen_conditioning``.
 
-Not yet: CUDA-graph acceleration (the loop is eager; ``acceleration`` is accepted and logged). Why hand-written rather than calling the pipeline (the tests'
-reference): the VRAM policy's sessions and the pack's LATENT conventions do not fit its ``__call__``.
+Not yet: CUDA-graph acceleration (the loop is eager; ``acceleration`` is accepted and logged). Why hand-written
+rather than calling the pipeline (the tests' reference): the VRAM policy's sessions and the pack's LATENT
+conventions do not fit its ``__call__``.
 """
 from __future__ import annotations
 

@@ -126,7 +126,8 @@ def test_one_side_conditioning_the_other_a_string(qwen_engine, img2img_pipe, ope
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"latent_image": {"samples": torch.zeros(1, 16, 5, 4)}}, r"latent_image is 4x5 latent cells; .*both must be even"),
-    ({"latent_image": {"samples": torch.zeros(1, 4, 4, 4)}}, r"latent_image has 4 channels but this model's VAE uses 16"),
+    ({"latent_image": {"samples": torch.zeros(1, 4, 4, 4)}},
+     r"latent_image has 4 channels but this model's VAE uses 16"),
     ({"positive_cond": [[torch.zeros(1, 3, 31), {}]]},
      r"positive_cond has shape \(1, 3, 31\); this model needs Qwen2.5-VL hidden states \[b, L, 32\]"),
     ({"negative_cond": [[torch.zeros(3, 3, 32), {}]]}, r"negative_cond holds 3 rows; expected 1 or the batch size 1"),
