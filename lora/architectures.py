@@ -46,6 +46,12 @@ ARCHES = {
                                   r"(attention|feed_forward|adaLN_modulation)[._]"
                                   r"|(all_)?(x_embedder|final_layer)([._]|$)|(cap|t)_embedder[._])"),
                        None, fused_qkv=True),
+    # Qwen-Image's MMDiT (joint blocks, embedders, output layer): ComfyUI's module names are diffusers' own, so every
+    # layout of its LoRAs resolves on the model's names without an alias table (``keymap.UNET_ALIASES``)
+    "qwen_image": LoraArch("qwen_image", "Qwen-Image",
+                           re.compile(r"(transformer_blocks[._]\d+[._](attn|img_mod|txt_mod|img_mlp|txt_mlp)[._]"
+                                      r"|(img_in|txt_in|proj_out)$|norm_out[._]linear$|time_text_embed[._])"),
+                           None),
 }
 
 

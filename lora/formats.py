@@ -17,7 +17,9 @@ which also carry Z-Image LoRAs (its original and fused names resolve in ``keymap
   is the UNet's ``to_out.0`` and the text encoders' ``to_q/k/v/out`` are ``q/k/v/out_proj``; ComfyUI's key-map
   spelling ``<attn>.processor.to_q`` with any factor suffix is the same module), ``<component>`` one
   of ``unet``, ``text_encoder``, ``text_encoder_2``, or ``transformer`` (a DiT's, e.g. Z-Image's: the engine's
-  ``unet``; its metadata keys keep the file's ``transformer.`` prefix). Alphas come from ``<module>.alpha`` keys or from the
+  ``unet``; its metadata keys keep the file's ``transformer.`` prefix); a key with no component prefix names a
+  denoiser module (the few-step Qwen-Image "Lightning" files: ``transformer_blocks.0.attn.to_q.lora_down.weight``
+  with an ``.alpha``, every factor spelling read as here). Alphas come from ``<module>.alpha`` keys or from the
   ``lora_adapter_metadata`` JSON diffusers writes into the safetensors header (``<component>.lora_alpha``,
   ``.alpha_pattern``, ``.use_rslora``); with neither, alpha = rank (PEFT's and diffusers' convention).
 - LyCORIS LoHa / LoKr in the prefixed layout (``hada_w1_a``..., ``lokr_w1``...), and DoRA (``dora_scale``) on any

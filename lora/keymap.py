@@ -22,6 +22,10 @@ Names
   ``attention.out``, ``x_embedder``, ``final_layer.*``) in both spellings; a fused ``attention.qkv`` layer is split
   onto ``to_q/to_k/to_v`` first, and a redundant copy of a layer (same delta) is dropped. Which alias table applies
   is the model family's ``lora_arch`` (``architectures``).
+- Qwen-Image (its MMDiT in the ``unet`` slot): every layout spells diffusers' module names, which are also ComfyUI's
+  (``transformer_blocks.N.attn.to_q``, ``img_mod.1``, ``img_mlp.net.0.proj``, ``norm_out.linear``...): PEFT
+  ``transformer.<name>``, ComfyUI ``diffusion_model.<name>``, kohya ``lora_unet_<name with _>``, and the bare
+  ``<name>`` of the few-step "Lightning" files (lora_down/lora_up with an ``.alpha`` each); no alias table.
 - Text-encoder layers for modules the engine leaves out because no image depends on them (CLIP-L's
   ``text_projection``, SD2.x's last OpenCLIP layer; ComfyUI patches them to no effect) are skipped with a warning
   that names them (``_left_out``): the picture is what ComfyUI makes from the same file. Any other layer that
@@ -130,7 +134,8 @@ def _ldm_aliases(root: torch.nn.Module, modules: dict) -> list[tuple[str, str]]:
 
 
 # the denoiser's other spellings, per LoRA architecture (``architectures.ARCHES``): (alias, module name) pairs
-UNET_ALIASES = {"sd-unet": _ldm_aliases, "zimage": lambda root, modules: original_aliases(modules)}
+UNET_ALIASES = {"sd-unet": _ldm_aliases, "zimage": lambda root, modules: original_aliases(modules),
+                "qwen_image": lambda root, modules: []}
 
 
 class ModuleIndex:

@@ -4,6 +4,7 @@ Grammar: comma-separated selectors, e.g. ``mid_block, up_blocks.2`` or ``input_b
 names UNet modules; it may be qualified with its component (``unet.``, ``text_encoder.``, ``text_encoder_2.``), and
 a component name alone (``text_encoder``) selects that whole component. Empty = every layer the LoRA covers.
 
+A DiT (Z-Image, Qwen-Image) has only diffusers module prefixes: ``transformer_blocks.3``, ``layers.1``, ``proj_out``.
 UNet selectors, in three spellings of the same modules:
 - diffusers module prefixes: ``down_blocks.1``, ``mid_block``, ``up_blocks.2.attentions.0``, ``conv_in``;
 - ComfyUI / LDM (``ldm``/``sgm``) prefixes, as ComfyUI's model keys spell them: ``input_blocks.4``,
@@ -102,6 +103,10 @@ def _choices(comp: str, root: torch.nn.Module, ldm: Optional[dict[str, str]]) ->
     comfy = [r for r in (_ranges(ldm_names, "input_blocks"),
                          "middle_block" if any(_under(n, "middle_block") for n in ldm_names) else "",
                          _ranges(ldm_names, "output_blocks")) if r]
+    if not diffusers and not comfy:  # a DiT (Z-Image, Qwen-Image): its top-level modules, numbered blocks as ranges
+        tops = sorted({n.split(".")[0] for n in names})
+        deeper = next((n for n in names if n.count(".") == 2 and n.split(".")[1].isdigit()), "")
+        return ", ".join(_ranges(names, t) or t for t in tops) + (f" (or deeper, e.g. '{deeper}')" if deeper else "")
     lbw = []
     for r, tag in ((_ranges(ldm_names, "input_blocks"), "IN"), (_ranges(ldm_names, "output_blocks"), "OUT")):
         if r:

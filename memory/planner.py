@@ -9,14 +9,16 @@ Per policy (``T``, ``U``, ``V``: text, UNet, VAE weight bytes; ``act``: the UNet
 - ``stream``: the UNet's resident set fills ``budget - room - always-resident - headroom`` (``stream_schedule.py``),
   the rest streams; ``room`` is what the other stages need beside it. First ``room = act``: the text encoders go on
   the device while used when ``resident + T + ta`` fits the budget. Otherwise a text encoder that streams
-  (``text_units.py``: Qwen3) streams block by block through a ring held only while its stage runs, the UNet
-  planned again with ``room = max(act, text ring + ta)`` and the encoder's norm always resident (or, where that
-  costs the UNet less, stays whole with ``room = T + ta``); encoders that cannot stream (CLIP) run on the CPU.
+  (``text_units.py``: Qwen3, Qwen2.5-VL's language model) streams block by block through a ring held only while
+  its stage runs, the UNet planned again with ``room = max(act, text ring + ta)`` and the encoder's norm always
+  resident (or, where that costs the UNet less, stays whole with ``room = T + ta``); encoders that cannot stream
+  (CLIP) run on the CPU.
   A budget below the working minimum (``stream_minimum_bytes``) is refused with that number.
 - ``auto``: the first of full > balanced > lowvram whose peak fits ``free_vram.usable_free_bytes``, else ``stream``
   at that many bytes (on the CPU: ``full``).
 A family whose ``families.json`` row lists ``vram_policies`` is refused under any other (``check_family_policy``),
-requested or chosen by ``auto``, before anything is placed.
+requested or chosen by ``auto``, before anything is placed. Its ``reference_images`` and ``text_tokens`` widen the
+working shapes the estimates assume (``plan_inputs``).
 
 Planning runs on the ``meta`` device (``unet_units.trace_units``): it allocates nothing.
 """
@@ -35,7 +37,7 @@ from .free_vram import FREE_FRACTION, usable_free_bytes
 from .plan import GiB, MemoryPlan, activation_bytes, gb, module_bytes
 from .policy_config import PolicyConfig, VramPolicy, dtype_name
 from .stream_schedule import StreamSchedule, minimum_arena_bytes, plan_all_streamed, plan_schedule
-from .text_units import TextStream, text_stream
+from .text_units import TEXT_TOKENS, TextStream, text_stream
 from .units import trace_units
 from .vram_budget import HEADROOM, StageMode, VramBudget
 
@@ -64,13 +66,18 @@ class _Stream:
 def plan_inputs(parts: ModelParts, dtype: torch.dtype, vae_dtype: torch.dtype, device_type: str,
                 working_shape: tuple) -> tuple:
     """(units, act, sizes, text): the UNet's units and activation estimate at ``working_shape``, the stages' weight
-    bytes, and the text stage's streaming numbers (``None`` when its encoders cannot stream)."""
-    units = trace_units(parts.unet, working_shape, dtype)
+    bytes, and the text stage's streaming numbers (``None`` when its encoders cannot stream). The family's
+    ``families.json`` row may widen both working shapes: ``reference_images`` (reference latents an edit family
+    packs beside the image tokens, ``qwen_units.py``) and ``text_tokens`` (the longest prompt its sampler encodes,
+    template included; default ``text_units.TEXT_TOKENS``)."""
+    defaults = family_defaults(parts.family)
+    units = trace_units(parts.unet, working_shape, dtype, int(defaults.get("reference_images", 0)))
     act = activation_bytes(units, torch.empty((), dtype=dtype).element_size(), device_type)
     encoders = modules_of_stage(parts, "text")
     sizes = dict(text=sum(module_bytes(m, dtype) for m in encoders), unet=module_bytes(parts.unet, dtype),
                  vae=module_bytes(parts.vae, vae_dtype))
-    return units, act, sizes, text_stream(encoders, dtype, int(working_shape[0]), device_type)
+    tokens = int(defaults.get("text_tokens", TEXT_TOKENS))
+    return units, act, sizes, text_stream(encoders, dtype, int(working_shape[0]), device_type, tokens)
 
 
 def plan_placement(parts: ModelParts, config: PolicyConfig, free: Optional[int], name: str) -> PolicyPlan:

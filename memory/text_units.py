@@ -1,9 +1,11 @@
 """A decoder-only text encoder's streamable units and its working memory: the plan's side of streaming a text
 encoder block by block (``memory/text_streaming.py`` is the run-time side).
 
-Invariant: a text encoder streams when it is laid out as a decoder-only language model (transformers' ``Qwen3Model``:
-an ``embed_tokens`` table, a ``layers`` list whose layers each run once per forward in order and use their weights
-only inside their own ``forward``, a final ``norm``) and is the model's only text encoder. A unit is one decoder
+Invariant: a text encoder streams when it is laid out as a decoder-only language model (transformers' ``Qwen3Model``,
+or Qwen2.5-VL's language model ``Qwen2_5_VLTextModel``, which builds its multimodal rotary positions on the
+looked-up embeddings' device: an ``embed_tokens`` table, a ``layers`` list whose layers each run once per forward in
+order and use their weights only inside their own ``forward``, a final ``norm``) and is the model's only text
+encoder. A unit is one decoder
 layer ``layers.N``. The embedding table stays on the host and its lookup runs there (only the prompt's rows move
 to the device, values unchanged: a lookup is a copy); the final norm and the rotary tables stay on the device.
 Why the host lookup: Qwen3-4B's table is 151936 x 2560 (0.78 GB in bf16), 13% of a 6 GB budget if resident, and

@@ -13,8 +13,9 @@ class LeanFlowSampler:
                    "latent), with the guidance combine and the Euler step fused into one kernel and the whole step "
                    "replayed as a CUDA graph (optionally torch.compile'd). Connect a latent for img2img, and Qwen3 "
                    "CONDITIONING to replace the prompt strings. A Qwen-Image model runs diffusers' QwenImagePipeline's "
-                   "loop (cfg is its true_cfg_scale), eager; latent_image, denoise and CONDITIONING (Qwen2.5-VL "
-                   "hidden states) work for it as for Z-Image.")
+                   "loop (cfg is its true_cfg_scale, prompt and negative in one batched call per step), with the "
+                   "same CUDA-graph acceleration; latent_image, denoise and CONDITIONING (Qwen2.5-VL hidden "
+                   "states) work for it as for Z-Image.")
     CATEGORY = "LeanDiffusion/sampling"
     FUNCTION = "run"
     RETURN_TYPES = ("LATENT",)

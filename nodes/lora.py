@@ -28,10 +28,13 @@ class LeanLoraInjector:
                            "SDXL: kohya (lora_unet_/lora_te_) or diffusers/PEFT (lora_A/lora_B), LoRA or LoCon; "
                            "LyCORIS LoHa, LoKr, Tucker LoCon and DoRA in the kohya layout. Z-Image: diffusers/PEFT "
                            "(transformer.*, as ZImagePipeline.save_lora_weights writes) or ComfyUI/kohya "
-                           "(diffusion_model.* / lora_unet_*, fused qkv included)."}),
+                           "(diffusion_model.* / lora_unet_*, fused qkv included). Qwen-Image: diffusers/PEFT "
+                           "(transformer.*), ComfyUI (diffusion_model.*), kohya (lora_unet_*) or the bare names of "
+                           "the few-step Lightning LoRAs (transformer_blocks.*)."}),
             "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
-                                   "tooltip": "Multiplier of the LoRA on the UNet (Z-Image: the DiT). 0 gives the "
-                                              "base model (bit-exactly on the CPU; on the GPU up to rounding)."}),
+                                   "tooltip": "Multiplier of the LoRA on the UNet (Z-Image, Qwen-Image: the DiT). 0 "
+                                              "gives the base model (bit-exactly on the CPU; on the GPU up to "
+                                              "rounding)."}),
             "strength_text_encoder": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
                                                 "tooltip": "Multiplier of the LoRA on the text encoder(s)."}),
             "target_blocks": ("STRING", {"default": "", "multiline": False,
@@ -39,6 +42,7 @@ class LeanLoraInjector:
                                                     "diffusers names ('mid_block, up_blocks.2'), ComfyUI/LDM names "
                                                     "('middle_block, output_blocks.3') or LoRA Block Weight indices "
                                                     "('MID, OUT03'); Z-Image: module names ('layers.3, noise_refiner'); "
+                                                    "Qwen-Image: 'transformer_blocks.12, proj_out'; "
                                                     "add 'text_encoder' (and 'text_encoder_2') to keep the "
                                                     "text-encoder part."}),
             "mode": (["unmerged", "merged"], {"default": "unmerged",

@@ -7,6 +7,7 @@
 #   suites' processes), one call each:
 #     LEANDIFFUSION_BENCH_ZIMAGE_CASES=cuda_graph,fp8,stream_fp8 bash scripts/device_bench.sh --quick --suite zimage --budget 400
 #     LEANDIFFUSION_BENCH_SAMPLER_CASES=sdxl_fp8,sdxl_fp8_4gb bash scripts/device_bench.sh --quick --suite sampler --budget 240
+#     LEANDIFFUSION_BENCH_QWEN_CASES=stream,stream_fp8,peer_offload bash scripts/device_bench.sh --quick --suite qwen --budget 580
 # 1. installs the carried wheels (.whl/*.whl: diffusers and what it lacks there, spandrel) into /tmp/site;
 # 2. makes this checkout importable as `leandiffusion` (a symlink in a temp dir on PYTHONPATH);
 # 3. runs `python3 -m leandiffusion.bench "$@" --out $OUT/bench` unbuffered (the device returns $OUT's files).

@@ -1,7 +1,7 @@
-"""A Qwen-Image LEAN_MODEL (family ``qwen_image``) loads, but only the Fused Flow Sampler and the Fused KSampler run
-it so far: the Stream Scheduler Sampler, the Dynamic LoRA Injector and the Tiled VAE nodes refuse it with one error
-naming ``lean_model``, the family and what to do instead, before any stage opens (the family's ``nodes_not_yet``
-row in ``families.json``). The Fused DDIM Sampler refuses it as a flow-matching DiT."""
+"""A Qwen-Image LEAN_MODEL (family ``qwen_image``) loads; the Fused Flow Sampler, the Fused KSampler and the Dynamic
+LoRA Injector run it, while the Stream Scheduler Sampler and the Tiled VAE nodes refuse it with one error naming
+``lean_model``, the family and what to do instead, before any stage opens (the family's ``nodes_not_yet`` row in
+``families.json``). The Fused DDIM Sampler refuses it as a flow-matching DiT."""
 import pytest
 import torch
 
@@ -30,15 +30,6 @@ def test_the_stream_scheduler_refuses_it(engine, opened_sessions):
                                                         fix="sample it with the Fused Flow Sampler")):
         run_stream(engine, None)
     assert opened_sessions == []
-
-
-def test_the_lora_injector_refuses_it(engine, tmp_path):
-    from leandiffusion.lora.adapter import inject_lora
-
-    with pytest.raises(ValueError, match=NOT_YET.format(node="Dynamic LoRA Injector",
-                                                        fix="run the model without a LoRA")):
-        inject_lora(engine, tmp_path / "any.safetensors")
-    assert engine.adapters == ()
 
 
 @pytest.mark.parametrize("method", ["decode", "encode"])

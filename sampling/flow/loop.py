@@ -19,19 +19,17 @@ Why hand-written rather than calling the pipeline (the tests' reference): static
 """
 from __future__ import annotations
 
-import collections
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from ... import bridge
 from ...memory.engine import LeanEngine
-from ..graph_runner import GraphRunner, default_runner
+from ..dit_steps import PreparedDitSteps, prepare_dit_steps, run_dit_steps
+from ..graph_runner import GraphRunner
 from ..latent_input import batch_index_of, batch_latents, check_latent, check_latent_size, initial_noise
-from ..loop import bound_run_ahead, resolve_acceleration, step_allocator, vae_scale_factor
-from ..settings import Acceleration
+from ..loop import resolve_acceleration, step_allocator, vae_scale_factor
 from .accel import compiled_dit_fn, eager_dit_fn
 from .captions import flow_captions
 from .dit_forward import ImageGrid, caption_capacity, caption_layout
@@ -87,17 +85,8 @@ def sample_flow(engine: LeanEngine, settings: FlowSettings, latent_image: Option
     return out
 
 
-@dataclass
-class _Prepared:
-    program: FlowStepProgram
-    advance: Callable[[], None]
-    dit_fn: Callable
-    timesteps: torch.Tensor  # [steps] float32 on the device
-    coeffs: torch.Tensor  # [steps, 2] float32 on the device
-
-
 def _prepare(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.Tensor, grid: ImageGrid,
-             s: FlowSettings, runner: Optional[GraphRunner]) -> _Prepared:
+             s: FlowSettings, runner: Optional[GraphRunner]) -> PreparedDitSteps:
     device, dit = engine.device, engine.parts.unet
     capacity = caption_capacity([int(c.shape[0]) for c in captions])
     layout = caption_layout(dit, captions, grid, capacity, engine.dtype, device)
@@ -115,17 +104,9 @@ def _prepare(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.
         program.load(layout, x_dev)
         program.set_step(timesteps[0], coeffs[0])
 
-    eager = eager_dit_fn(dit)
-    if mode == Acceleration.NONE.value:
-        program = build(eager)
-        prepare(program)
-        return _Prepared(program, program.step, eager, timesteps, coeffs)
-    runner = runner if runner is not None else default_runner()
-    compiled = mode == Acceleration.COMPILE.value
-    fn = compiled_dit_fn(engine) if compiled else eager
     key = ("flow", tuple(x.shape), engine.dtype, s.guided, capacity, str(layout.caption_freqs.dtype))
-    captured = runner.step_for(engine, key, lambda: build(fn), prepare, compiled=compiled)
-    return _Prepared(captured.program, captured.replay, fn, timesteps, coeffs)
+    return prepare_dit_steps(engine, mode, key, build, prepare, eager_dit_fn(dit), lambda: compiled_dit_fn(engine),
+                             runner, timesteps, coeffs)
 
 
 def _denoise(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.Tensor, grid: ImageGrid,
@@ -146,19 +127,4 @@ def denoise_flow_batch(engine: LeanEngine, captions: list, x_init: torch.Tensor,
     ``on_step(i)`` after step ``i`` was enqueued (the caller owns the progress bar). Returns the final model-space
     latents (float32, a new tensor on the device).
     """
-    prepared = _prepare(engine, captions, x_init, sigmas, grid, settings, runner)
-    program = prepared.program
-    cuda = engine.device.type == "cuda"
-    in_flight: collections.deque = collections.deque()
-    program.dit_fn = prepared.dit_fn  # bound for this run only: a cached program must not keep the engine alive
-    try:
-        for i in range(prepared.timesteps.shape[0]):
-            bridge.check_interrupted()
-            program.set_step(prepared.timesteps[i], prepared.coeffs[i])
-            prepared.advance()
-            if cuda:
-                bound_run_ahead(in_flight)
-            on_step(i)
-        return program.sample.clone()
-    finally:
-        program.dit_fn = None
+    return run_dit_steps(engine, _prepare(engine, captions, x_init, sigmas, grid, settings, runner), on_step)

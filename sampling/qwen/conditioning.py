@@ -7,8 +7,9 @@ Invariants
   ``attention_mask`` in the dict marks padding rows, which are dropped), ``C`` the transformer's
   ``joint_attention_dim`` and ``b`` 1 (used for every image) or the batch size; anything else is refused by input
   name before any model runs (``flow.captions.conditioning_captions``, shared with Z-Image).
-- The prompt strings a run needs are encoded in one call (one text session); every side's rows then go through
-  ``text.prompt_batch`` as ``QwenImagePipeline`` lays them out, so a CONDITIONING holding the rows
+- The prompt strings a run needs are encoded in one call (one text session); every side has one row per image
+  (``qwen_text_rows``, the flow loop's layout) or goes through ``text.prompt_batch`` as ``QwenImagePipeline`` lays
+  it out (``qwen_conditioning``, the Fused KSampler's), so a CONDITIONING holding the rows
   ``encode_prompts`` gives for a prompt samples exactly that prompt's latent.
 
 Why its own module: the flow loop and the Fused KSampler condition Qwen-Image the same way.
@@ -33,10 +34,6 @@ def _check_rows(rows: list, name: str, batch: int) -> list:
     return rows
 
 
-def _batched(rows: list, batch: int) -> Side:
-    return prompt_batch(rows, batch) if len(rows) == 1 else prompt_batch(rows, 1)
-
-
 def conditioning_rows(engine: LeanEngine, conds: Sequence[Any], names: Sequence[str], batch: int) -> list:
     """Per side, ``None`` (no CONDITIONING) or its ``[L, C]`` rows, checked (refused naming ``names[i]``); runs no
     model, so a caller can check its inputs before it opens a stage."""
@@ -44,11 +41,11 @@ def conditioning_rows(engine: LeanEngine, conds: Sequence[Any], names: Sequence[
             for c, n in zip(conds, names)]
 
 
-def qwen_conditioning(engine: LeanEngine, texts: Sequence[str], conds: Sequence[Any], names: Sequence[str],
-                      batch: int) -> list[Side]:
-    """One ``(embeds [batch, L, C], mask [batch, L] or None)`` per side (engine device and dtype): side ``i`` from
-    ``conds[i]`` when it is not ``None`` (a CONDITIONING, refused naming ``names[i]``), else from the prompt string
-    ``texts[i]``. Every CONDITIONING is checked before the text encoder runs."""
+def qwen_text_rows(engine: LeanEngine, texts: Sequence[str], conds: Sequence[Any], names: Sequence[str],
+                   batch: int) -> list[list[torch.Tensor]]:
+    """Per side, ``batch`` text rows ``[L, C]`` (engine device and dtype): side ``i`` from ``conds[i]`` when it is not
+    ``None`` (a CONDITIONING, refused naming ``names[i]``), else from the prompt string ``texts[i]``. Every
+    CONDITIONING is checked before the text encoder runs."""
     if not len(texts) == len(conds) == len(names):
         raise ValueError(f"texts, conds and names: expected one of each per side, got {len(texts)}, {len(conds)} "
                          f"and {len(names)}")
@@ -58,4 +55,11 @@ def qwen_conditioning(engine: LeanEngine, texts: Sequence[str], conds: Sequence[
         encoded = encode_prompts(engine, [texts[i] for i in strings])
         for i, row in zip(strings, encoded):
             rows[i] = [row]
-    return [_batched([r.to(engine.device, engine.dtype) for r in side], batch) for side in rows]
+    return [[r.to(engine.device, engine.dtype) for r in (side * batch if len(side) == 1 else side)] for side in rows]
+
+
+def qwen_conditioning(engine: LeanEngine, texts: Sequence[str], conds: Sequence[Any], names: Sequence[str],
+                      batch: int) -> list[Side]:
+    """One ``(embeds [batch, L, C], mask [batch, L] or None)`` per side, laid out by ``text.prompt_batch`` from
+    :func:`qwen_text_rows`."""
+    return [prompt_batch(side) for side in qwen_text_rows(engine, texts, conds, names, batch)]

@@ -31,11 +31,12 @@ FACTOR_SPELLINGS = {"lora_down": (".lora_down.weight", ".lora_up.weight"),
 QKV = re.compile(r"(?P<block>.+)\.attention\.to_(?P<p>[qkv])")
 
 
-def target_names(transformer: torch.nn.Module) -> list[str]:
-    return [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and re.fullmatch(TARGETS, n)]
+def target_names(transformer: torch.nn.Module, targets: str = TARGETS) -> list[str]:
+    """The Linear modules whose names match ``targets`` (a regex; default: Z-Image's), in module order."""
+    return [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and re.fullmatch(targets, n)]
 
 
-def _factors(module: torch.nn.Linear, rank: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_factors(module: torch.nn.Linear, rank: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """down [r, in], up [out, r]: ``up @ down`` about 0.4x the scale of a default-initialised weight."""
     down = torch.randn(rank, module.in_features, generator=gen) / module.in_features ** 0.5
     up = 0.25 * torch.randn(module.out_features, rank, generator=gen) / rank ** 0.5
@@ -43,26 +44,30 @@ def _factors(module: torch.nn.Linear, rank: int, gen: torch.Generator) -> tuple[
 
 
 def save_peft_lora(transformer: torch.nn.Module, folder: str | Path, rank: int = 4, alpha: float = 2.0,
-                   seed: int = 0) -> Path:
-    """diffusers' own Z-Image LoRA file (``ZImagePipeline.save_lora_weights``) for a peft-injected copy of
-    ``transformer`` with seeded random factors; ``PEFT_ALPHA_PATTERN`` gives some layers their own alpha."""
-    from diffusers import ZImagePipeline
+                   seed: int = 0, pipeline: str = "ZImagePipeline", targets: str = TARGETS,
+                   alpha_pattern: dict | None = None) -> Path:
+    """diffusers' own LoRA file (``<pipeline>.save_lora_weights``, default Z-Image's) for a peft-injected copy of
+    ``transformer`` with seeded random factors (``linear_factors`` over ``target_names(transformer, targets)`` in
+    order); ``alpha_pattern`` (default ``PEFT_ALPHA_PATTERN``) gives some layers their own alpha."""
+    import diffusers
     from peft import LoraConfig, get_peft_model_state_dict
 
     model = copy.deepcopy(transformer)
-    config = LoraConfig(r=rank, lora_alpha=alpha, alpha_pattern=dict(PEFT_ALPHA_PATTERN), target_modules=TARGETS,
+    pattern = dict(PEFT_ALPHA_PATTERN if alpha_pattern is None else alpha_pattern)
+    config = LoraConfig(r=rank, lora_alpha=alpha, alpha_pattern=pattern, target_modules=targets,
                         init_lora_weights=False)
     model.add_adapter(config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name in target_names(transformer):
+        for name in target_names(transformer, targets):
             layer = model.get_submodule(name)
-            down, up = _factors(layer.base_layer, rank, gen)
+            down, up = linear_factors(layer.base_layer, rank, gen)
             layer.lora_A["default"].weight.copy_(down)
             layer.lora_B["default"].weight.copy_(up)
     folder = Path(folder)
-    ZImagePipeline.save_lora_weights(str(folder), transformer_lora_layers=get_peft_model_state_dict(model),
-                                     transformer_lora_adapter_metadata=config.to_dict())
+    getattr(diffusers, pipeline).save_lora_weights(str(folder),
+                                                   transformer_lora_layers=get_peft_model_state_dict(model),
+                                                   transformer_lora_adapter_metadata=config.to_dict())
     return folder / "pytorch_lora_weights.safetensors"
 
 
@@ -72,7 +77,7 @@ def original_factors(transformer: torch.nn.Module, rank: int = 4, seed: int = 0)
     gen = torch.Generator().manual_seed(seed)
     out, shared = {}, {}
     for i, name in enumerate(target_names(transformer)):
-        down, up = _factors(transformer.get_submodule(name), rank, gen)
+        down, up = linear_factors(transformer.get_submodule(name), rank, gen)
         alpha = rank * (0.5, 1.0, 1.5)[i % 3]
         m = QKV.fullmatch(name)
         if m:
@@ -118,12 +123,13 @@ def write(sd: dict, path: str | Path) -> Path:
     return path
 
 
-def diffusers_pipeline(folder: str | Path, lora: str | Path):
-    """The ``ZImagePipeline`` at ``folder`` after ``load_lora_weights(lora)`` as adapter ``"ref"`` (the reference
-    LoRA loader; ``pipe.set_adapters(["ref"], adapter_weights=[strength])`` sets its strength)."""
-    from diffusers import ZImagePipeline
+def diffusers_pipeline(folder: str | Path, lora: str | Path, pipeline: str = "ZImagePipeline"):
+    """The diffusers ``pipeline`` (default Z-Image's) at ``folder`` after ``load_lora_weights(lora)`` as adapter
+    ``"ref"`` (the reference LoRA loader; ``pipe.set_adapters(["ref"], adapter_weights=[strength])`` sets its
+    strength)."""
+    import diffusers
 
-    pipe = ZImagePipeline.from_pretrained(str(folder), local_files_only=True)
+    pipe = getattr(diffusers, pipeline).from_pretrained(str(folder), local_files_only=True)
     lora = Path(lora)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name, adapter_name="ref")
     return pipe

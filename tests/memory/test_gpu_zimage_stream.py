@@ -18,10 +18,10 @@ from leandiffusion.memory.load import build_engine
 from leandiffusion.sampling.flow.loop import sample_flow
 from leandiffusion.sampling.flow.settings import FlowSettings
 from leandiffusion.sampling.flow.text import encode_prompts
+from leandiffusion.tests.kit.gpu_budget import GiB, capped_allocator, drop_engine, peak_over, rel, reserved_now
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-GiB = 2 ** 30
 BUDGET_GB = 6.0
 REL = 2e-2
 # 512 tokens after the chat template (the tokenizer is byte-level: one token per byte; longer prompts are cut
@@ -31,20 +31,9 @@ LONG = ("a lighthouse on a cliff at dusk, waves breaking on black rocks, gulls o
 NEGATIVE = "blurry, dark"
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-
-
 def _settings(acceleration: str) -> FlowSettings:
     return FlowSettings(LONG, NEGATIVE, seed=7, steps=2, cfg=4.0, width=1024, height=1024, batch_size=1,
                         acceleration=acceleration)
-
-
-def _drop(engine) -> None:
-    engine.placement.release()  # captured graphs and every device buffer
-    engine.placement.remove()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +55,7 @@ def reference(parts):
         text = [t.clone() for t in encode_prompts(engine, [LONG])]
         latent = sample_flow(engine, _settings("none"), quiet=True)["samples"]
     finally:
-        _drop(engine)
+        drop_engine(engine)
     assert text[0].shape[0] == 512  # the prompt really fills the longest caption
     return {"text": text, "latent": latent}
 
@@ -74,33 +63,22 @@ def reference(parts):
 @pytest.fixture(scope="module")
 def streamed(parts, reference):
     """The engine under ``stream`` and what the process held (reserved) before it existed."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved()
+    base = reserved_now()
     engine = build_engine(parts, "stream", BUDGET_GB, weight_dtype="bf16", vae_dtype="bf16", device="cuda")
     yield engine, base
-    _drop(engine)
+    drop_engine(engine)
 
 
 @pytest.fixture
 def capped(streamed):
     """The allocator capped at the budget plus what the process held before the engine; yields the engine."""
     engine, base = streamed
-    total = torch.cuda.mem_get_info()[1]
-    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    before = float(get()) if get is not None else 1.0
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (BUDGET_GB * GiB + base) / total))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    try:
+    with capped_allocator(BUDGET_GB, base):
         yield engine
-    finally:
-        torch.cuda.set_per_process_memory_fraction(before)
 
 
 def _peak_over_base(streamed) -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_reserved() - streamed[1]
+    return peak_over(streamed[1])
 
 
 def test_the_plan_streams_both_within_the_budget(streamed):
@@ -113,7 +91,7 @@ def test_the_streamed_text_encoder_stays_within_the_budget(streamed, reference, 
     hidden = encode_prompts(capped, [LONG])
     peak = _peak_over_base(streamed)
     assert peak <= BUDGET_GB * GiB, f"text stage peak reserved {peak / GiB:.3f} GiB over {BUDGET_GB} GiB"
-    assert _rel(hidden[0], reference["text"][0]) <= REL
+    assert rel(hidden[0], reference["text"][0]) <= REL
     # the ring is gone once the stage exits: what stays is the placement's resident set (and the returned rows)
     held = torch.cuda.memory_allocated() - streamed[1]
     assert held <= capped.placement.budget.resident_bytes + 64 * 2 ** 20
@@ -126,7 +104,7 @@ def test_the_streamed_dit_stays_within_the_budget(streamed, reference, capped, a
     latent = sample_flow(capped, _settings(acceleration), quiet=True)["samples"]
     peak = _peak_over_base(streamed)
     assert peak <= BUDGET_GB * GiB, f"peak reserved {peak / GiB:.3f} GiB over {BUDGET_GB} GiB ({acceleration})"
-    assert _rel(latent, reference["latent"]) <= REL
+    assert rel(latent, reference["latent"]) <= REL
     measured = capped.placement.measured
     assert {"text", "unet"} <= set(measured)
     assert all(value <= BUDGET_GB * GiB + streamed[1] for value, _ in measured.values())

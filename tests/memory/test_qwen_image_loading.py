@@ -1,7 +1,7 @@
-"""Qwen-Image loads as the family ``qwen_image`` from a QwenImagePipeline folder, under the ``full``, ``balanced``
-and ``lowvram`` policies, and the VRAM planner sizes its dual-stream blocks. Guards: the family comes from
-``model_index.json``, never from the folder's name; Qwen-Image-Edit folders and the ``stream`` policy are refused
-with errors naming the input, the reason and what works, before anything is placed; a damaged folder names the
+"""Qwen-Image loads as the family ``qwen_image`` from a QwenImagePipeline folder, under every VRAM policy (what
+``stream`` computes: ``test_qwen_image_policies.py``), and the VRAM planner sizes its dual-stream blocks. Guards:
+the family comes from ``model_index.json``, never from the folder's name; Qwen-Image-Edit folders are refused with
+errors naming the input, the reason and what works, before anything is placed; a damaged folder names the
 sub-folder to re-download."""
 import json
 import shutil
@@ -83,31 +83,12 @@ def test_edit_folders_are_refused_as_not_supported_yet(models, cls, opened_sessi
     assert opened_sessions == []
 
 
-@pytest.mark.parametrize("policy", ["full", "balanced", "lowvram"])
-def test_loads_under_the_resident_policies(models, policy):
+@pytest.mark.parametrize("policy", ["full", "balanced", "lowvram", "stream"])
+def test_loads_under_every_policy(models, policy):
     engine = load_engine(models("tiny-qwen").name, policy, device="cpu")
     assert engine.placement.name == policy and engine.family == "qwen_image"
     assert f"policy {policy}" in engine.plan and "(qwen_image)" in engine.plan
     assert engine.dtype == torch.float32 and engine.text_dtype == torch.float32  # the CPU computes in fp32
-
-
-def test_stream_is_refused_before_anything_is_placed(models, monkeypatch):
-    from leandiffusion.memory import policies
-
-    placed = []
-    monkeypatch.setattr(policies, "ModelPlacement", lambda *a, **k: placed.append(a))
-    with pytest.raises(ValueError, match=r"vram_policy='stream': 'stream' is not supported yet for qwen_image; use "
-                                         r"one of 'full', 'balanced', 'lowvram'"):
-        load_engine(models("tiny-qwen").name, "stream", 4.0, device="cpu")
-    assert placed == []
-
-
-@pytest.mark.gpu
-def test_stream_refusal_leaves_no_gpu_memory(models):
-    before = torch.cuda.memory_allocated()
-    with pytest.raises(ValueError, match="not supported yet for qwen_image"):
-        load_engine(models("tiny-qwen").name, "stream", 4.0, device="cuda")
-    assert torch.cuda.memory_allocated() == before
 
 
 @pytest.mark.parametrize("part", ["transformer", "text_encoder", "vae", "tokenizer"])

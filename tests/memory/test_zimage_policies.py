@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from leandiffusion.memory.engine import parts_from_components
-from leandiffusion.memory.load import build_engine
-from leandiffusion.memory.plan import GiB, module_bytes
-from leandiffusion.memory.policies import apply_vram_policy, stream_working_minimum_gb
+from leandiffusion.memory.policies import apply_vram_policy
 from leandiffusion.sampling.flow.dit_forward import ImageGrid, caption_layout, dit_forward
 from leandiffusion.sampling.flow.loop import sample_flow
 from leandiffusion.sampling.flow.settings import FlowSettings
 from leandiffusion.sampling.flow.text import encode_prompts
+from leandiffusion.tests.kit.partial_stream import engine_under, partly_streamed_budget_gb, replace_deeper
 
 POLICIES = ["full", "balanced", "lowvram", "stream", "auto"]
 # Small DiT activations at this working shape, so the text stage (512 tokens) is what the plan must make room for.
@@ -37,9 +36,8 @@ def _components(seed: int = 0) -> dict:
     comps = tiny_zimage.build_tiny_zimage(seed)
     config = Qwen3Config(**{**tiny_zimage.text_config(len(comps["tokenizer"])).to_dict(), "num_hidden_layers": 12,
                             "intermediate_size": 1024, "layer_types": None})
-    rng = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed + 1)
+
+    def build():
         dit = ZImageTransformer2DModel(**{**tiny_zimage.transformer_config(), "n_layers": 4, "n_refiner_layers": 2})
         with torch.no_grad():
             for p in (dit.x_pad_token, dit.cap_pad_token):
@@ -49,12 +47,9 @@ def _components(seed: int = 0) -> dict:
                 torch.nn.init.normal_(final.adaLN_modulation[1].weight, std=0.1)
             for block in list(dit.layers) + list(dit.noise_refiner):
                 torch.nn.init.normal_(block.adaLN_modulation[0].weight, std=0.05)
-        text = Qwen3Model(config)
-    finally:
-        torch.random.set_rng_state(rng)
-    comps["transformer"] = dit.eval().requires_grad_(False)
-    comps["text_encoder"] = text.eval().requires_grad_(False)
-    return comps
+        return dit, Qwen3Model(config)
+
+    return replace_deeper(comps, seed + 1, build)
 
 
 def _parts():
@@ -62,14 +57,11 @@ def _parts():
 
 
 def _budget_gb(parts) -> float:
-    """The working minimum plus ~a third of the DiT's weights: some DiT blocks resident, the rest streamed."""
-    minimum = stream_working_minimum_gb(parts, "cpu", working_shape=WORKING_SHAPE)
-    return minimum + 0.3 * module_bytes(parts.unet, torch.float32) / GiB
+    return partly_streamed_budget_gb(parts, WORKING_SHAPE)
 
 
 def _engine(policy: str):
-    parts = _parts()
-    return build_engine(parts, policy, _budget_gb(parts), device="cpu", working_shape=WORKING_SHAPE)
+    return engine_under(_parts(), policy, WORKING_SHAPE)
 
 
 def _dit_inputs(dit, seed=1):

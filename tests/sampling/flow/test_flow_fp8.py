@@ -22,10 +22,10 @@ from leandiffusion.sampling.flow import accel
 from leandiffusion.sampling.flow.loop import sample_flow
 from leandiffusion.sampling.flow.settings import FlowSettings
 from leandiffusion.sampling.graph_runner import GraphRunner
+from leandiffusion.tests.kit.fp8_reference import rel_l2, round_trip_linears
 from leandiffusion.tests.kit.graph_backend import StandInBackend
 
 FP32_BOUND = 0.08  # relative L2 of the fp8 latent from the fp32 latent (measured 0.029)
-E4M3_MAX = 448.0
 
 
 def _parts():
@@ -37,10 +37,6 @@ def _run(engine, acceleration="cuda_graph"):
                             batch_size=2, acceleration=acceleration)
     runner = None if acceleration == "none" else GraphRunner(backend=StandInBackend())
     return sample_flow(engine, settings, runner=runner, quiet=True)["samples"]
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -81,23 +77,14 @@ def test_graph_and_compile_paths_equal_eager_with_fp8(fp8_full, fp8_full_latent,
     engine = build_engine(_parts(), "full", weight_dtype="fp8_e4m3fn", device="cpu")
     out = _run(engine, "compile+cuda_graph")
     assert engine.parts in accel._COMPILED  # the compiled regions ran, not an eager fallback
-    assert _rel(out, fp8_full_latent) <= 1e-6
-
-
-def _round_trip_e4m3(w: torch.Tensor) -> torch.Tensor:
-    scale = w.abs().amax() / E4M3_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (w / scale).to(torch.float8_e4m3fn).float() * scale
+    assert rel_l2(out, fp8_full_latent) <= 1e-6
 
 
 def test_fp8_latent_equals_the_dequantized_plain_model_and_stays_near_fp32(fp8_full_latent):
     fp32 = _run(build_engine(_parts(), "full", weight_dtype="fp32", device="cpu"), "none")
     parts = _parts()
-    with torch.no_grad():
-        for m in parts.unet.modules():
-            if type(m) in (torch.nn.Linear, torch.nn.Conv2d):
-                m.weight.copy_(_round_trip_e4m3(m.weight))
+    round_trip_linears(parts.unet, (torch.nn.Linear, torch.nn.Conv2d))
     dequantized = _run(build_engine(parts, "full", weight_dtype="fp32", device="cpu"), "none")
-    assert _rel(fp8_full_latent, dequantized) <= 1e-5
-    distance = _rel(fp8_full_latent, fp32)
+    assert rel_l2(fp8_full_latent, dequantized) <= 1e-5
+    distance = rel_l2(fp8_full_latent, fp32)
     assert 1e-3 < distance <= FP32_BOUND, distance  # really quantized, and within the stated distance

@@ -24,3 +24,14 @@ def qwen_pipe(qwen_folder):
 def qwen_engine(qwen_folder, monkeypatch, request):
     monkeypatch.setenv("LEANDIFFUSION_MODELS", str(qwen_folder.parent.parent))
     return load_engine(qwen_folder.name, request.param, device="cpu")
+
+
+@pytest.fixture(scope="package")
+def load_qwen(qwen_folder):
+    """``load(policy, weight_dtype)``: a fresh CPU engine over the tiny folder (for module-scoped engines)."""
+    def load(policy="full", weight_dtype="auto"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("LEANDIFFUSION_MODELS", str(qwen_folder.parent.parent))
+            return load_engine(qwen_folder.name, policy, weight_dtype=weight_dtype, device="cpu")
+
+    return load

@@ -1,0 +1,72 @@
+"""The step loop the DiT samplers share (Z-Image's ``flow/loop.py``, Qwen-Image's ``qwen/loop.py``): a step program
+run eagerly or captured once and replayed, then driven through the schedule.
+
+Invariants
+- A DiT step program has static buffers, ``set_step(timestep, coeffs)`` (the step's values copied in), ``step()``
+  (reads and writes only its buffers, no host synchronisation), ``sample`` (the float32 state) and ``dit_fn`` (the
+  transformer call ``step()`` makes). ``none`` runs ``step()``; ``cuda_graph`` and ``compile+cuda_graph`` replay the
+  graph the runner captured for the key (``graph_runner.GraphRunner.step_for``), so a cached graph serves every run
+  whose key matches and only the buffers' values change.
+- ``dit_fn`` is bound for the duration of a run only: a cached program must not keep its engine alive (the cache
+  is weak in the model); a real CUDA graph replays without calling it.
+- ``bridge.check_interrupted()`` runs before every step, ``on_step(i)`` after step ``i`` was enqueued; on the GPU the
+  host enqueues at most two steps ahead of the device (``loop.bound_run_ahead``).
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+
+from .. import bridge
+from ..memory.engine import LeanEngine
+from .graph_runner import GraphRunner, default_runner
+from .loop import bound_run_ahead
+from .settings import Acceleration
+
+
+@dataclass
+class PreparedDitSteps:
+    program: Any
+    advance: Callable[[], None]  # run the step eagerly, or replay its graph
+    dit_fn: Callable
+    timesteps: torch.Tensor  # [steps] on the device: each step's timestep input
+    coeffs: torch.Tensor  # [steps, k] float32 on the device: each step's coefficients
+
+
+def prepare_dit_steps(engine: LeanEngine, mode: str, key: Hashable, build: Callable[[Callable], Any],
+                      prepare: Callable[[Any], None], eager_fn: Callable, compiled_fn: Callable[[], Callable],
+                      runner: Optional[GraphRunner], timesteps: torch.Tensor,
+                      coeffs: torch.Tensor) -> PreparedDitSteps:
+    """The program for ``mode`` (a resolved acceleration), loaded by ``prepare``: built and run eagerly, or the
+    runner's captured one for ``key`` (``compiled_fn()`` gives the compiled transformer call)."""
+    if mode == Acceleration.NONE.value:
+        program = build(eager_fn)
+        prepare(program)
+        return PreparedDitSteps(program, program.step, eager_fn, timesteps, coeffs)
+    runner = runner if runner is not None else default_runner()
+    compiled = mode == Acceleration.COMPILE.value
+    fn = compiled_fn() if compiled else eager_fn
+    captured = runner.step_for(engine, key, lambda: build(fn), prepare, compiled=compiled)
+    return PreparedDitSteps(captured.program, captured.replay, fn, timesteps, coeffs)
+
+
+def run_dit_steps(engine: LeanEngine, prepared: PreparedDitSteps, on_step: Callable[[int], None]) -> torch.Tensor:
+    """Every step of ``prepared`` (module docstring); returns the final state (a new tensor on the device)."""
+    program = prepared.program
+    cuda = engine.device.type == "cuda"
+    in_flight: collections.deque = collections.deque()
+    program.dit_fn = prepared.dit_fn
+    try:
+        for i in range(prepared.timesteps.shape[0]):
+            bridge.check_interrupted()
+            program.set_step(prepared.timesteps[i], prepared.coeffs[i])
+            prepared.advance()
+            if cuda:
+                bound_run_ahead(in_flight)
+            on_step(i)
+        return program.sample.clone()
+    finally:
+        program.dit_fn = None

@@ -1,0 +1,113 @@
+"""Joint attention of Qwen-Image's blocks over rows whose prompts differ in length, without a padding mask.
+
+Invariant: with :class:`RowGroupAttnProcessor` installed, a transformer call on rows whose text is zero-padded to a
+common length gives every row what diffusers' ``QwenDoubleStreamAttnProcessor2_0`` gives that row alone, unpadded.
+Rows are grouped by their real text length (``RowGroup``: a contiguous range of rows and their length ``L``); each
+group attends over its joint sequence ``[its first L text tokens, every image token]`` with unmasked SDPA. Text
+slots past a row's length get zeros: no real token ever reads them (attention reads only the first ``L`` keys, the
+rest of the block acts per token) and the model's output is the image tokens alone. Projections, q/k norms and the
+rotary embedding run on the whole padded batch through the modules' own ``__call__`` (LoRA terms and fp8 weight
+storage apply); the first ``L`` text positions get the rotary angles the unpadded call gives them.
+
+Why not SDPA with a key-padding mask (what the diffusers processor does with ``encoder_hidden_states_mask``): on
+Hopper that runs cuDNN's attention with a bias, measurably slower than the unmasked flash kernel at the sizes
+Qwen-Image runs (thousands of image tokens), and batching the guided rows (so streamed weights cross once a step)
+must not cost more than the two separate calls the pipeline makes. The per-group attention is left out of
+``torch.compile`` regions so a new prompt length recompiles nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows ``start:stop`` of a call, whose prompts have ``length`` real text tokens (padding after them)."""
+    start: int
+    stop: int
+    length: int
+
+
+def row_groups(lengths: Sequence[int]) -> tuple[RowGroup, ...]:
+    """Runs of equal consecutive lengths as groups: ``[5, 5, 3]`` -> rows 0:2 of length 5, row 2 of length 3."""
+    if not lengths:
+        raise ValueError("lengths: expected one text length per row, got none")
+    groups, start = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or lengths[i] != lengths[start]:
+            if int(lengths[start]) < 1:
+                raise ValueError(f"lengths[{start}]={lengths[start]!r}: every row needs at least one text token")
+            groups.append(RowGroup(start, i, int(lengths[start])))
+            start = i
+    return tuple(groups)
+
+
+@torch.compiler.disable
+def _grouped_attention(q_txt, k_txt, v_txt, q_img, k_img, v_img, groups: tuple[RowGroup, ...]):
+    """``(text out [B, T, H*D], image out [B, N, H*D])`` from [B, *, H, D] projections (module docstring)."""
+    seq_txt = q_txt.shape[1]
+    txt_parts, img_parts = [], []
+    for g in groups:
+        rows = slice(g.start, g.stop)
+        q, k, v = (torch.cat([t[rows, :g.length], i[rows]], dim=1).transpose(1, 2)
+                   for t, i in ((q_txt, q_img), (k_txt, k_img), (v_txt, v_img)))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3).to(q.dtype)
+        txt_parts.append(F.pad(out[:, :g.length], (0, 0, 0, seq_txt - g.length)))
+        img_parts.append(out[:, g.length:])
+    return torch.cat(txt_parts), torch.cat(img_parts)
+
+
+class RowGroupAttnProcessor:
+    """Drop-in for diffusers' ``QwenDoubleStreamAttnProcessor2_0`` over rows grouped by text length (module
+    docstring); ``encoder_hidden_states_mask`` is ignored: the groups say which text slots are real."""
+
+    def __init__(self, groups: Sequence[RowGroup]):
+        self.groups = tuple(groups)
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
+                 encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None):
+        if encoder_hidden_states is None or attention_mask is not None:
+            raise ValueError("RowGroupAttnProcessor takes the text stream and no external attention_mask")
+        batch = hidden_states.shape[0]
+        if self.groups[0].start != 0 or self.groups[-1].stop != batch or any(
+                a.stop != b.start for a, b in zip(self.groups, self.groups[1:])):
+            raise ValueError(f"row groups {self.groups} do not cover the call's {batch} rows in order")
+        head_dim = attn.inner_dim // attn.heads
+        img = [p(hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
+        txt = [p(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+               for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
+        for group, index, norm in ((img, 0, attn.norm_q), (img, 1, attn.norm_k), (txt, 0, attn.norm_added_q),
+                                   (txt, 1, attn.norm_added_k)):
+            if norm is not None:
+                group[index] = norm(group[index])
+        if image_rotary_emb is not None:
+            img_freqs, txt_freqs = image_rotary_emb
+            img[:2] = [apply_rotary_emb_qwen(t, img_freqs, use_real=False) for t in img[:2]]
+            txt[:2] = [apply_rotary_emb_qwen(t, txt_freqs, use_real=False) for t in txt[:2]]
+        txt_out, img_out = _grouped_attention(*txt, *img, self.groups)
+        img_out = attn.to_out[0](img_out.contiguous())
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)
+        return img_out, attn.to_add_out(txt_out.contiguous())
+
+
+@contextlib.contextmanager
+def row_groups_installed(dit: torch.nn.Module, groups: Sequence[RowGroup]) -> Iterator[None]:
+    """Every block's attention runs :class:`RowGroupAttnProcessor` for ``groups`` inside the block; the previous
+    processors come back on exit (the model stays usable by diffusers' own pipelines)."""
+    processor = RowGroupAttnProcessor(groups)
+    attns = [block.attn for block in dit.transformer_blocks]
+    previous = [a.processor for a in attns]
+    try:
+        for a in attns:
+            a.processor = processor
+        yield
+    finally:
+        for a, p in zip(attns, previous):
+            a.processor = p

@@ -1,0 +1,124 @@
+"""bench/suite_qwen.py in smoke mode (tiny Qwen-Image, CPU, fp32): every case runs end to end through the node-level
+API, its rows validate against bench/schema.py, our latent equals diffusers' pipeline, and a case the pack cannot
+run yet turns its targets into FAIL rows naming the reason instead of passing quietly or vanishing."""
+import math
+
+import pytest
+import torch
+
+from leandiffusion.bench import qwen_cases, qwen_targets, schema, suite_qwen
+from leandiffusion.bench.harness import BenchContext
+
+
+def _rows(ctx):
+    return {(r["case"].split("/", 1)[1], r["metric"]): schema.normalise_record(r) for r in ctx.to_json()}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    ctx = BenchContext("qwen", tmp_path_factory.mktemp("qwen"), smoke=True)
+    suite_qwen.run(ctx)
+    return ctx
+
+
+def test_every_row_is_well_formed_and_keys_are_unique(smoke):
+    records = [schema.normalise_record(r) for r in smoke.to_json()]
+    assert records and all(schema.validate_record(r) == [] for r in records), records
+    doc = {"suites": [{"suite": "qwen"}], "records": records}
+    assert schema.duplicate_keys(doc) == {}
+
+
+def test_resident_cases_run_and_ours_equals_the_pipeline(smoke):
+    rows = _rows(smoke)
+    assert rows[("fp32/none", "smoke_rel_vs_peer")]["passed"] is True
+    for key in ("bf16/none", "bf16/cuda_graph", "bf16/compile+cuda_graph", "fp8_e4m3fn/cuda_graph",
+                "fp8_e4m3fn_fast/compile+cuda_graph"):
+        row = rows[(key, "e2e_ms_vs_peer")]
+        assert row["ours"] > 0 and row["peer"] > 0 and row["peer_name"].startswith("diffusers QwenImagePipeline")
+    # the fp8 storage moved the latent, but not far: the fp8 DiT is a copy of the shared bf16 one
+    assert 1e-4 < rows[("fp8_e4m3fn/cuda_graph", "rel_vs_bf16")]["ours"] < 0.2
+    assert rows[("bf16/cuda_graph", "rel_vs_eager")]["passed"] is True
+
+
+def test_capped_cases_run_or_fail_their_targets_with_the_reason(smoke):
+    rows = _rows(smoke)
+    for key, budget in (("stream_12gb/bf16", 12.0), ("stream_8gb/fp8_e4m3fn", 8.0)):
+        peak = rows[(key, "peak_reserved_gb")]
+        assert peak["target"] == f"<= {budget:g} GB"
+        ratio = rows[(key, "e2e_ms_vs_resident")]
+        if peak["ours"] is None:  # the pack refuses stream for qwen_image: FAIL, naming the refusal
+            assert peak["passed"] is False and "not supported yet" in peak["notes"]
+            assert ratio["passed"] is False and ratio["ours"] is None and "not supported yet" in ratio["notes"]
+        else:
+            assert peak["passed"] is True and ratio["ours"] > 0
+    offload = rows[("stream_12gb/bf16", "e2e_ms_vs_group_offload")]
+    assert offload["peer"] > 0 and "group offload" in offload["peer_name"]
+
+
+def test_parts_pull_in_what_their_ratios_need(monkeypatch):
+    monkeypatch.setenv(suite_qwen.ENV_CASES, "peer_offload,stream_fp8")
+    assert suite_qwen.selected_parts() == ("cuda_graph", "fp8", "stream_fp8", "stream", "peer_offload")
+    monkeypatch.setenv(suite_qwen.ENV_CASES, "cuda_graph,stream_gpu")
+    with pytest.raises(ValueError, match=r"LEANDIFFUSION_BENCH_QWEN_CASES: unknown part\(s\) \['stream_gpu'\]"):
+        suite_qwen.selected_parts()
+
+
+class _Ctx:
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.records, self.skipped = [], []
+
+    def record(self, case, metric, ours, peer=None, peer_name="", target=None, target_kind="", **kwargs):
+        self.records.append(dict(case=case, metric=metric, ours=ours, peer=peer, target=target, kind=target_kind,
+                                 notes=kwargs.get("notes", "")))
+
+    def skip(self, case, reason):
+        self.skipped.append((case, reason))
+
+
+def test_a_target_fails_when_its_case_was_refused_and_is_skipped_when_not_asked_for():
+    ctx = _Ctx()
+    rows = qwen_targets.Rows(ctx, "t2i", "diffusers QwenImagePipeline")
+    latent = torch.ones(1, 16, 4, 4)
+    rows.add("peer", qwen_cases.Run(100.0, 70.0, latent))
+    rows.add("bf16/compile+cuda_graph", "unavailable: acceleration='compile+cuda_graph' captured no CUDA graph")
+    rows.finish()
+    failed = [r for r in ctx.records if r["metric"] == "e2e_ms_vs_peer"]
+    assert len(failed) == 1 and failed[0]["case"] == "t2i/bf16/compile+cuda_graph"
+    assert math.isnan(failed[0]["ours"]) and failed[0]["peer"] == 100.0 and failed[0]["target"] == 1.2
+    assert "captured no CUDA graph" in failed[0]["notes"]
+    skipped = dict(ctx.skipped)
+    assert "not selected" in skipped["t2i/fp8_e4m3fn_fast/compile+cuda_graph e2e_ms_vs_peer"]
+
+
+def test_an_accelerated_run_that_captured_no_graph_is_unavailable_on_cuda():
+    from leandiffusion.bench.models import tiny_engine
+
+    engine = tiny_engine("sd1")
+    with pytest.raises(qwen_cases.Unavailable, match=r"acceleration='cuda_graph' captured no CUDA graph"):
+        qwen_cases._check_accelerated(_Ctx("cuda"), engine, "cuda_graph")
+    qwen_cases._check_accelerated(_Ctx("cuda"), engine, "none")
+    qwen_cases._check_accelerated(_Ctx("cpu"), engine, "cuda_graph")  # the CPU falls back to eager by design
+    assert qwen_cases.unavailable_reason(qwen_cases.Unavailable("x")) == "unavailable: x"
+    assert qwen_cases.unavailable_reason(ValueError("'stream' is not supported yet for qwen_image")).startswith(
+        "unavailable: ")
+    assert qwen_cases.unavailable_reason(RuntimeError("shape mismatch")) is None
+
+
+def test_the_full_size_configs_are_the_real_models_sizes():
+    """Built on the meta device (no memory): a typo in the 7B config or a changed diffusers default would
+    benchmark another model."""
+    from accelerate import init_empty_weights
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from leandiffusion.bench.qwen_models import language_model, qwen25_vl_7b_config
+    from leandiffusion.memory.tiny_qwen_image import TEMPLATE_WORDS, build_qwen_tokenizer
+
+    with init_empty_weights():
+        dit = QwenImageTransformer2DModel()
+        text = Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config(build_qwen_tokenizer(TEMPLATE_WORDS)))
+    billions = lambda m: sum(p.numel() for p in m.parameters()) / 1e9  # noqa: E731
+    assert round(billions(dit), 2) == 20.43 and len(dit.transformer_blocks) == 60
+    assert round(billions(text), 2) == 8.29 and round(billions(language_model(text)), 2) == 7.07
+    assert round(billions(text.model.visual), 2) == 0.68
