@@ -13,8 +13,9 @@ class LeanFlowSampler:
                    "latent), with the guidance combine and the Euler step fused into one kernel and the whole step "
                    "replayed as a CUDA graph (optionally torch.compile'd). Connect a latent for img2img, and Qwen3 "
                    "CONDITIONING to replace the prompt strings. A Qwen-Image model runs diffusers' QwenImagePipeline's "
-                   "text-to-image loop (cfg is its true_cfg_scale, prompt and negative in one batched call per step), "
-                   "with the same CUDA-graph acceleration, without latent or CONDITIONING inputs.")
+                   "loop (cfg is its true_cfg_scale, prompt and negative in one batched call per step), with the "
+                   "same CUDA-graph acceleration; latent_image, denoise and CONDITIONING (Qwen2.5-VL hidden "
+                   "states) work for it as for Z-Image.")
     CATEGORY = "LeanDiffusion/sampling"
     FUNCTION = "run"
     RETURN_TYPES = ("LATENT",)
@@ -62,14 +63,17 @@ class LeanFlowSampler:
                                                                   "back to eager on the CPU."}),
             },
             "optional": {
-                "latent_image": ("LATENT", {"tooltip": "Optional 16-channel input latent for image-to-image."}),
+                "latent_image": ("LATENT", {"tooltip": "Optional 16-channel input latent for image-to-image "
+                                                       "(Qwen-Image: [B, 16, h, w] or ComfyUI's [B, 16, 1, h, w])."}),
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                       "tooltip": "img2img strength: the share of the schedule that runs (1.0 = "
                                                  "all, from pure noise). Below 1 without a latent_image, starts "
                                                  "from an empty latent."}),
-                "positive_cond": ("CONDITIONING", {"tooltip": "Optional Qwen3 hidden-state CONDITIONING; when "
+                "positive_cond": ("CONDITIONING", {"tooltip": "Optional hidden-state CONDITIONING (Qwen3 for "
+                                                              "Z-Image, Qwen2.5-VL for Qwen-Image); when "
                                                               "connected it REPLACES the positive text."}),
-                "negative_cond": ("CONDITIONING", {"tooltip": "Optional Qwen3 hidden-state CONDITIONING; when "
+                "negative_cond": ("CONDITIONING", {"tooltip": "Optional hidden-state CONDITIONING (Qwen3 for "
+                                                              "Z-Image, Qwen2.5-VL for Qwen-Image); when "
                                                               "connected it REPLACES the negative text."}),
             },
         }

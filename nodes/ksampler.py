@@ -11,7 +11,8 @@ class LeanKSampler:
     DESCRIPTION = ("ComfyUI's KSampler on the LeanDiffusion engine: the same samplers and schedulers with the same "
                    "meaning, so the same CONDITIONING, seed, steps, cfg and denoise give the same latent as core "
                    "KSampler, with the model call replayed as a CUDA graph. Works on every family the Memory Pool "
-                   "Loaders load (SD1.x, SD2.x, SDXL, Z-Image) and every VRAM policy.")
+                   "Loaders load (SD1.x, SD2.x, SDXL, Z-Image; Qwen-Image eager, sampled as ComfyUI samples it) "
+                   "and every VRAM policy.")
     CATEGORY = "LeanDiffusion/sampling"
     FUNCTION = "run"
     RETURN_TYPES = ("LATENT",)

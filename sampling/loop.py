@@ -54,8 +54,12 @@ _RUN_AHEAD = 2
 
 
 def vae_scale_factor(engine: LeanEngine) -> int:
-    """Pixels per latent cell (8 for every SD VAE): 2 ** (number of VAE levels - 1), as diffusers computes it."""
-    return 2 ** (len(engine.parts.vae.config.block_out_channels) - 1)
+    """Pixels per latent cell (8 for every SD VAE): 2 ** (number of VAE levels - 1), as diffusers computes it (for
+    Qwen-Image's VAE, ``2 ** len(temperal_downsample)``, as ``QwenImagePipeline`` does)."""
+    config = engine.parts.vae.config
+    if hasattr(config, "temperal_downsample"):
+        return 2 ** len(config.temperal_downsample)
+    return 2 ** (len(config.block_out_channels) - 1)
 
 
 def sample(engine: LeanEngine, settings: SamplerSettings, latent_image: Optional[dict] = None,

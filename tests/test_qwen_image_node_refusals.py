@@ -1,7 +1,7 @@
-"""A Qwen-Image LEAN_MODEL (family ``qwen_image``) loads, but only the Fused Flow Sampler (and the Dynamic LoRA
-Injector before it) runs it so far: the Fused KSampler, the Stream Scheduler Sampler and the Tiled VAE nodes refuse it
-with one error naming ``lean_model``, the family and what to do instead, before any stage opens (the family's ``nodes_not_yet``
-row in ``families.json``). The Fused DDIM Sampler refuses it as a flow-matching DiT."""
+"""A Qwen-Image LEAN_MODEL (family ``qwen_image``) loads; the Fused Flow Sampler, the Fused KSampler and the Dynamic
+LoRA Injector run it, while the Stream Scheduler Sampler and the Tiled VAE nodes refuse it with one error naming
+``lean_model``, the family and what to do instead, before any stage opens (the family's ``nodes_not_yet`` row in
+``families.json``). The Fused DDIM Sampler refuses it as a flow-matching DiT."""
 import pytest
 import torch
 
@@ -21,15 +21,6 @@ def qwen_folder(tmp_path_factory):
 def engine(qwen_folder, monkeypatch):
     monkeypatch.setenv("LEANDIFFUSION_MODELS", str(qwen_folder.parent.parent))
     return load_engine(qwen_folder.name, "full", device="cpu")
-
-
-def test_the_fused_ksampler_refuses_it(engine, opened_sessions):
-    from leandiffusion.nodes.ksampler import LeanKSampler
-
-    with pytest.raises(ValueError, match=NOT_YET.format(node="Fused KSampler",
-                                                        fix="sample it with the Fused Flow Sampler")):
-        LeanKSampler().run(engine, 0, 2, 1.0, "euler", "simple", {"samples": torch.zeros(1, 16, 4, 4)}, 1.0, "none")
-    assert opened_sessions == []
 
 
 def test_the_stream_scheduler_refuses_it(engine, opened_sessions):

@@ -1,10 +1,11 @@
-"""The captions a flow run conditions on: encoded prompt strings, or ComfyUI CONDITIONING holding Qwen3 hidden
-states, as one ``[L, C]`` tensor per DiT row (``[positive x B, negative x B]`` when guided, else positives only).
+"""The captions a flow run conditions on: encoded prompt strings, or ComfyUI CONDITIONING holding the text
+encoder's hidden states (Qwen3 for Z-Image; ``conditioning_captions`` reads Qwen2.5-VL's for Qwen-Image too), as
+one ``[L, C]`` tensor per DiT row (``[positive x B, negative x B]`` when guided, else positives only).
 
 Invariant: a CONDITIONING side replaces its prompt string. It must be a single ``[tensor [b, L, C], dict]`` entry
-whose width ``C`` is the DiT's caption width; with an ``attention_mask`` in its dict the masked rows are dropped
-(as the pipeline drops padding), and ``b`` is 1 (used for every image) or the batch size. Anything else is refused
-by input name with the fix, before any model runs.
+whose width ``C`` is the DiT's caption width (``caption_source``); with an ``attention_mask`` in its dict the
+masked rows are dropped (as the pipeline drops padding), and ``b`` is 1 (used for every image) or the batch size.
+Anything else is refused by input name with the fix, before any model runs.
 """
 from __future__ import annotations
 
@@ -17,15 +18,15 @@ from ...memory.finite import refuse_non_finite_input
 from .text import check_prompt, encode_prompts
 
 
-def _from_conditioning(value: Any, name: str, width: int) -> list[torch.Tensor]:
+def _from_conditioning(value: Any, name: str, width: int, encoder: str = "Qwen3") -> list[torch.Tensor]:
     if not isinstance(value, (list, tuple)) or len(value) != 1 or not isinstance(value[0], (list, tuple)) \
             or len(value[0]) != 2 or not isinstance(value[0][0], torch.Tensor):
-        raise ValueError(f"{name}: expected a CONDITIONING with one entry [tensor [b, L, C], dict] from a Qwen3 text "
-                         f"encoder node; combined or empty conditionings are not supported here")
+        raise ValueError(f"{name}: expected a CONDITIONING with one entry [tensor [b, L, C], dict] from a {encoder} "
+                         f"text encoder node; combined or empty conditionings are not supported here")
     cond, extra = value[0]
     if cond.ndim != 3 or cond.shape[-1] != width or cond.shape[1] < 1 or not cond.is_floating_point():
-        raise ValueError(f"{name} has shape {tuple(cond.shape)}; this model needs Qwen3 hidden states "
-                         f"[b, L, {width}]: encode the prompt with this model's Qwen3 text encoder")
+        raise ValueError(f"{name} has shape {tuple(cond.shape)}; this model needs {encoder} hidden states "
+                         f"[b, L, {width}]: encode the prompt with this model's {encoder} text encoder")
     refuse_non_finite_input(cond, name, "re-encode the prompt")
     mask = extra.get("attention_mask") if isinstance(extra, dict) else None
     if isinstance(mask, torch.Tensor):
@@ -43,9 +44,17 @@ def _from_conditioning(value: Any, name: str, width: int) -> list[torch.Tensor]:
     return rows
 
 
+def caption_source(engine: LeanEngine) -> tuple[int, str]:
+    """The text width the DiT reads and the encoder that writes it: Z-Image's ``cap_feat_dim`` (Qwen3), else
+    Qwen-Image's ``joint_attention_dim`` (Qwen2.5-VL)."""
+    config = engine.parts.unet.config
+    width = getattr(config, "cap_feat_dim", None)
+    return (int(width), "Qwen3") if width is not None else (int(config.joint_attention_dim), "Qwen2.5-VL")
+
+
 def conditioning_captions(engine: LeanEngine, value: Any, name: str) -> list[torch.Tensor]:
     """The caption rows of CONDITIONING input ``name`` for ``engine``'s DiT (module docstring; refused by name)."""
-    return _from_conditioning(value, name, int(engine.parts.unet.config.cap_feat_dim))
+    return _from_conditioning(value, name, *caption_source(engine))
 
 
 def _side(engine: LeanEngine, text: str, cond: Any, name: str, batch: int) -> list[torch.Tensor]:

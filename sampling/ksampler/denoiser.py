@@ -4,7 +4,8 @@ program over static buffers, eager or replayed from one captured CUDA graph per 
 Math (ComfyUI's ``comfy/model_sampling.py`` and ``samplers.cfg_function``; sigma_data 1):
 - discrete models: model timestep = the index of the table's log sigma nearest ``log sigma``; model input
   ``x / sqrt(sigma^2 + 1)``; eps: ``D = x - out sigma``; v: ``D = x / (sigma^2 + 1) - out sigma / sqrt(sigma^2 + 1)``.
-- flow (ComfyUI's CONST): model input ``x``; the DiT predicts the negative velocity, so ``D = x - (-out) sigma``.
+- flow (ComfyUI's CONST): model input ``x``; the DiT predicts the negative velocity, so ``D = x - (-out) sigma``
+  (Z-Image); ``velocity``: the same for a DiT that predicts the velocity itself, ``D = x - out sigma`` (Qwen-Image).
 - guidance: each side is turned into a denoised estimate, then ``D = D_u + (D_c - D_u) cfg``; ``cfg == 1`` runs the
   positive side only (ComfyUI's cfg-1 shortcut).
 Invariant: ``step()`` reads only the program's buffers (x, sigma, cfg, the model's conditioning) and writes only its
@@ -21,7 +22,7 @@ import torch
 from ... import bridge
 from ..loop import bound_run_ahead
 
-PREDICTIONS = ("epsilon", "v_prediction", "flow")
+PREDICTIONS = ("epsilon", "v_prediction", "flow", "velocity")
 
 
 class DenoiserProgram:
@@ -51,11 +52,13 @@ class DenoiserProgram:
             return x - out * s
         if self.prediction == "v_prediction":
             return x * 1.0 / (s ** 2 + 1.0) - out * s / (s ** 2 + 1.0) ** 0.5
+        if self.prediction == "velocity":
+            return x - out * s
         return x - (-out) * s
 
     def step(self) -> None:
         s = self.sigma
-        if self.prediction == "flow":
+        if self.prediction in ("flow", "velocity"):
             cond, uncond = self.model(self.x, s)
         else:
             timestep = (s.log() - self.log_sigmas).abs().argmin(dim=0)

@@ -2,8 +2,9 @@
 
 Invariants (what makes the LATENT equal core KSampler's for the same CONDITIONING, seed, steps, cfg and denoise):
 - Latent: an all-zero LATENT of another channel count becomes zeros of the model's (``fix_empty_latent_channels``);
-  a non-zero one is moved into model space (``(x - shift) * scale``), an all-zero one is left at zero, as ComfyUI's
-  ``inner_sample`` does; the result goes back with ``x / scale + shift``.
+  a non-zero one is moved into model space (``latent_space.to_model_space``: ``(x - shift) * scale``, per channel
+  for Qwen-Image), an all-zero one is left at zero, as ComfyUI's ``inner_sample`` does; the result goes back with
+  ``latent_space.to_raw_space``, in the layout it came in (ComfyUI's one-frame Qwen-Image LATENT included).
 - Sigmas: ``schedulers.sigmas_for`` (ComfyUI's scheduler, its penultimate-sigma rule and its denoise rule); no
   sigmas (denoise 0) returns the LATENT unchanged.
 - Noise: ComfyUI's ``prepare_noise`` (``latent_input.initial_noise``), scaled by the model sampling's ``noise_scaling`` at the
@@ -30,8 +31,12 @@ from ...memory.families import check_node_runs
 from ..graph_runner import GraphRunner
 from ..latent_input import batch_index_of, check_latent, check_latent_size, initial_noise
 from ..loop import vae_scale_factor
+from ..qwen.latents import PATCH
+from ..qwen.loop import is_qwen_image
+from .latent_space import as_given, four_d, to_model_space, to_raw_space
 from .model_sampling import max_denoise, model_sampling_for
 from .prepare import prepare_denoiser
+from .qwen_call import check_qwen_inputs
 from .registry import noise_sampler_for, sampler_spec
 from .schedulers import sigmas_for
 from .settings import KSamplerSettings
@@ -56,6 +61,9 @@ def _latent_rows(engine: LeanEngine, latent_image: Any) -> torch.Tensor:
             latent_image = {**latent_image, "samples": rows.new_zeros(rows.shape[0], channels, *rows.shape[2:])}
     rows = check_latent(engine, latent_image)
     check_latent_size(tuple(rows.shape), vae_scale_factor(engine), int(rows.shape[0]))
+    if is_qwen_image(engine) and (rows.shape[2] % PATCH or rows.shape[3] % PATCH):
+        raise ValueError(f"latent_image is {rows.shape[3]}x{rows.shape[2]} latent cells; Qwen-Image takes 2x2 "
+                         f"patches, so both must be even (images a multiple of 16 px): crop or resize the image")
     return rows.float().cpu()
 
 
@@ -65,18 +73,20 @@ def sample_k(engine: LeanEngine, settings: KSamplerSettings, latent_image: Any, 
     check_engine(engine)
     s = settings.validated()
     spec = sampler_spec(s.sampler_name)
+    latent_image, framed = four_d(latent_image)
     rows = _latent_rows(engine, latent_image)
     parts = engine.parts
     sampling = model_sampling_for(engine)
     sigmas = sigmas_for(sampling, s.scheduler, s.steps, s.denoise, s.sampler_name)
     out = dict(latent_image)
     if sigmas.numel() == 0:
-        out["samples"] = rows
+        out["samples"] = as_given(rows, framed)
         return out
     batch_index = batch_index_of(latent_image, rows.shape[0], rows.shape[0])
     noise = initial_noise(tuple(rows.shape), torch.Generator(device="cpu").manual_seed(s.seed), batch_index)
-    scale, shift = parts.vae_scaling_factor, parts.vae_shift_factor
-    latent = (rows - shift) * scale if torch.count_nonzero(rows) > 0 else rows
+    latent = to_model_space(parts, rows) if torch.count_nonzero(rows) > 0 else rows
+    if is_qwen_image(engine):
+        check_qwen_inputs(engine, s, int(rows.shape[0]), positive, negative)
     bridge.check_interrupted()
     device = engine.device
     with engine.session("unet"), torch.no_grad():
@@ -93,5 +103,5 @@ def sample_k(engine: LeanEngine, settings: KSamplerSettings, latent_image: Any, 
             x = sampling.inverse_noise_scaling(sigmas_dev[-1], x)
         finally:
             release()
-    out["samples"] = x.float().cpu() / scale + shift
+    out["samples"] = as_given(to_raw_space(parts, x.float().cpu()), framed)
     return out

@@ -12,6 +12,9 @@ re-derived from the model's own scheduler config).
 - Flow (Z-Image; ComfyUI's ModelSamplingDiscreteFlow + CONST): ``sigma(t) = shift s / (1 + (shift - 1) s)``,
   ``s = t / multiplier``, table over ``t = multiplier * (1..1000) / 1000``; input unscaled; denoised
   ``x - out sigma``; ``noise_scaling = sigma noise + (1 - sigma) latent``, the inverse divides by ``1 - sigma``.
+- Flux-style flow (Qwen-Image: ComfyUI loads it as ``ModelType.FLUX``, ModelSamplingFlux + CONST, ``shift`` 1.15 from
+  its sampling settings, declared in ``families.json`` ``comfy_sampling``): ``sigma(t) = e^shift / (e^shift +
+  (1 / t - 1))`` over ``t = (1..10000) / 10000``, timestep = sigma; otherwise as the flow above.
 Invariant: the tables equal ComfyUI's bit for bit (float64 schedule, float32 storage, the same operation order), so
 the schedulers built on them agree exactly. Why not ``ddim.alphas_cumprod``: it is diffusers' float32 cumprod, which
 moves 999 of the 1000 sigmas by up to 6e-6 from ComfyUI's.
@@ -205,11 +208,41 @@ class FlowSampling(_SigmaTable):
         return latent / (1.0 - _reshaped(sigma, latent.ndim))
 
 
+class FluxSampling(FlowSampling):
+    """Flow models ComfyUI samples as Flux (ModelSamplingFlux with CONST): ``shift`` is the exponent ``mu``, the table
+    has 10000 entries and the timestep is sigma itself."""
+
+    TABLE = 10000
+
+    def __init__(self, shift: float = 1.15):
+        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not -50 < shift < 50:
+            raise ValueError(f"shift={shift!r}: expected a finite number (Qwen-Image's is 1.15)")
+        self.shift, self.multiplier = float(shift), 1.0
+        self._set_table(self.sigma(torch.arange(1, self.TABLE + 1, 1) / self.TABLE))
+
+    def _shifted(self, t):
+        return math.exp(self.shift) / (math.exp(self.shift) + (1 / t - 1) ** 1.0)
+
+    def timestep(self, sigma) -> torch.Tensor:
+        return _tensor(sigma)
+
+    def sigma(self, timestep) -> torch.Tensor:
+        return self._shifted(_tensor(timestep))
+
+
+COMFY_SAMPLINGS = {"flux": FluxSampling}
+
+
 def model_sampling_for_family(family: str, scheduler_config: Optional[Mapping] = None):
-    """The model sampling of a family (``memory/configs/families.json``): flow for a DiT family (static ``shift``
-    from the scheduler config), else discrete with the config's ``prediction_type``. ``scheduler_config`` defaults
-    to the family's shipped one."""
-    config = family_defaults(family)["scheduler"] if scheduler_config is None else scheduler_config
+    """The model sampling of a family (``memory/configs/families.json``): its ``comfy_sampling`` when it declares one
+    (ComfyUI's for that model, whatever the scheduler config), else flow for a DiT family (static ``shift`` from the
+    scheduler config), else discrete with the config's ``prediction_type``. ``scheduler_config`` defaults to the
+    family's shipped one."""
+    defaults = family_defaults(family)
+    declared = defaults.get("comfy_sampling")
+    if declared is not None:
+        return COMFY_SAMPLINGS[declared["kind"]](shift=declared["shift"])
+    config = defaults["scheduler"] if scheduler_config is None else scheduler_config
     if not isinstance(config, Mapping):
         raise TypeError(f"scheduler_config: expected a dict, got {type(config).__name__}")
     if is_dit_family(family):

@@ -4,7 +4,8 @@ program eager or captured (cached per shape in the graph runner, as the other sa
 Invariants
 - Conditioning: the UNet families encode through ``cfg.encode_conditioning`` (prompt strings or ComfyUI
   CONDITIONING, SDXL size conditioning from the latent's pixel size); the flow DiT through ``flow.captions`` with
-  static caption buckets, so any prompt of a bucket replays the same graph.
+  static caption buckets, so any prompt of a bucket replays the same graph; Qwen-Image through its own eager
+  program (``qwen_call``).
 - A captured program is keyed by everything its kernels depend on (``graph_runner.graph_key`` adds placement,
   adapters and weight addresses); cfg lives in a buffer, so changing it never recaptures.
 - The model function is bound for this run only; ``release()`` unbinds it (a cached program must not keep its
@@ -28,7 +29,9 @@ from ..graph_runner import GraphRunner, default_runner
 from ..loop import program_key, resolve_acceleration, step_allocator, vae_scale_factor
 from ..settings import Acceleration
 from .denoiser import Denoiser, DenoiserProgram
+from ..qwen.loop import is_qwen_image
 from .model_calls import DitModelCall, UNetModelCall
+from .qwen_call import prepare_qwen_denoiser
 from .settings import KSamplerSettings
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,8 @@ def _dit_parts(engine: LeanEngine, s: KSamplerSettings, x: torch.Tensor, positiv
 def prepare_denoiser(engine: LeanEngine, s: KSamplerSettings, x: torch.Tensor, sigmas: torch.Tensor, positive: Any,
                      negative: Any, sampling, runner: Optional[GraphRunner]) -> tuple[Denoiser, Callable[[], None]]:
     """``(denoiser, release)`` for this run; call inside ``engine.session("unet")`` under ``torch.no_grad()``."""
+    if is_qwen_image(engine):
+        return prepare_qwen_denoiser(engine, s, x, sigmas, positive, negative)
     flow = engine.parts.is_flow
     key, model_of, load, (eager, compiled_of) = (_dit_parts if flow else _unet_parts)(engine, s, x, positive, negative)
     prediction = "flow" if flow else engine.parts.prediction_type

@@ -42,3 +42,9 @@ def to_raw(model_latents: torch.Tensor, vae: torch.nn.Module) -> torch.Tensor:
     """Model-space ``[B, C, h, w]`` -> raw VAE latents (float32): ``latent * std + mean`` per channel."""
     mean, std = channel_stats(vae)
     return model_latents.float() * std.to(model_latents.device) + mean.to(model_latents.device)
+
+
+def to_model(raw: torch.Tensor, vae: torch.nn.Module) -> torch.Tensor:
+    """Raw VAE latents -> model space (float32): ``(raw - mean) / std`` per channel (inverse of :func:`to_raw`)."""
+    mean, std = channel_stats(vae)
+    return (raw.float() - mean.to(raw.device)) / std.to(raw.device)

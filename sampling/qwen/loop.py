@@ -22,9 +22,11 @@ latents_mean`` per channel):
 - An edit passes ``reference`` (``forward.QwenReference``): packed reference-image tokens ride after the noise tokens
   in every call, with their ``img_shapes`` entries, and only the noise tokens' prediction is used.
 - Every model call runs inside ``engine.session(...)``; ``bridge.check_interrupted()`` runs before every step.
+- img2img (``latent_image``, ``denoise`` < 1): ``start.qwen_start``, the Z-Image flow sampler's meaning of
+  ``denoise``; CONDITIONING (``positive_cond`` / ``negative_cond``, Qwen2.5-VL hidden states) replaces its side's
+  prompt string: ``conditioning.qwen_text_rows``.
 
-Not yet: img2img (``latent_image`` / ``denoise`` < 1) and CONDITIONING inputs. Why hand-written rather than calling
-the pipeline (the tests' reference): batched CFG over static buffers, CUDA-graph replay, the VRAM policy's sessions
+Why hand-written rather than calling the pipeline (the tests' reference): batched CFG over static buffers, CUDA-graph replay, the VRAM policy's sessions
 and the pack's LATENT conventions do not fit its ``__call__``.
 """
 from __future__ import annotations
@@ -36,19 +38,19 @@ import torch
 from ... import bridge
 from ...memory.engine import LeanEngine
 from ..dit_steps import PreparedDitSteps, prepare_dit_steps, run_dit_steps
-from ..flow.schedule import TRAIN_TIMESTEPS, flow_sigmas
+from ..flow.schedule import TRAIN_TIMESTEPS
 from ..flow.settings import FlowSettings
 from ..graph_runner import GraphRunner
 from ..loop import resolve_acceleration, step_allocator
 from .accel import compiled_forward_fn, eager_forward_fn
+from .conditioning import qwen_text_rows
 from .forward import QwenReference, qwen_layout, text_capacity
 from .latents import pack, to_raw, unpack
 from .program import QwenStepProgram
-from .text import encode_prompts
+from .start import qwen_start
 
 
 FAMILY = "qwen_image"
-VAE_FACTOR = 8
 
 
 def is_qwen_image(engine: Any) -> bool:
@@ -56,18 +58,11 @@ def is_qwen_image(engine: Any) -> bool:
     return isinstance(engine, LeanEngine) and engine.family == FAMILY
 
 
-def check_qwen_inputs(engine: Any, latent_image: Optional[dict], denoise: float, positive_cond: Any,
-                      negative_cond: Any) -> LeanEngine:
-    """The engine, or an error naming the input this slice of Qwen-Image does not take yet."""
+def check_qwen_inputs(engine: Any) -> LeanEngine:
+    """The engine, or an error naming ``lean_model`` when it is not a Qwen-Image model."""
     if not is_qwen_image(engine):
         got = engine.family if isinstance(engine, LeanEngine) else type(engine).__name__
         raise ValueError(f"lean_model: expected a Qwen-Image model (family {FAMILY}), got {got}")
-    for name, value in (("latent_image", latent_image), ("positive_cond", positive_cond),
-                        ("negative_cond", negative_cond)):
-        if value is not None:
-            raise ValueError(f"{name}: not supported yet for {FAMILY} (text-to-image only); disconnect it")
-    if denoise != 1.0:
-        raise ValueError(f"denoise={denoise!r}: img2img is not supported yet for {FAMILY}; set denoise to 1.0")
     return engine
 
 
@@ -77,17 +72,20 @@ def sample_qwen_image(engine: LeanEngine, settings: FlowSettings, latent_image: 
     """Run the loop; returns ``{"samples": raw latents [B, 16, h, w] float32 on the CPU}`` (module docstring).
     ``runner``: the CUDA-graph runner (the process-wide one when omitted)."""
     s = settings.validated()
-    check_qwen_inputs(engine, latent_image, s.denoise, positive_cond, negative_cond)
-    h, w = s.height // VAE_FACTOR, s.width // VAE_FACTOR
-    noise = torch.randn((s.batch_size, engine.parts.latent_channels, h, w),
-                        generator=torch.Generator("cpu").manual_seed(s.seed), dtype=torch.float32)
-    sigmas = flow_sigmas(engine.parts.scheduler_config, s.steps, h, w)
+    check_qwen_inputs(engine)
+    start, sigmas, batch_index = qwen_start(engine, s, latent_image)
+    h, w = start.shape[2], start.shape[3]
     bridge.check_interrupted()
-    prompts = [s.positive, s.negative] if s.guided else [s.positive]
-    text_rows = [row for row in encode_prompts(engine, prompts) for _ in range(s.batch_size)]
+    sides = 2 if s.guided else 1
+    rows = qwen_text_rows(engine, [s.positive, s.negative][:sides], [positive_cond, negative_cond][:sides],
+                          ["positive_cond", "negative_cond"][:sides], start.shape[0])
+    text_rows = [row for side in rows for row in side]
     with engine.session("unet"), torch.no_grad():
-        x = _denoise(engine, text_rows, pack(noise), sigmas, (h, w), s, quiet, runner=runner)
-    return {"samples": to_raw(unpack(x.cpu(), h, w), engine.parts.vae)}
+        x = _denoise(engine, text_rows, pack(start), sigmas, (h, w), s, quiet, runner=runner)
+    out = {"samples": to_raw(unpack(x.cpu(), h, w), engine.parts.vae)}
+    if batch_index is not None:
+        out["batch_index"] = batch_index
+    return out
 
 
 def _denoise(engine: LeanEngine, text_rows: list, x: torch.Tensor, sigmas: torch.Tensor, size: tuple[int, int],

@@ -2,8 +2,10 @@
 
 Invariant: ``encode_prompts`` returns, per prompt, exactly the ``[L, C]`` rows ``QwenImagePipeline.encode_prompt``
 feeds its transformer: the prompt put into the pipeline's system + user template (``PROMPT_TEMPLATE``), tokenized
-with at most ``TEMPLATE_TOKENS + MAX_TOKENS`` tokens, the encoder's last hidden state, the padding rows dropped,
-then the first ``TEMPLATE_TOKENS`` rows (the system turn) dropped and at most ``max_sequence_length`` rows kept.
+with at most ``TEMPLATE_TOKENS + MAX_TOKENS`` tokens, the encoder's last hidden state, then the first
+``TEMPLATE_TOKENS`` rows (the system turn) dropped and at most ``max_sequence_length`` rows kept. Each prompt runs
+through the encoder on its own, unpadded, as the pipeline's ``encode_prompt`` and ComfyUI's text encode run it: a
+padded batch changes the float rounding, which the multistep samplers amplify at Qwen-Image's small last sigmas.
 ``prompt_batch`` lays rows out as the pipeline does: each prompt's rows ``copies`` times in a row, zero-padded to the
 longest, with a 0/1 mask, and no mask at all when every slot is real (the transformer then attends unmasked).
 
@@ -12,7 +14,7 @@ multimodal positions are ``0 .. n-1`` on all three axes for a right-padded row's
 own default, and causal attention keeps padding from reaching them, so the rows kept are the full model's.
 
 Encoding runs inside ``engine.session("text")`` on the stage's device and dtype (the VRAM policy decides where),
-told the call's ``(prompts, tokens)``.
+told its largest forward pass, ``(1, tokens)``.
 """
 from __future__ import annotations
 
@@ -36,15 +38,17 @@ def encode_prompts(engine: LeanEngine, prompts: Sequence[str],
                    max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> list[torch.Tensor]:
     """One ``[L_i, C]`` tensor per prompt (engine device, engine dtype); see the module docstring."""
     texts = [PROMPT_TEMPLATE.format(prompt=check_prompt(f"prompt {i}", p)) for i, p in enumerate(prompts)]
-    batch = engine.parts.tokenizer(texts, max_length=TEMPLATE_TOKENS + MAX_TOKENS, padding=True, truncation=True,
-                                   return_tensors="pt")
-    with engine.session("text", (len(texts), int(batch.input_ids.shape[1]))):
+    batches = [engine.parts.tokenizer([t], max_length=TEMPLATE_TOKENS + MAX_TOKENS, truncation=True,
+                                      return_tensors="pt") for t in texts]
+    with engine.session("text", (1, max(int(b.input_ids.shape[1]) for b in batches))):
         device = engine.stage_device("text")
-        mask = batch.attention_mask.to(device)
-        hidden = engine.parts.text_encoder(input_ids=batch.input_ids.to(device), attention_mask=mask,
-                                           use_cache=False).last_hidden_state
-        rows = [hidden[i][mask[i].bool()][TEMPLATE_TOKENS:][:max_sequence_length] for i in range(len(texts))]
-        return [r.to(engine.device, engine.dtype) for r in rows]
+        rows = []
+        for batch in batches:
+            hidden = engine.parts.text_encoder(input_ids=batch.input_ids.to(device),
+                                               attention_mask=batch.attention_mask.to(device),
+                                               use_cache=False).last_hidden_state
+            rows.append(hidden[0][TEMPLATE_TOKENS:][:max_sequence_length].to(engine.device, engine.dtype))
+        return rows
 
 
 def prompt_batch(rows: Sequence[torch.Tensor], copies: int = 1) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

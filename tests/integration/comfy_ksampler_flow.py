@@ -34,6 +34,7 @@ from leandiffusion.nodes.ksampler import LeanKSampler  # noqa: E402
 from leandiffusion.sampling.flow.dit_forward import ImageGrid, caption_capacity, caption_layout  # noqa: E402
 from leandiffusion.sampling.flow.dit_forward import dit_forward  # noqa: E402
 from leandiffusion.sampling.flow.text import encode_prompts  # noqa: E402
+from leandiffusion.tests.kit.comfy_samplings import model_stand_ins  # noqa: E402
 
 engine = load_engine(TINY_ZIMAGE_CHOICE, weight_dtype="fp32", vae_dtype="fp32", device="cpu")
 dit = engine.parts.unet
@@ -48,19 +49,12 @@ sampling = FlowSampling()
 sampling.set_parameters(shift=float(engine.parts.scheduler_config["shift"]))
 
 
-class Patcher:
-    def get_model_object(self, name):
-        assert name == "model_sampling", name
-        return sampling
-
-
-class Base:
-    model_sampling = sampling
+patcher, base = model_stand_ins(sampling)
 
 
 class Guider:
     """What KSAMPLER.sample's samplers call: denoised = cfg combine of ComfyUI's CONST denoised values."""
-    inner_model, model_patcher = Base(), Patcher()
+    inner_model, model_patcher = base, patcher
 
     def __init__(self, cond, uncond, cfg):
         self.cond, self.uncond, self.cfg = cond, uncond, cfg
@@ -93,7 +87,7 @@ for case in json.loads(open(cases_path).read()):
     g = torch.Generator().manual_seed(case["latent_seed"])
     shape = (case["batch"], 16, case["size"], case["size"])
     samples = torch.randn(shape, generator=g) if case["img2img"] else torch.zeros(shape)
-    sigmas = comfy.samplers.KSampler(Patcher(), case["steps"], "cpu", case["sampler"], case["scheduler"],
+    sigmas = comfy.samplers.KSampler(patcher, case["steps"], "cpu", case["sampler"], case["scheduler"],
                                      case["denoise"]).sigmas
     noise = comfy.sample.prepare_noise(samples, case["seed"])
     latent_in = (samples - shift) * scale if torch.count_nonzero(samples) > 0 else samples

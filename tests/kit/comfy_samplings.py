@@ -30,3 +30,28 @@ def flow_sampling(shift: float = 3.0) -> FlowSampling:
 def model_samplings() -> dict:
     """``{"eps": SD1.5 eps, "flow": flow at shift 3}``: the two sigma scales the sampler workers run on."""
     return {"eps": EpsSampling(), "flow": flow_sampling()}
+
+
+class _Patcher:
+    """What ``comfy.samplers.KSampler`` and ``comfy.sample`` ask a ModelPatcher for."""
+
+    def __init__(self, objects: dict):
+        self.objects = objects
+
+    def get_model_object(self, name):
+        assert name in self.objects, name
+        return self.objects[name]
+
+
+class _Model:
+    def __init__(self, sampling):
+        self.model_sampling = sampling
+
+
+def model_stand_ins(sampling, latent_format=None) -> tuple:
+    """``(patcher, inner_model)``: stand-ins for ComfyUI's ModelPatcher and BaseModel around ``sampling`` (and
+    ``latent_format``), what a worker's guider and ComfyUI's KSampler / samplers read from a loaded model."""
+    objects = {"model_sampling": sampling}
+    if latent_format is not None:
+        objects["latent_format"] = latent_format
+    return _Patcher(objects), _Model(sampling)

@@ -50,16 +50,3 @@ def test_another_seed_or_prompt_changes_the_latent(qwen_engine, change):
     first = sample_qwen_image(qwen_engine, base)["samples"]
     other = sample_qwen_image(qwen_engine, dataclasses.replace(base, **change))["samples"]
     assert (other - first).abs().max().item() > 1e-2
-
-
-@pytest.mark.parametrize("kwargs,message", [
-    ({"latent_image": {"samples": torch.zeros(1, 16, 4, 4)}}, r"latent_image: not supported yet for qwen_image"),
-    ({"positive_cond": [[torch.zeros(1, 3, 32), {}]]}, r"positive_cond: not supported yet for qwen_image"),
-    ({"negative_cond": [[torch.zeros(1, 3, 32), {}]]}, r"negative_cond: not supported yet for qwen_image"),
-    ({"denoise": 0.5}, r"denoise=0.5: img2img is not supported yet for qwen_image; set denoise to 1.0"),
-])
-def test_inputs_not_supported_yet_are_named_before_any_stage(qwen_engine, kwargs, message, opened_sessions):
-    args = (qwen_engine, "a cat", "", 0, 2, 1.0, 32, 32, 1, "none")
-    with pytest.raises(ValueError, match=message):
-        LeanFlowSampler().run(*args, **kwargs)
-    assert opened_sessions == []
