@@ -33,7 +33,8 @@ from . import edit_images
 from .latents import channel_stats, pack, to_raw, unpack
 from ..graph_runner import GraphRunner
 from .forward import QwenReference
-from .loop import VAE_FACTOR, _denoise
+from ..loop import vae_scale_factor
+from .loop import _denoise
 from .edit_text import encode_edit_prompt, tokenize_edit
 
 
@@ -106,7 +107,8 @@ def sample_qwen_edit(engine: LeanEngine, settings: EditSettings, image, image2=N
     reference = QwenReference(_reference_tokens(engine, pictures, sizes),
                               tuple((1, rh // 16, rw // 16) for rw, rh in sizes.vae))
     width, height = sizes.output
-    h, w = height // VAE_FACTOR, width // VAE_FACTOR
+    factor = vae_scale_factor(engine)
+    h, w = height // factor, width // factor
     noise = torch.randn((batch, engine.parts.latent_channels, h, w),
                         generator=torch.Generator("cpu").manual_seed(s.seed), dtype=torch.float32)
     sigmas = flow_sigmas(engine.parts.scheduler_config, s.steps, h, w)
