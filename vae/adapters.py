@@ -109,7 +109,9 @@ def _check(ae) -> bool:
     if is_ldm(ae):
         return False
     raise TypeError(f"vae: {type(ae).__name__} is neither a diffusers AutoencoderKL nor a ComfyUI/LDM AutoencoderKL "
-                    f"(no decoder.up_blocks or decoder.up); exact tiling supports those two; {NEEDS_COMFYUI}")
+                    f"(no decoder.up_blocks or decoder.up); exact tiling supports those two and diffusers' "
+                    f"AutoencoderKLQwenImage (ComfyUI's own Wan / Qwen-Image VAE module is not supported yet: load "
+                    f"the VAE with the Memory Pool Loader and connect lean_model instead); {NEEDS_COMFYUI}")
 
 
 def _resampling_factor(stages: list, kind: str) -> int:

@@ -108,11 +108,11 @@ def test_exact_encode_equals_diffusers_untiled_mean(vae, tile, budget):
     assert (lat - ref).abs().max().item() <= TOL
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["full", "lowvram"])
+def engine(request):
     components = build_tiny_qwen_image(seed=0)
     voice(components["vae"])
-    return build_engine(parts_from_components(components, name="tiny-qwen"), "full", device="cpu")
+    return build_engine(parts_from_components(components, name="tiny-qwen"), request.param, device="cpu")
 
 
 def test_the_nodes_run_a_qwen_image_model(engine, latents):
