@@ -1,7 +1,7 @@
-"""A Qwen-Image LEAN_MODEL (family ``qwen_image``) loads; the Fused Flow Sampler, the Fused KSampler and the Dynamic
-LoRA Injector run it, while the Stream Scheduler Sampler and the Tiled VAE nodes refuse it with one error naming
-``lean_model``, the family and what to do instead, before any stage opens (the family's ``nodes_not_yet`` row in
-``families.json``). The Fused DDIM Sampler refuses it as a flow-matching DiT."""
+"""A Qwen-Image LEAN_MODEL (family ``qwen_image``) loads; the Fused Flow Sampler, the Fused KSampler, the Dynamic
+LoRA Injector and the Tiled VAE nodes (``tests/vae/test_qwen_vae.py``) run it, while the Stream Scheduler Sampler
+refuses it with one error naming ``lean_model``, the family and what to do instead, before any stage opens (the
+family's ``nodes_not_yet`` row in ``families.json``). The Fused DDIM Sampler refuses it as a flow-matching DiT."""
 import pytest
 import torch
 
@@ -32,16 +32,6 @@ def test_the_stream_scheduler_refuses_it(engine, opened_sessions):
     assert opened_sessions == []
 
 
-@pytest.mark.parametrize("method", ["decode", "encode"])
-def test_the_tiled_vae_nodes_refuse_it(engine, method, opened_sessions):
-    from leandiffusion.nodes.vae import LeanTiledVAEDecode, LeanTiledVAEEncode
-
-    node, value = ((LeanTiledVAEDecode(), {"samples": torch.zeros(1, 16, 4, 4)}) if method == "decode"
-                   else (LeanTiledVAEEncode(), torch.zeros(1, 32, 32, 3)))
-    with pytest.raises(ValueError, match=NOT_YET.format(node="Tiled VAE Decode / Encode",
-                                                        fix="decode the LATENT with ComfyUI's own VAE Decode")):
-        getattr(node, method)(value, lean_model=engine)
-    assert opened_sessions == []
 
 
 def test_the_fused_ddim_sampler_refuses_it_as_a_flow_dit(engine, opened_sessions):

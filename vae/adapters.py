@@ -1,4 +1,5 @@
-"""Build a ``Program`` from a VAE's module tree: diffusers ``AutoencoderKL`` or ComfyUI's (LDM) ``AutoencoderKL``.
+"""Build a ``Program`` from a VAE's module tree: diffusers ``AutoencoderKL``, ComfyUI's (LDM) ``AutoencoderKL``, or a
+Wan-style causal 3D VAE (diffusers ``AutoencoderKLQwenImage``, built by ``causal3d.py``).
 
 Invariant: the stages list the same modules in the same order as the autoencoder's own ``forward`` (see
 ``program.py``), so the tiled executor computes exactly the module's function. Architectures are recognised by
@@ -12,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from . import causal3d
 from .attention import NEEDS_COMFYUI, spec_from_diffusers, spec_from_ldm
 from .program import Op, Program, Stage
 
@@ -107,7 +109,9 @@ def _check(ae) -> bool:
     if is_ldm(ae):
         return False
     raise TypeError(f"vae: {type(ae).__name__} is neither a diffusers AutoencoderKL nor a ComfyUI/LDM AutoencoderKL "
-                    f"(no decoder.up_blocks or decoder.up); exact tiling supports those two; {NEEDS_COMFYUI}")
+                    f"(no decoder.up_blocks or decoder.up); exact tiling supports those two and diffusers' "
+                    f"AutoencoderKLQwenImage (ComfyUI's own Wan / Qwen-Image VAE module is not supported yet: load "
+                    f"the VAE with the Memory Pool Loader and connect lean_model instead); {NEEDS_COMFYUI}")
 
 
 def _resampling_factor(stages: list, kind: str) -> int:
@@ -130,7 +134,9 @@ def _mid_stages(mid, diffusers: bool) -> list[Stage]:
 
 
 def decoder_program(ae) -> Program:
-    """Stages of ``post_quant_conv`` + decoder of ``ae`` (diffusers or LDM ``AutoencoderKL``)."""
+    """Stages of ``post_quant_conv`` + decoder of ``ae`` (diffusers or LDM ``AutoencoderKL``, causal 3D VAE)."""
+    if causal3d.is_causal3d(ae):
+        return causal3d.decoder_program(ae)
     diff = _check(ae)
     dec = ae.decoder
     head: list[Op] = []
@@ -176,6 +182,8 @@ def decoder_program(ae) -> Program:
 
 def encoder_program(ae) -> Program:
     """Stages of encoder + ``quant_conv`` of ``ae``; the output holds the moments (mean first)."""
+    if causal3d.is_causal3d(ae):
+        return causal3d.encoder_program(ae)
     diff = _check(ae)
     enc = ae.encoder
     stages = [Stage("chain", [_conv(enc.conv_in, "encoder.conv_in")], name="conv_in")]

@@ -31,13 +31,16 @@ _SCORE_BYTES = 256 * 2**20  # cap on one chunk's fp32 score matrix on the fallba
 
 @dataclass(frozen=True, eq=False)
 class AttentionSpec:
-    norm: Any  # GroupNorm module applied to the [B, C, H, W] input
+    norm: Any  # GroupNorm module applied to the [B, C, H, W] input (or, ``pointwise_norm``, a per-pixel norm)
     q: Callable
     k: Callable
     v: Callable
     out: Callable  # each maps [B, N, C] -> [B, N, C']
     heads: int = 1
     rescale: float = 1.0
+    # ``norm`` normalises each pixel over its channels (Wan-style RMS norm, ``causal3d.py``): bands call it as it is,
+    # with no whole-map statistics
+    pointwise_norm: bool = False
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tf32: bool = False) -> torch.Tensor:

@@ -219,9 +219,10 @@ def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class _Reader:
-    """Bands of the input map, normalised with the whole map's statistics, in the compute dtype."""
+    """Bands of the input map, normalised with the whole map's statistics (or, for a per-pixel norm, ``stats`` None,
+    by the norm itself), in the compute dtype."""
 
-    def __init__(self, prefetch: Callable, spec: AttentionSpec, stats: GroupStats, dtype: torch.dtype):
+    def __init__(self, prefetch: Callable, spec: AttentionSpec, stats: Optional[GroupStats], dtype: torch.dtype):
         self.prefetch, self.spec, self.stats, self.dtype = prefetch, spec, stats, dtype
 
     def bands(self, spans: list):
@@ -233,7 +234,9 @@ class _Reader:
             if j + 1 < len(spans):
                 pending = self.prefetch(*spans[j + 1])
             x = x.to(self.dtype) if x.dtype != self.dtype else x
-            yield a, x, _tokens(apply_group_norm(x, self.stats, norm.weight, norm.bias, norm.eps))
+            normed = norm(x) if self.spec.pointwise_norm else \
+                apply_group_norm(x, self.stats, norm.weight, norm.bias, norm.eps)
+            yield a, x, _tokens(normed)
 
 
 def _finish(spec: AttentionSpec, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -271,8 +274,9 @@ def _online_attention(q: torch.Tensor, chunks, tf32: bool) -> torch.Tensor:
     return acc.div_(norm.unsqueeze(-1)).unsqueeze(0)
 
 
-def run_banded(spec: AttentionSpec, prefetch: Callable, stats: GroupStats, shape: tuple, band_plan: BandPlan,
-               sink: Callable[[int, torch.Tensor], None], dtype: torch.dtype, tf32: bool = False) -> None:
+def run_banded(spec: AttentionSpec, prefetch: Callable, stats: Optional[GroupStats], shape: tuple,
+               band_plan: BandPlan, sink: Callable[[int, torch.Tensor], None], dtype: torch.dtype,
+               tf32: bool = False) -> None:
     """Run the attention block over the map read by ``prefetch(a, b)`` (a store's: ``.wait()`` gives rows
     ``[a, b)`` as [1, C, rows, W]) of ``shape`` (C, H, W), handing ``sink(a, y)`` each band's output in the compute
     ``dtype``. ``tf32``: the online form's matmul precision (module docstring). Interruptible between bands and,

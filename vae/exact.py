@@ -286,8 +286,8 @@ def _estimated_stats(ps: PlannedStage, k: int, norms: dict, cfg: ExactConfig, wo
 def _run_attention(ps: PlannedStage, store, out_store, in_stats: Optional[GroupStats], cfg: ExactConfig,
                    work_budget: int, out_hw: tuple) -> Optional[GroupStats]:
     """The attention block in bands of rows under ``work_budget`` (``attention_bands``), its GroupNorm with the
-    statistics the stage before gathered."""
-    if in_stats is None:
+    statistics the stage before gathered (none for a per-pixel norm)."""
+    if in_stats is None and not ps.stage.attention.pointwise_norm:
         raise RuntimeError(f"tiling bug: no input statistics for {ps.stage.name}")
     c, h, w = ps.in_shape
     max_rows = None

@@ -8,7 +8,8 @@ rows can be computed from a band of input rows plus a halo:
 - 3x3 convolution, stride 1, zero padding 1: ``[a-1, b+1)`` clipped to the image. Computing it on a cropped band
   with the module's own zero padding is exact on every row whose 3 input rows were real; the first/last row of
   an interior band is wrong and is cropped away (it is halo). At the image border the padding is the real one.
-- 1x1 convolution, GroupNorm with given statistics, SiLU: ``[a, b)``.
+- 1x1 convolution, GroupNorm with given statistics, a per-pixel norm over channels (``rms``: Wan-style VAEs,
+  ``causal3d.py``), SiLU: ``[a, b)``.
 - nearest 2x upsampling: ``[a // 2, ceil(b / 2))``.
 - downsampling as in SD's encoder (zero pad 1 at the right and bottom, 3x3 convolution, stride 2, no padding):
   ``[2a, min(2b + 1, H))``; the bottom zero row is added only when the band reaches the image's bottom.
@@ -24,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-ROW_LOCAL = ("gn", "silu", "conv1", "conv3", "up2", "down2", "affine")
+ROW_LOCAL = ("gn", "rms", "silu", "conv1", "conv3", "up2", "down2", "affine")
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +69,7 @@ class Op:
             return norm(x), lo
         if k == "silu":
             return F.silu(x), lo
-        if k in ("conv1", "conv3"):
+        if k in ("conv1", "conv3", "rms"):
             return self.module(x), lo
         if k == "up2":
             return F.interpolate(x, scale_factor=2.0, mode="nearest"), 2 * lo
@@ -94,10 +95,10 @@ class Stage:
     @property
     def first_groups(self) -> Optional[int]:
         """GroupNorm groups of the op that reads this stage's input first, if that op is a GroupNorm (an attention
-        block's input GroupNorm included: the stage before gathers its statistics)."""
+        block's input GroupNorm included: the stage before gathers its statistics); None for a per-pixel norm."""
         if self.kind == "chain" and self.ops and self.ops[0].kind == "gn":
             return int(self.ops[0].module.num_groups)
-        if self.kind == "attention" and self.attention is not None:
+        if self.kind == "attention" and self.attention is not None and not self.attention.pointwise_norm:
             return int(self.attention.norm.num_groups)
         return None
 

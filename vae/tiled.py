@@ -151,7 +151,8 @@ def _to_image(y: torch.Tensor) -> torch.Tensor:
 
 # Where LATENTs of a channel count come from, for the error a mismatched one gets (a hint, not a rule: the VAE's own
 # ``latent_channels`` decides what it takes).
-_LATENT_ORIGINS = {4: "SD1.x / SD2.x / SDXL models", 16: "Z-Image models (the 16-channel Flux VAE)"}
+_LATENT_ORIGINS = {4: "SD1.x / SD2.x / SDXL models",
+                   16: "Z-Image models (the 16-channel Flux VAE) or Qwen-Image models (its own 16-channel VAE)"}
 
 
 def _latent_origin(channels: int) -> str:

@@ -17,6 +17,9 @@ Invariants
   contiguous. On the CPU the input is made contiguous NCHW (an IMAGE's ``permute`` is a channels-last view), because
   PyTorch's CPU GroupNorm is inaccurate on channels-last inputs (``group_norm.cpu_layout_safe``, which also covers
   maps that turn channels-last inside the VAE).
+- A Wan-style causal 3D VAE (``AutoencoderKLQwenImage``, ``causal3d.is_causal3d``) takes ``[B, C, T, H, W]``: an
+  image goes in as one frame (``T = 1``) and comes back as ``[B, C, H, W]``; it has no GroupNorm or diffusers
+  attention block, so ``fast_vae`` changes nothing in it.
 - ``vae_decode(engine, raw)`` / ``vae_encode(engine, image)``: the engine's whole-image calls between ComfyUI's
   IMAGE (``[B, H, W, 3]`` float32 0..1 on the CPU) and raw LATENT; call inside ``engine.session("vae")``.
 
@@ -32,6 +35,7 @@ import torch
 
 from ..memory.engine import LeanEngine
 from .attention import AttentionSpec, run_attention, spec_from_diffusers, tf32_like_convolutions
+from .causal3d import is_causal3d
 from .group_norm import parallel_group_norms
 
 
@@ -88,12 +92,18 @@ def _layout(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode(vae: torch.nn.Module, raw_latents: torch.Tensor) -> torch.Tensor:
-    """``vae.decode(raw_latents).sample`` (-1..1, [B, 3, H, W], channels-last on CUDA); call inside ``fast_vae``."""
+    """``vae.decode(raw_latents).sample`` (-1..1, [B, 3, H, W], channels-last on CUDA; a causal 3D VAE's one frame);
+    call inside ``fast_vae``."""
+    if is_causal3d(vae):
+        return vae.decode(raw_latents.contiguous().unsqueeze(2), return_dict=False)[0][:, :, 0]
     return vae.decode(_layout(raw_latents), return_dict=False)[0]
 
 
 def encode(vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """``vae.encode(pixels).latent_dist.mean`` for pixels in -1..1; call inside ``fast_vae``."""
+    """``vae.encode(pixels).latent_dist.mean`` for pixels in -1..1 (a causal 3D VAE's: of the image as one frame);
+    call inside ``fast_vae``."""
+    if is_causal3d(vae):
+        return vae.encode(pixels.contiguous().unsqueeze(2)).latent_dist.mean[:, :, 0]
     return vae.encode(_layout(pixels)).latent_dist.mean
 
 

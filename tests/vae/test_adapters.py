@@ -74,7 +74,7 @@ RES = "decoder.up_blocks.0.resnets.0"
      r"unsupported convolution at post_quant_conv: kernel \(1, 1\), stride \(1, 1\), padding \(1, 1\)"),
     (_set("decoder", nn.Identity()), r"vae: AutoencoderKL is neither a diffusers AutoencoderKL nor a ComfyUI/LDM "
                                      r"AutoencoderKL \(no decoder.up_blocks or decoder.up\); exact tiling supports "
-                                     r"those two"),
+                                     r"those two and diffusers' AutoencoderKLQwenImage \(.*\)"),
 ])
 def test_unsupported_decoders_are_refused_by_module_with_the_fix(change, match):
     vae = _vae()

@@ -42,3 +42,18 @@ def test_real_comfy_decode_encode_exact(comfy_ae):
         ref_lat = comfy_ae.encode(pixels.permute(0, 3, 1, 2) * 2 - 1)
     lat = tiled_encode(from_comfy(vae), pixels, 128, 32, "exact", quiet=True)
     assert (lat - ref_lat).abs().max().item() <= 1e-4
+
+
+def test_comfys_wan_vae_module_is_refused_naming_the_fix():
+    """ComfyUI's own Wan 2.1 / Qwen-Image VAE module (``comfy.ldm.wan.vae.WanVAE``: ``conv1`` / ``middle`` /
+    ``upsamples`` / ``head``) has another module tree than diffusers' ``AutoencoderKLQwenImage``; it is refused with
+    the way that works (lean_model), not read as something else."""
+    with comfyui_imports():
+        from comfy.ldm.wan.vae import WanVAE
+
+    ae = WanVAE(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                temperal_downsample=[False, True, True])
+    with pytest.raises(TypeError, match=r"vae: WanVAE is neither .*ComfyUI's own Wan / Qwen-Image VAE module is not "
+                                        r"supported yet: load the VAE with the Memory Pool Loader and connect "
+                                        r"lean_model instead"):
+        tiled_decode(from_comfy(FakeComfyVAE(ae)), torch.randn(1, 16, 8, 8), 0, 64, "exact", quiet=True)

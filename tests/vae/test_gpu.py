@@ -32,6 +32,7 @@ import torch
 from leandiffusion.bench.models import full_vae
 from leandiffusion.tests.kit import tiny_components
 from leandiffusion.tests.kit.precision import strict_fp32
+from leandiffusion.tests.vae.qwen_vae import tiny_qwen_vae
 from leandiffusion.vae.targets import from_module
 from leandiffusion.vae.tiled import tiled_decode, tiled_encode
 
@@ -76,11 +77,40 @@ def test_exact_decode_cuda_vs_fp64(tiny_vae_and_reference, mode, budget):
         with torch.no_grad():
             untiled = _img(vae.decode(z.to(CUDA, DTYPE[mode])).sample)
         tiled = tiled_decode(from_module(vae), z, tile_size=128, overlap=32, budget_bytes=budget, quiet=True)
+    _assert_within_bound(tiled, untiled, ref, mode)
+
+
+def _assert_within_bound(tiled, untiled, ref, mode):
+    """See the module docstring: tiled error vs fp64 within FACTOR x the untiled error + FLOOR (same dtype)."""
     assert tiled.shape == ref.shape
     err_untiled = (untiled - ref).abs().max().item()
     err_tiled = (tiled.double() - ref).abs().max().item()
     bound = FACTOR * err_untiled + FLOOR[mode]
     assert err_tiled <= bound, f"tiled {err_tiled:.3g} vs untiled {err_untiled:.3g} (bound {bound:.3g}) off fp64"
+
+
+@pytest.fixture(scope="module")
+def qwen_vae_and_reference():
+    vae = tiny_qwen_vae()
+    z = torch.randn(2, 16, 41, 29, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = _img(vae.double().decode(z.double().unsqueeze(2)).sample[:, :, 0])
+    return vae.float(), z, ref
+
+
+@pytest.mark.parametrize("mode", ["fp32-ieee", "fp32-default", "bf16"])
+@pytest.mark.parametrize("budget", [None, 1 * MiB], ids=["device-stores", "host-stores"])
+def test_exact_decode_qwen_vae_cuda_vs_fp64(qwen_vae_and_reference, mode, budget):
+    """Qwen-Image's causal 3D VAE (``vae/causal3d.py``) under the same bound: its per-pixel RMS norms in bf16 (the
+    family's CUDA dtype), frame convolutions on channels-last bands, and the mid-block attention with a per-pixel
+    norm in the CUDA-only schemes (online softmax for fp32 under TF32, streamed bands under the small budget)."""
+    base_vae, z, ref = qwen_vae_and_reference
+    vae = copy.deepcopy(base_vae).to(CUDA, DTYPE[mode])
+    with _precision(mode):
+        with torch.no_grad():
+            untiled = _img(vae.decode(z.to(CUDA, DTYPE[mode]).unsqueeze(2)).sample[:, :, 0])
+        tiled = tiled_decode(from_module(vae), z, tile_size=128, overlap=32, budget_bytes=budget, quiet=True)
+    _assert_within_bound(tiled, untiled, ref, mode)
 
 
 @pytest.mark.parametrize("budget", [None, 2 * MiB], ids=["device-stores", "host-stores"])

@@ -106,9 +106,13 @@ def test_the_fused_ksampler_refuses_it(edit_full, opened_sessions):
     assert opened_sessions == []
 
 
-def test_tiled_vae_refuses_it(edit_full, opened_sessions):
+def test_tiled_vae_decodes_its_latent(edit_full):
+    """The edit family shares Qwen-Image's VAE, so the Tiled VAE nodes run it (not refused)."""
     from leandiffusion.nodes.vae import LeanTiledVAEDecode
 
-    with pytest.raises(ValueError, match=NOT_YET.format(node="Tiled VAE Decode / Encode", fix="decode the LATENT")):
-        LeanTiledVAEDecode().decode({"samples": torch.zeros(1, 16, 4, 4)}, lean_model=edit_full)
-    assert opened_sessions == []
+    latent = torch.randn(1, 16, 6, 8, generator=torch.Generator().manual_seed(0))
+    (image,) = LeanTiledVAEDecode().decode({"samples": latent}, 0, 64, "exact", lean_model=edit_full)
+    with torch.no_grad():
+        ref = edit_full.parts.vae.decode(latent[:, :, None]).sample[:, :, 0]
+    ref = ((ref.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1)
+    assert image.shape == ref.shape and (image - ref).abs().max().item() < 1e-4
