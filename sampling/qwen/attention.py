@@ -26,7 +26,6 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,14 @@ def row_groups(lengths: Sequence[int]) -> tuple[RowGroup, ...]:
     return tuple(groups)
 
 
-@torch.compiler.disable
+def _rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb_qwen(x, freqs, use_real=False)`` on ``[B, S, H, D]`` with ``freqs`` ``[S, D/2]``
+    complex: each pair of ``x`` times its angle in float32, back to ``x``'s dtype (written here so importing the
+    pack does not import diffusers' model modules)."""
+    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(z * freqs.unsqueeze(1)).flatten(3).type_as(x)
+
+
 def _grouped_attention(q_txt, k_txt, v_txt, q_img, k_img, v_img, processor: "RowGroupAttnProcessor"):
     """``(text out [B, T, H*D], image out [B, N, H*D])`` from [B, *, H, D] projections (module docstring)."""
     groups, batch, seq_txt = processor.groups, q_txt.shape[0], q_txt.shape[1]
@@ -75,6 +81,8 @@ class RowGroupAttnProcessor:
 
     def __init__(self, groups: Sequence[RowGroup] = ()):
         self.groups = tuple(groups)
+        # wrapped here, not at import: torch.compiler.disable imports dynamo, which sets process-wide state
+        self._attend = torch.compiler.disable(_grouped_attention)
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor = None,
                  encoder_hidden_states_mask=None, attention_mask=None, image_rotary_emb=None):
@@ -90,9 +98,9 @@ class RowGroupAttnProcessor:
                 group[index] = norm(group[index])
         if image_rotary_emb is not None:
             img_freqs, txt_freqs = image_rotary_emb
-            img[:2] = [apply_rotary_emb_qwen(t, img_freqs, use_real=False) for t in img[:2]]
-            txt[:2] = [apply_rotary_emb_qwen(t, txt_freqs, use_real=False) for t in txt[:2]]
-        txt_out, img_out = _grouped_attention(*txt, *img, self)
+            img[:2] = [_rotary(t, img_freqs) for t in img[:2]]
+            txt[:2] = [_rotary(t, txt_freqs) for t in txt[:2]]
+        txt_out, img_out = self._attend(*txt, *img, self)
         img_out = attn.to_out[0](img_out.contiguous())
         if len(attn.to_out) > 1:
             img_out = attn.to_out[1](img_out)
