@@ -32,7 +32,7 @@ import torch
 
 from .attention import row_groups, row_groups_installed
 
-TEXT_BUCKETS = (64, 128, 256, 512)
+TEXT_BUCKETS = (64, 128, 256, 512, 1024, 2048)  # edit prompts carry each picture's vision tokens, untruncated
 Shape = tuple[int, int, int]  # (frames, token rows, token columns) of one packed image
 
 

@@ -93,9 +93,9 @@ def test_zero_cond_t_transformer_equals_its_module():
 
 
 def test_buckets_and_bad_inputs():
-    assert [text_capacity([n]) for n in (1, 64, 65, 200, 512)] == [64, 64, 128, 256, 512]
-    with pytest.raises(ValueError, match="513 tokens exceeds the longest supported"):
-        text_capacity([3, 513])
+    assert [text_capacity([n]) for n in (1, 64, 65, 200, 512, 700, 2048)] == [64, 64, 128, 256, 512, 1024, 2048]
+    with pytest.raises(ValueError, match="2049 tokens exceeds the longest supported"):
+        text_capacity([3, 2049])
     with pytest.raises(ValueError, match=r"reference tokens of shape \(3, 6, 64\) do not match"):
         QwenReference(torch.zeros(3, 6, 64), ((1, 2, 3),)).checked(2)
     with pytest.raises(ValueError, match=r"reference tokens of shape \(1, 5, 64\) do not match"):
