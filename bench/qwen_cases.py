@@ -5,7 +5,8 @@ Invariants
   move between the device and the host, never copied, except the fp8 DiT (quantized in place from one copy made on
   the device; ``fp8_e4m3fn`` and ``fp8_e4m3fn_fast`` store the same bytes, so one copy serves both).
 - Ours is the node level: ``memory.load.build_engine`` (the loader's policy, ``weight_dtype``, budget) over the
-  modules our loader would hold (the Qwen2.5-VL language model only), sampled by the workload's node. A ``full``
+  modules our loader would hold (the workload's ``ours_parts``: the Qwen2.5-VL language model only for text-to-image,
+  the whole ``Qwen2_5_VLModel`` for the edit), sampled by the workload's node. A ``full``
   engine is dropped with its graphs (its modules stay where they are); a ``stream`` engine's placement is removed
   (hooks off, modules back on the host) before the next case.
 - Capped cases (``stream``, the peer's group offload) start with every module on the host and run inside
@@ -27,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from .harness import BenchContext, peak_memory, time_ms
-from .qwen_models import Workload, ours_components, peer_only_modules
+from .qwen_models import Workload
 from .zimage_budget import free_device
 
 logger = logging.getLogger(__name__)
@@ -85,10 +86,10 @@ class SharedWeights:
         self.place(self.device, c["transformer"], c["text_encoder"], c["vae"])
         return c
 
-    def for_ours(self, dit: Optional[torch.nn.Module] = None) -> dict:
-        """Our loader's components; the modules only the peer uses go to the host, out of our peak."""
-        self.place("cpu", *peer_only_modules(self.components["text_encoder"]))
-        return ours_components(self.components, dit)
+    def for_ours(self, w: Workload, dit: Optional[torch.nn.Module] = None) -> dict:
+        """Our loader's components for ``w``; the modules only the peer uses go to the host, out of our peak."""
+        self.place("cpu", *w.peer_only(self.components["text_encoder"]))
+        return w.ours_parts(self.components, dit)
 
     def fp8_dit(self) -> torch.nn.Module:
         """A copy of the DiT made on the device (quantized in place by the first fp8 engine built over it)."""
@@ -162,7 +163,7 @@ def ours_resident(ctx: BenchContext, weights: SharedWeights, w: Workload, storag
                   warmup: int, repeat: int, dit: Optional[torch.nn.Module] = None) -> dict:
     """``{acceleration: Run or reason}`` for one ``full`` engine with ``storage`` weights (``dit`` replaces the
     shared DiT, e.g. the fp8 copy). An acceleration that is not available is its reason; the others still run."""
-    engine = _engine(weights, weights.for_ours(dit), "full", storage)
+    engine = _engine(weights, weights.for_ours(w, dit), "full", storage)
     out = {}
     try:
         for acceleration in accelerations:
@@ -187,7 +188,7 @@ def ours_stream(ctx: BenchContext, weights: SharedWeights, w: Workload, budget_g
                 acceleration: str, warmup: int, repeat: int, dit: Optional[torch.nn.Module] = None) -> Run:
     """Our ``stream`` policy at ``budget_gb`` (every module starts on the host; allocator capped at the budget)."""
     weights.all_to_host()
-    engine = _engine(weights, weights.for_ours(dit), "stream", storage, budget_gb)
+    engine = _engine(weights, weights.for_ours(w, dit), "stream", storage, budget_gb)
     try:
         logger.info("%s", engine.placement.report())
         ms, peak, latent = _timed(ctx, w.ours_run(engine, acceleration), warmup, repeat, cap_gb=budget_gb)

@@ -1,12 +1,15 @@
 """Qwen-Image suite: issue 44's speed and memory lines, ours against diffusers on the full-size architecture.
 
-Workload (``qwen_models.TEXT_TO_IMAGE``): prompt -> latent, 1024x1024, true CFG 4, 20 steps (``--quick``: 4 steps,
-one timed run after one warm-up; full: the median of 3), random weights built ONCE per process on the device and
-shared by every case (``qwen_cases.SharedWeights``). Cases, in the order they run (``LEANDIFFUSION_BENCH_QWEN_CASES``,
+Workload (``LEANDIFFUSION_BENCH_QWEN_WORKLOAD``, default ``edit``, issue 44's acceptance): ``edit``
+(``qwen_models.EDIT``): one 1024x1024 reference image + instruction -> latent, 1024x1024, true CFG 4, 20 steps,
+the peer ``QwenImageEditPlusPipeline`` and ours the Fused Edit Sampler; ``t2i`` (``qwen_models.TEXT_TO_IMAGE``):
+prompt -> latent, the peer ``QwenImagePipeline`` and ours the Fused Flow Sampler. ``--quick``: 4 steps, one timed
+run after one warm-up; full: the median of 3. Random weights built ONCE per process on the device and shared by
+every case (``qwen_cases.SharedWeights``). Cases, in the order they run (``LEANDIFFUSION_BENCH_QWEN_CASES``,
 a comma list of ``ALL_PARTS``; default all; a part pulls in the case its ratio needs, ``REQUIRES``):
-- ``peer``: diffusers ``QwenImagePipeline`` on the same modules, bf16, SDPA, resident;
-- ``none`` / ``cuda_graph`` / ``compile+cuda_graph``: ours, resident (``full``), bf16, through the Fused Flow Sampler
-  node with that ``acceleration``;
+- ``peer``: the workload's diffusers pipeline on the same modules, bf16, SDPA, resident;
+- ``none`` / ``cuda_graph`` / ``compile+cuda_graph``: ours, resident (``full``), bf16, through the workload's node
+  with that ``acceleration``;
 - ``fp8_fast``: ours resident with ``weight_dtype`` ``fp8_e4m3fn_fast``, ``compile+cuda_graph``; ``fp8``: resident
   ``fp8_e4m3fn``, ``cuda_graph`` (what the 8 GB stream compares with);
 - ``stream_fp8``: ours ``stream`` at 8 GB with ``fp8_e4m3fn``; ``stream``: ours ``stream`` at 12 GB, bf16 (both
@@ -23,10 +26,9 @@ Another error fails the suite after the remaining cases ran.
 One device call (the full-size build takes ~1 min; compile ~2 min per storage), e.g.:
     bash scripts/device_bench.sh --quick --suite qwen --budget 580
     LEANDIFFUSION_BENCH_QWEN_CASES=stream,stream_fp8,peer_offload bash scripts/device_bench.sh --quick --suite qwen
-The edit workload (one 1024 reference image, the Fused Edit Sampler against ``QwenImageEditPlusPipeline``) is one
-more ``qwen_models.Workload`` in ``WORKLOADS``, chosen with ``LEANDIFFUSION_BENCH_QWEN_WORKLOAD``.
-``ctx.smoke``: the tiny Qwen-Image on the CPU in fp32 through the same code (numbers meaningless; ours against the
-pipeline within 1e-4 checks both sides' plumbing).
+    LEANDIFFUSION_BENCH_QWEN_WORKLOAD=t2i bash scripts/device_bench.sh --quick --suite qwen
+``ctx.smoke``: the tiny Qwen-Image on the CPU in fp32 through the same code, the edit at 64 px (numbers
+meaningless; ours against the pipeline within 1e-4 checks both sides' plumbing).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import torch
 from .harness import BenchContext
 from .qwen_cases import SharedWeights, ours_resident, ours_stream, peer_offload, peer_resident, \
     unavailable_reason
-from .qwen_models import WORKLOADS
+from .qwen_models import DEFAULT_WORKLOAD, WORKLOADS
 from .qwen_targets import PEER_OFFLOAD, STREAM_BF16, STREAM_FP8, Rows
 from .zimage_budget import free_device
 
@@ -78,7 +80,7 @@ def selected_parts() -> tuple:
 
 
 def workload(ctx: BenchContext):
-    name = os.environ.get(ENV_WORKLOAD, "t2i").strip() or "t2i"
+    name = os.environ.get(ENV_WORKLOAD, DEFAULT_WORKLOAD).strip() or DEFAULT_WORKLOAD
     if name not in WORKLOADS:
         raise ValueError(f"{ENV_WORKLOAD}={name!r}: expected one of {sorted(WORKLOADS)}")
     w = WORKLOADS[name]

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .cap import allocator_cap, device_storage_bytes
-from .text_units import streams_text, text_activation_bytes
+from .text_units import stage_activation_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +116,11 @@ def text_activation_at(placement, text_shape: Optional[tuple[int, int]]) -> Opti
     encoder call (``memory.text_units``' formula, the plan's own at the plan's longest prompt), or ``None`` when
     the shape is not known or the encoder is not one the plan sizes that way."""
     encoder = getattr(placement.parts, "text_encoder", None)
-    if text_shape is None or not streams_text(encoder):
+    if text_shape is None or encoder is None:
         return None
     prompts, tokens = (int(v) for v in text_shape)
     dtype = getattr(placement, "text_dtype", torch.float32)
-    return text_activation_bytes(encoder, prompts, tokens, torch.empty((), dtype=dtype).element_size(),
-                                 placement.device.type)
+    return stage_activation_bytes(encoder, prompts, tokens, dtype, placement.device.type)
 
 
 def make_room(placement, stage: str, cap: int, text_shape: Optional[tuple[int, int]] = None) -> bool:

@@ -32,7 +32,7 @@ from .plan import GiB, MemoryPlan
 from .policy_config import DTYPES, PolicyConfig, VramPolicy
 from .stream_schedule import StreamSchedule
 from .streaming import BlockStreamer
-from .text_streaming import TextStreamer
+from .text_streaming import text_streamers
 from .vram_budget import StageMode, VramBudget
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ class ModelPlacement:
     """The runtime side of a policy (``engine.placement``): see the module docstring."""
 
     def __init__(self, parts: ModelParts, config: PolicyConfig, plan: MemoryPlan, budget: VramBudget,
-                 schedule: Optional[StreamSchedule], text_schedule: Optional[StreamSchedule] = None):
+                 schedule: Optional[StreamSchedule], text_schedule: Optional[StreamSchedule] = None,
+                 vision_schedule: Optional[StreamSchedule] = None):
         self.name = config.policy.value
         self.parts = parts
         self.config = config
@@ -56,6 +57,7 @@ class ModelPlacement:
         self.budget = budget  # what callers read: where the weights live, the hard limit, the room it leaves
         self.schedule = schedule
         self.text_schedule = text_schedule  # a streamed text encoder's (``budget.text`` is STREAM), else None
+        self.vision_schedule = vision_schedule  # its vision tower's, when it has one
         self.text_dtype = DTYPES[plan.text_dtype] if plan.text_dtype in DTYPES else config.dtype
         self.measured: dict[str, tuple[int, bool]] = {}
         self.epoch = 0
@@ -100,7 +102,8 @@ class ModelPlacement:
         elif mode is StageMode.CPU:
             module.to(device="cpu", dtype=dtype)
         elif mode is StageMode.STREAM:  # block by block, its ring on the device only while the stage runs
-            self._swaps.setdefault(stage, []).append(TextStreamer(module, self.text_schedule, self.device, dtype))
+            self._swaps.setdefault(stage, []).extend(
+                text_streamers(module, self.text_schedule, self.vision_schedule, self.device, dtype))
         else:
             self._swaps.setdefault(stage, []).append(ModuleSwap(module, dtype, self.device))
 

@@ -9,10 +9,10 @@ Per policy (``T``, ``U``, ``V``: text, UNet, VAE weight bytes; ``act``: the UNet
 - ``stream``: the UNet's resident set fills ``budget - room - always-resident - headroom`` (``stream_schedule.py``),
   the rest streams; ``room`` is what the other stages need beside it. First ``room = act``: the text encoders go on
   the device while used when ``resident + T + ta`` fits the budget. Otherwise a text encoder that streams
-  (``text_units.py``: Qwen3, Qwen2.5-VL's language model) streams block by block through a ring held only while
-  its stage runs, the UNet planned again with ``room = max(act, text ring + ta)`` and the encoder's norm always
-  resident (or, where that costs the UNet less, stays whole with ``room = T + ta``); encoders that cannot stream
-  (CLIP) run on the CPU.
+  (``text_units.py``: Qwen3, Qwen2.5-VL's language model; a Qwen2.5-VL's vision tower through a smallest ring of its
+  own, ``vision_units.py``) streams block by block through a ring held only while its stage runs, the UNet planned
+  again with ``room = max(act, text ring + ta)`` and the encoder's norm always resident (or, where that costs the
+  UNet less, stays whole with ``room = T + ta``); encoders that cannot stream (CLIP) run on the CPU.
   A budget below the working minimum (``stream_minimum_bytes``) is refused with that number.
 - ``auto``: the first of full > balanced > lowvram whose peak fits ``free_vram.usable_free_bytes``, else ``stream``
   at that many bytes (on the CPU: ``full``).
@@ -51,12 +51,14 @@ class PolicyPlan:
     budget: VramBudget
     schedule: Optional[StreamSchedule]
     text_schedule: Optional[StreamSchedule] = None  # a streamed text encoder's (``stream``), else None
+    vision_schedule: Optional[StreamSchedule] = None  # its vision tower's, when it has one (``vision_units.py``)
 
 
 @dataclass(frozen=True)
 class _Stream:
     schedule: StreamSchedule
     text_schedule: Optional[StreamSchedule]
+    vision_schedule: Optional[StreamSchedule]
     resident: int
     text: StageMode
     peaks: dict
@@ -68,10 +70,12 @@ def plan_inputs(parts: ModelParts, dtype: torch.dtype, vae_dtype: torch.dtype, d
     """(units, act, sizes, text): the UNet's units and activation estimate at ``working_shape``, the stages' weight
     bytes, and the text stage's streaming numbers (``None`` when its encoders cannot stream). The family's
     ``families.json`` row may widen both working shapes: ``reference_images`` (reference latents an edit family
-    packs beside the image tokens, ``qwen_units.py``) and ``text_tokens`` (the longest prompt its sampler encodes,
-    template included; default ``text_units.TEXT_TOKENS``)."""
+    packs beside the image tokens, ``qwen_units.py``), ``dit_text_tokens`` (the prompt rows a DiT call sees, when
+    not the denoiser's default) and ``text_tokens`` (the longest prompt its sampler encodes, template included;
+    default ``text_units.TEXT_TOKENS``)."""
     defaults = family_defaults(parts.family)
-    units = trace_units(parts.unet, working_shape, dtype, int(defaults.get("reference_images", 0)))
+    units = trace_units(parts.unet, working_shape, dtype, int(defaults.get("reference_images", 0)),
+                        defaults.get("dit_text_tokens"))
     act = activation_bytes(units, torch.empty((), dtype=dtype).element_size(), device_type)
     encoders = modules_of_stage(parts, "text")
     sizes = dict(text=sum(module_bytes(m, dtype) for m in encoders), unet=module_bytes(parts.unet, dtype),
@@ -140,7 +144,8 @@ def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name:
     ta = ta if text_mode is not StageMode.CPU else 0
     schedule = planned.schedule if planned else None
     text_schedule = planned.text_schedule if planned else None
-    text_arena = text_schedule.arena_bytes if text_schedule else 0
+    vision_schedule = planned.vision_schedule if planned else None
+    text_arena = sum(s.arena_bytes for s in (text_schedule, vision_schedule) if s is not None)
     plan = MemoryPlan(policy=pol.value, requested=config.requested.value, device=str(config.device), model=name,
                       family=parts.family, dtype=dtype_name(config.dtype), vae_dtype=dtype_name(config.vae_dtype),
                       text_dtype=dtype_name(text_dtype), budget_bytes=config.budget_bytes,
@@ -156,7 +161,7 @@ def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name:
                         activation_bytes=act, text_bytes=T, vae_bytes=V, text_arena_bytes=text_arena,
                         text_activation_bytes=ta, text=text_mode, vae=vae,
                         unet=StageMode.STREAM if stream else StageMode.RESIDENT)
-    return PolicyPlan(config, plan, budget, schedule, text_schedule)
+    return PolicyPlan(config, plan, budget, schedule, text_schedule, vision_schedule)
 
 
 def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optional[TextStream]) -> _Stream:
@@ -168,7 +173,7 @@ def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optio
         raise ValueError(_below_minimum(config, units, act, U, text, minimum))
     ta = text.activation_bytes if text is not None else 0
     schedule, resident, fields = _stream_schedule(config, units, act, U)
-    text_schedule = None
+    text_schedule = vision_schedule = None
     if resident + T + ta <= budget:
         mode, text_peak = StageMode.WHILE_USED, resident + T + ta
     elif text is None:
@@ -180,13 +185,19 @@ def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optio
         schedule, resident, fields = _stream_schedule(config, units, max(act, text.minimum_stage_bytes), U,
                                                       text.fixed_bytes)
         headroom = int(HEADROOM * budget)
-        text_schedule = plan_all_streamed(list(text.units), budget - resident - ta - headroom)
-        mode, text_peak = StageMode.STREAM, resident + text_schedule.arena_bytes + ta
-        fields.update(text_fixed_bytes=text.fixed_bytes, text_host_bytes=text.host_bytes,
-                      text_arena_bytes=text_schedule.arena_bytes, text_streamed_units=len(text_schedule.streamed),
-                      text_total_units=len(text.units))
+        vision_arena = 0
+        if text.vision is not None:  # its smallest ring: its blocks are small, the language model's ring gains
+            vision_schedule = plan_all_streamed(list(text.vision.units), text.vision.minimum_arena_bytes)
+            vision_arena = vision_schedule.arena_bytes
+        text_schedule = plan_all_streamed(list(text.units), budget - resident - ta - vision_arena - headroom)
+        arenas = text_schedule.arena_bytes + vision_arena
+        mode, text_peak = StageMode.STREAM, resident + arenas + ta
+        fields.update(text_fixed_bytes=text.fixed_bytes, text_host_bytes=text.host_bytes, text_arena_bytes=arenas,
+                      text_streamed_units=len(text_schedule.streamed) + (
+                          len(vision_schedule.streamed) if vision_schedule else 0),
+                      text_total_units=len(text.units) + (len(text.vision.units) if text.vision else 0))
     peaks = {"text": text_peak, "unet": resident + act, "vae": resident + V}
-    return _Stream(schedule, text_schedule, resident, mode, peaks, fields)
+    return _Stream(schedule, text_schedule, vision_schedule, resident, mode, peaks, fields)
 
 
 def _stream_schedule(config: PolicyConfig, units, room: int, unet_bytes: int, extra_fixed: int = 0) -> tuple:
@@ -210,8 +221,8 @@ def _below_minimum(config: PolicyConfig, units, act: int, unet_bytes: int, text:
     fixed = unet_bytes - sum(u.nbytes for u in units)
     shape = config.working_shape
     text_part = "" if text is None else (
-        f", text stage: staging {gb(minimum_arena_bytes(list(text.units)))} + activations {gb(text.activation_bytes)}"
-        f" at {text.tokens} tokens")
+        f", text stage: staging {gb(text.minimum_stage_bytes - text.activation_bytes)} + activations "
+        f"{gb(text.activation_bytes)} at {text.tokens} tokens")
     return (f"vram_budget_gb={config.budget_bytes / GiB:.4g} is below the working minimum of {ceil_gb(minimum)} GB "
             f"for this model under 'stream' (activations+workspace {gb(act)}, always-resident weights {gb(fixed)}, "
             f"staging {gb(minimum_arena_bytes(units))} at latent {shape[1]}x{shape[2]}, batch {shape[0]}{text_part});"

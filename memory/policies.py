@@ -8,7 +8,7 @@ Policies (what lives on the device, per stage):
 - ``stream``: UNet split into a resident set filling ``vram_budget_gb`` minus the activation/workspace estimate
   and a streamed rest (``memory/stream_schedule.py``, ``memory/streaming.py``); text encoders on the device while
   used if they fit next to the UNet's resident set inside the budget, else streamed block by block when they can
-  (a Qwen3 encoder, ``memory/text_units.py``), else on the CPU; VAE on the device only while used. The budget is a
+  (a Qwen3 encoder, a Qwen2.5-VL's language model and vision tower, ``memory/text_units.py``), else on the CPU; VAE on the device only while used. The budget is a
   hard limit on every stage of every node (``memory/budget.py``).
 - ``auto``: the fastest of full > balanced > lowvram > stream whose estimated peak fits the usable free VRAM
   (``memory/free_vram.py``; on the CPU: ``full``).
@@ -106,7 +106,8 @@ def apply_vram_policy(parts: ModelParts, policy: str | VramPolicy = "auto", *, d
     config = PolicyConfig(requested if requested != VramPolicy.AUTO else VramPolicy.FULL, requested, dev, dtype,
                           dtype, vae_dtype, int(vram_budget_gb * GiB), tuple(int(v) for v in working_shape))
     planned = plan_placement(parts, config, free_vram_bytes, name or parts.name)
-    return ModelPlacement(parts, planned.config, planned.plan, planned.budget, planned.schedule, planned.text_schedule)
+    return ModelPlacement(parts, planned.config, planned.plan, planned.budget, planned.schedule, planned.text_schedule,
+                          planned.vision_schedule)
 
 
 def stream_working_minimum_gb(parts: ModelParts, device=None, dtype: Optional[torch.dtype] = None,

@@ -4,7 +4,8 @@ Invariant: a unit is one ``QwenImageTransformerBlock`` (``transformer_blocks.N``
 transformer call, the image tokens of the working shape (2x2 patches of the latent: ``h/2 x w/2``), as many again
 for each reference image an edit family packs beside them (``reference_images``: Qwen-Image-Edit's reference
 latent has the output's token count), and ``TEXT_TOKENS`` prompt tokens (the pipeline's default
-``max_sequence_length``, the longest prompt the plan allows for); its joint attention spans all of them. The
+``max_sequence_length``, the longest prompt the plan allows for; an edit family's rows are longer, carrying the
+condition pictures' vision tokens: its ``dit_text_tokens``); its joint attention spans all of them. The
 working shape's batch counts the rows of one call: a guided step runs the prompt's and the negative's rows in one
 batched call (2 per image), so the default batch 2 is one guided image. The embedders, the text norm and the output
 layers are always resident. Sizes come from the config and the blocks' parameters, so planning needs neither a
@@ -14,6 +15,8 @@ Why the largest row counts: the activation estimate (``plan.TRANSIENT_FACTOR["di
 hold for every call the sampler makes, and a block's transients grow with the tokens of its widest call.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -28,19 +31,22 @@ def is_qwen_image_transformer(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("transformer_blocks", "img_in", "txt_in", "txt_norm"))
 
 
-def qwen_image_tokens(dit: torch.nn.Module, latent_h: int, latent_w: int, reference_images: int = 0) -> int:
-    """Tokens per row of one transformer call at a ``latent_h x latent_w`` latent (module docstring)."""
+def qwen_image_tokens(dit: torch.nn.Module, latent_h: int, latent_w: int, reference_images: int = 0,
+                      text_tokens: Optional[int] = None) -> int:
+    """Tokens per row of one transformer call at a ``latent_h x latent_w`` latent with ``text_tokens`` prompt rows
+    (default ``TEXT_TOKENS``; module docstring)."""
     if isinstance(reference_images, bool) or not isinstance(reference_images, int) or reference_images < 0:
         raise ValueError(f"reference_images={reference_images!r}: expected a count of reference images >= 0")
     patch = int(dit.config.patch_size)
-    return (latent_h // patch) * (latent_w // patch) * (1 + reference_images) + TEXT_TOKENS
+    text = TEXT_TOKENS if text_tokens is None else int(text_tokens)
+    return (latent_h // patch) * (latent_w // patch) * (1 + reference_images) + text
 
 
 def trace_qwen_image_units(dit: torch.nn.Module, working_shape: tuple[int, int, int], dtype: torch.dtype,
-                           reference_images: int = 0) -> list[Unit]:
+                           reference_images: int = 0, text_tokens: Optional[int] = None) -> list[Unit]:
     """Units in execution order with flat sizes and FLOP estimates at ``working_shape`` (module docstring)."""
     batch, h, w = (int(v) for v in working_shape)
-    tokens = qwen_image_tokens(dit, h, w, reference_images)
+    tokens = qwen_image_tokens(dit, h, w, reference_images, text_tokens)
     width = int(dit.config.num_attention_heads) * int(dit.config.attention_head_dim)
     return [token_block_unit(f"transformer_blocks.{index}", block, dtype, batch, tokens, width, width, "dit")
             for index, block in enumerate(dit.transformer_blocks)]

@@ -8,14 +8,21 @@ Invariants
   the device (the ids go to the host first), so no device memory holds the table and the values are the ones a
   device lookup gives. The final norm and the rotary tables stay on the device for the placement's life.
 - It is a placement's stage swap: ``onload`` / ``offload`` / ``restore`` (``memory/placement.py``).
+- A Qwen2.5-VL encoder's vision tower streams its ``blocks.N`` through a ring of its own, bounded by the tower's
+  own forward (``VisionStreamer``; ``memory/vision_units.py`` says why not the language model's ring), held only
+  while the text stage runs like the language model's; its patch embedding, merger and rotary table stay on the
+  device.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from .stream_schedule import StreamSchedule
 from .streaming import BlockStreamer
-from .text_units import HOST_MODULES
+from .text_units import HOST_MODULES, language_model
+from .vision_units import vision_tower
 
 
 def _ids_to_host(module, args):
@@ -41,3 +48,29 @@ class TextStreamer(BlockStreamer):
     def restore(self) -> None:
         """Remove the hooks and put every weight back on the host (the placement is being removed)."""
         self.remove()
+
+
+class VisionStreamer(BlockStreamer):
+    """Streams a Qwen2.5-VL vision tower's ``blocks.N`` under ``schedule`` while the text stage runs (module
+    docstring)."""
+
+    arena_at_build = False
+
+    def restore(self) -> None:
+        """Remove the hooks and put every weight back on the host (the placement is being removed)."""
+        self.remove()
+
+
+def text_streamers(encoder: torch.nn.Module, schedule: StreamSchedule, vision_schedule: Optional[StreamSchedule],
+                   device: torch.device, dtype: torch.dtype) -> list:
+    """The streamers of a text encoder the plan streams: its language model's (``encoder`` itself, or a
+    Qwen2.5-VL's ``language_model``) and, with ``vision_schedule``, its vision tower's."""
+    model = language_model(encoder)
+    streamers = [TextStreamer(model, schedule, device, dtype)]
+    if vision_schedule is not None:
+        try:
+            streamers.append(VisionStreamer(vision_tower(encoder), vision_schedule, device, dtype))
+        except BaseException:
+            streamers[0].restore()
+            raise
+    return streamers

@@ -19,6 +19,11 @@ SwiGLU MLP's three intermediate-wide tensors beside the layer input and its norm
 allocator's rounding: an encoder forward runs no convolution algorithms, which make most of the UNet's
 ``plan.WORKSPACE_CUDA``). FLOPs per unit: ``2 x tokens x weights`` plus the
 attention's two ``tokens^2 x width`` products.
+
+A Qwen2.5-VL text encoder with its vision tower (``Qwen2_5_VLModel``: an edit model's text stage) streams its
+``language_model`` as above and its ``visual`` tower block by block through a ring of its own
+(``memory/vision_units.py``); the stage's numbers add the tower's: its fixed bytes (patch embedding, merger), its
+minimum ring and its activations.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from .hostmem import FlatLayout
 from .plan import FRAGMENTATION
 from .stream_schedule import minimum_arena_bytes
 from .unet_units import Unit
+from .vision_units import VisionStream, vision_stream, vision_tower
 
 TEXT_TOKENS = 512  # the longest prompt the flow sampler encodes (``sampling/flow/text.py`` MAX_TOKENS)
 HOST_MODULES = ("embed_tokens",)
@@ -45,15 +51,26 @@ class TextStream:
     estimate, bytes always on the device (norm), bytes kept on the host (embedding table)."""
 
     units: tuple
-    activation_bytes: int
-    fixed_bytes: int
+    activation_bytes: int  # the language model's and, with a vision tower, the tower's
+    fixed_bytes: int  # the language model's and, with a vision tower, the tower's
     host_bytes: int
     tokens: int
+    vision: Optional[VisionStream] = None  # a Qwen2.5-VL encoder's vision tower (streamed in a ring of its own)
 
     @property
     def minimum_stage_bytes(self) -> int:
-        """What the text stage needs on the device beside the always-resident weights at the smallest ring."""
-        return minimum_arena_bytes(list(self.units)) + self.activation_bytes
+        """What the text stage needs on the device beside the always-resident weights at the smallest rings."""
+        vision = self.vision.minimum_arena_bytes if self.vision is not None else 0
+        return minimum_arena_bytes(list(self.units)) + vision + self.activation_bytes
+
+
+def language_model(module: Optional[torch.nn.Module]) -> Optional[torch.nn.Module]:
+    """The decoder-only language model that streams in ``module``: itself, or a Qwen2.5-VL's ``language_model``
+    beside its vision tower; ``None`` when there is none (module docstring)."""
+    if streams_text(module):
+        return module
+    inner = getattr(module, "language_model", None)
+    return inner if vision_tower(module) is not None and streams_text(inner) else None
 
 
 def streams_text(module: Optional[torch.nn.Module]) -> bool:
@@ -90,20 +107,36 @@ def text_activation_bytes(encoder: torch.nn.Module, batch: int, tokens: int, ele
     return int(FRAGMENTATION * batch * tokens * per_token * elem_size) + workspace
 
 
+def stage_activation_bytes(module: torch.nn.Module, batch: int, tokens: int, dtype: torch.dtype,
+                           device_type: str) -> Optional[int]:
+    """Activations + workspace of one text-stage forward of ``module`` at ``batch`` x ``tokens`` (its vision tower's
+    at its working shape included), or ``None`` when ``module`` does not stream."""
+    encoder = language_model(module)
+    if encoder is None:
+        return None
+    visual = vision_tower(module) if encoder is not module else None
+    vision = vision_stream(visual, dtype).activation_bytes if visual is not None else 0
+    elem = torch.empty((), dtype=dtype).element_size()
+    return text_activation_bytes(encoder, batch, tokens, elem, device_type) + vision
+
+
 def text_stream(encoders: Sequence[torch.nn.Module], dtype: torch.dtype, batch: int, device_type: str,
                 tokens: int = TEXT_TOKENS) -> Optional[TextStream]:
     """The streaming numbers of the text stage, or ``None`` when it cannot stream (several encoders, or one that is
     not a decoder-only language model: SD's CLIP encoders, which the plan keeps whole)."""
-    if len(encoders) != 1 or not streams_text(encoders[0]):
+    if len(encoders) != 1 or language_model(encoders[0]) is None:
         return None
-    encoder = encoders[0]
+    encoder = language_model(encoders[0])
+    visual = vision_tower(encoders[0]) if encoder is not encoders[0] else None
+    vision = vision_stream(visual, dtype) if visual is not None else None
     units = text_units(encoder, batch, tokens, dtype)
     in_units = {id(p) for layer in encoder.layers for p in layer.parameters()}
     on_host = {id(p) for name in HOST_MODULES for p in getattr(encoder, name).parameters()}
     fixed = [p for p in encoder.parameters() if id(p) not in in_units | on_host]
     host = [p for p in encoder.parameters() if id(p) in on_host]
     elem = torch.empty((), dtype=dtype).element_size()
-    return TextStream(units=tuple(units), activation_bytes=text_activation_bytes(encoder, batch, tokens, elem,
-                                                                                 device_type),
-                      fixed_bytes=FlatLayout.of(fixed, dtype).nbytes if fixed else 0,
-                      host_bytes=FlatLayout.of(host, dtype).nbytes if host else 0, tokens=tokens)
+    extra_act, extra_fixed = (vision.activation_bytes, vision.fixed_bytes) if vision is not None else (0, 0)
+    return TextStream(units=tuple(units),
+                      activation_bytes=text_activation_bytes(encoder, batch, tokens, elem, device_type) + extra_act,
+                      fixed_bytes=(FlatLayout.of(fixed, dtype).nbytes if fixed else 0) + extra_fixed,
+                      host_bytes=FlatLayout.of(host, dtype).nbytes if host else 0, tokens=tokens, vision=vision)

@@ -1,6 +1,7 @@
-"""bench/suite_qwen.py in smoke mode (tiny Qwen-Image, CPU, fp32): every case runs end to end through the node-level
-API, its rows validate against bench/schema.py, our latent equals diffusers' pipeline, and a case the pack cannot
-run yet turns its targets into FAIL rows naming the reason instead of passing quietly or vanishing."""
+"""bench/suite_qwen.py in smoke mode (tiny Qwen-Image, CPU, fp32), for both workloads (the edit, the suite's default
+and issue 44's acceptance, and text-to-image): every case runs end to end through the node-level API, its rows
+validate against bench/schema.py, our latent equals diffusers' pipeline, and a case the pack cannot run yet turns its
+targets into FAIL rows naming the reason instead of passing quietly or vanishing."""
 import math
 
 import pytest
@@ -14,16 +15,26 @@ def _rows(ctx):
     return {(r["case"].split("/", 1)[1], r["metric"]): schema.normalise_record(r) for r in ctx.to_json()}
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    ctx = BenchContext("qwen", tmp_path_factory.mktemp("qwen"), smoke=True)
-    suite_qwen.run(ctx)
+PEERS = {"edit": "diffusers QwenImageEditPlusPipeline", "t2i": "diffusers QwenImagePipeline"}
+
+
+@pytest.fixture(scope="module", params=["edit", "t2i"])
+def smoke(tmp_path_factory, request):
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param != "edit":  # the edit runs as the default, with the variable unset
+            mp.setenv(suite_qwen.ENV_WORKLOAD, request.param)
+        else:
+            mp.delenv(suite_qwen.ENV_WORKLOAD, raising=False)
+        ctx = BenchContext("qwen", tmp_path_factory.mktemp("qwen"), smoke=True)
+        suite_qwen.run(ctx)
+    ctx.workload = request.param
     return ctx
 
 
 def test_every_row_is_well_formed_and_keys_are_unique(smoke):
     records = [schema.normalise_record(r) for r in smoke.to_json()]
     assert records and all(schema.validate_record(r) == [] for r in records), records
+    assert all(r["case"].startswith(f"{smoke.workload}_64_2steps/") for r in records)
     doc = {"suites": [{"suite": "qwen"}], "records": records}
     assert schema.duplicate_keys(doc) == {}
 
@@ -34,7 +45,7 @@ def test_resident_cases_run_and_ours_equals_the_pipeline(smoke):
     for key in ("bf16/none", "bf16/cuda_graph", "bf16/compile+cuda_graph", "fp8_e4m3fn/cuda_graph",
                 "fp8_e4m3fn_fast/compile+cuda_graph"):
         row = rows[(key, "e2e_ms_vs_peer")]
-        assert row["ours"] > 0 and row["peer"] > 0 and row["peer_name"].startswith("diffusers QwenImagePipeline")
+        assert row["ours"] > 0 and row["peer"] > 0 and row["peer_name"].startswith(PEERS[smoke.workload])
     # the fp8 storage moved the latent, but not far: the fp8 DiT is a copy of the shared bf16 one
     assert 1e-4 < rows[("fp8_e4m3fn/cuda_graph", "rel_vs_bf16")]["ours"] < 0.2
     assert rows[("bf16/cuda_graph", "rel_vs_eager")]["passed"] is True
@@ -122,3 +133,41 @@ def test_the_full_size_configs_are_the_real_models_sizes():
     assert round(billions(dit), 2) == 20.43 and len(dit.transformer_blocks) == 60
     assert round(billions(text), 2) == 8.29 and round(billions(language_model(text)), 2) == 7.07
     assert round(billions(text.model.visual), 2) == 0.68
+
+
+def test_the_edit_is_the_default_workload_and_an_unknown_one_is_refused(monkeypatch):
+    monkeypatch.delenv(suite_qwen.ENV_WORKLOAD, raising=False)
+    ctx = _Ctx()
+    ctx.smoke, ctx.quick = False, True
+    edit = suite_qwen.workload(ctx)
+    assert edit.name == "edit" and edit.case == "edit_64_2steps"  # the CPU runs the small size
+    ctx.device = torch.device("cuda")
+    assert suite_qwen.workload(ctx).case == "edit_1024_4steps"
+    monkeypatch.setenv(suite_qwen.ENV_WORKLOAD, "inpaint")
+    with pytest.raises(ValueError, match=r"LEANDIFFUSION_BENCH_QWEN_WORKLOAD='inpaint': expected one of \['edit', "
+                                         r"'t2i'\]"):
+        suite_qwen.workload(ctx)
+
+
+def test_the_edit_pipeline_and_engine_see_the_same_pictures_tokens():
+    """The peer's processor (transformers' own, video slot skipped) and our sampler's tokenization expand the
+    reference's image pads alike, over the tokenizer with the vision markers the 7B config's ids point at."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from leandiffusion.bench.qwen_models import edit_processor, qwen25_vl_7b_config, qwen_tokenizer
+    from leandiffusion.memory.qwen_vision import edit_image_processor
+    from leandiffusion.sampling.qwen.edit_text import edit_text, tokenize_edit
+
+    tokenizer = qwen_tokenizer()
+    config = qwen25_vl_7b_config(tokenizer)
+    assert config.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    picture = Image.new("RGB", (384, 384), (200, 30, 30))
+    peer = edit_processor(edit_image_processor(), tokenizer)(text=[edit_text("make it blue", 1)], images=[picture],
+                                                             padding=True, return_tensors="pt")
+    engine = SimpleNamespace(parts=SimpleNamespace(image_processor=edit_image_processor(), tokenizer=tokenizer))
+    ours = tokenize_edit(engine, "make it blue", [picture])
+    assert torch.equal(peer["input_ids"], ours["input_ids"]) and torch.equal(peer["pixel_values"],
+                                                                              ours["pixel_values"])
+    assert int((ours["input_ids"] == config.image_token_id).sum()) == 196

@@ -1,5 +1,6 @@
-"""GPU budget checks shared by the stream-policy tests: the allocator capped at a budget, the peak read back over
-what the process held before, an engine dropped without leftovers, relative distance of two results.
+"""GPU budget checks shared by the stream-policy tests: full-size components built on the device moved to the host as
+``ModelParts``, the allocator capped at a budget, the peak read back over what the process held before, an engine
+dropped without leftovers, relative distance of two results.
 
 Invariant: ``capped_allocator`` restores the process's previous memory fraction however its body ends, so one
 test's cap never limits the next.
@@ -12,6 +13,33 @@ from typing import Iterator
 import torch
 
 GiB = 2 ** 30
+
+
+def host_parts(components: dict, name: str):
+    """``ModelParts`` over ``components`` (built on the device, where random filling is fast) with the denoiser, the
+    text encoder and the VAE moved to the host and the device's cache emptied: the policies place from there."""
+    from ...memory.engine import parts_from_components
+
+    for key in ("transformer", "text_encoder", "vae"):
+        components[key] = components[key].to("cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return parts_from_components(components, name=name)
+
+
+@contextlib.contextmanager
+def bf16_stream_engine(parts, budget_gb: float, working_shape: tuple) -> Iterator[tuple]:
+    """``(engine, base)``: ``parts`` under ``stream`` at ``budget_gb`` in bf16 and what the process held (reserved)
+    before the engine existed; the engine is dropped on exit."""
+    from ...memory.load import build_engine
+
+    base = reserved_now()
+    engine = build_engine(parts, "stream", budget_gb, weight_dtype="bf16", vae_dtype="bf16", device="cuda",
+                          working_shape=working_shape)
+    try:
+        yield engine, base
+    finally:
+        drop_engine(engine)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

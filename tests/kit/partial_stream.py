@@ -3,7 +3,8 @@ resident and streams the rest (the policy tests of Z-Image and Qwen-Image).
 
 Invariant: ``replace_deeper`` builds its modules under a fixed seed and leaves the global RNG as it found it, so a
 test's models do not depend on what ran before; ``partly_streamed_budget_gb`` is the working minimum plus ~a third
-of the denoiser's weights, so under ``stream`` both the resident set and the streamed rest are non-empty.
+of the denoiser's weights, so under ``stream`` both the resident set and the streamed rest are non-empty;
+``assert_refused_below_minimum`` and ``removed_to_plain`` are the refusal and teardown checks those tests share.
 """
 from __future__ import annotations
 
@@ -41,3 +42,33 @@ def engine_under(parts: ModelParts, policy: str, working_shape: tuple) -> LeanEn
     """A CPU engine over ``parts`` under ``policy`` with the ``partly_streamed_budget_gb`` budget."""
     return build_engine(parts, policy, partly_streamed_budget_gb(parts, working_shape), device="cpu",
                         working_shape=working_shape)
+
+
+def assert_refused_below_minimum(parts: ModelParts, working_shape: tuple, text_tokens: int, monkeypatch) -> None:
+    """``stream`` at 90% of the working minimum is refused (naming the text stage at ``text_tokens``) before any
+    placement is made, the denoiser left on the host."""
+    import pytest
+
+    from ...memory import policies
+
+    minimum = stream_working_minimum_gb(parts, "cpu", working_shape=working_shape)
+    placed = []
+    monkeypatch.setattr(policies, "ModelPlacement", lambda *a, **k: placed.append(a))
+    with pytest.raises(ValueError, match=r"vram_budget_gb=[0-9.e-]+ is below the working minimum of [0-9.]+ GB .*"
+                                         rf"'stream' .*text stage: staging .* at {text_tokens} tokens\); raise "
+                                         r"vram_budget_gb"):
+        build_engine(parts, "stream", minimum * 0.9, device="cpu", working_shape=working_shape)
+    assert placed == []
+    assert all(p.device.type == "cpu" for p in parts.unet.parameters())
+
+
+def removed_to_plain(engine: LeanEngine) -> LeanEngine:
+    """Remove ``engine``'s placement, check every denoiser and text weight is a plain host tensor again, and return a
+    plain resident CPU engine over the same modules."""
+    from ...memory.engine import engine_from_parts
+    from ...memory.streaming import host_copy
+
+    engine.placement.remove()
+    for module in (engine.parts.unet, engine.parts.text_encoder):
+        assert all(host_copy(p) is None and p.device.type == "cpu" for p in module.parameters())
+    return engine_from_parts(engine.parts)

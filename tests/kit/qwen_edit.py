@@ -3,8 +3,9 @@ Qwen-Image-Edit folder, and IMAGE inputs that survive the trip to 8-bit pictures
 
 transformers 5 cannot build a ``Qwen2VLProcessor`` without torchvision (it type-checks the absent video processor
 against a class that only exists with torchvision), so the pipeline's processor is transformers' own
-``Qwen2VLProcessor`` with that one check skipped for the empty video slot; its image and text handling (the part the
-pipeline uses) is unchanged, and it is built from the folder's ``processor/`` files, not from the code under test.
+``Qwen2VLProcessor`` with that one check skipped for the empty video slot (``bench.qwen_models.edit_processor``, which
+the bench's edit peer uses too); its image and text handling (the part the pipeline uses) is unchanged, and it is
+built from the folder's ``processor/`` files, not from the code under test.
 """
 from __future__ import annotations
 
@@ -15,17 +16,13 @@ import torch
 
 
 def reference_processor(folder: Path):
-    from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
 
-    class _Processor(Qwen2VLProcessor):
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
+    from ...bench.qwen_models import edit_processor
 
     processor = Path(folder) / "processor"
-    return _Processor(image_processor=Qwen2VLImageProcessor.from_pretrained(str(processor)),
-                      tokenizer=AutoTokenizer.from_pretrained(str(processor)), video_processor=None)
+    return edit_processor(Qwen2VLImageProcessor.from_pretrained(str(processor)),
+                          AutoTokenizer.from_pretrained(str(processor)))
 
 
 def load_edit_pipeline(folder: Path):

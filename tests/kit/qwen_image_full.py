@@ -40,6 +40,23 @@ def meta_qwen_image_parts(fp8_blocks: bool = False) -> ModelParts:
                       scheduler_config={}, name="qwen-image")
 
 
+def meta_qwen_image_edit_parts(fp8_blocks: bool = False) -> ModelParts:
+    """The Qwen-Image-Edit architecture on the ``meta`` device: as :func:`meta_qwen_image_parts`, with the whole
+    Qwen2.5-VL-7B as the text stage (``Qwen2_5_VLModel``: the 0.68B vision tower and the language model, as the edit
+    loader keeps it), family ``qwen_image_edit``."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    from ...bench.qwen_models import qwen25_vl_7b_config
+    from ...memory.tiny_qwen_image import TEMPLATE_WORDS
+    from ...memory.tiny_zimage import build_qwen_tokenizer
+
+    base = meta_qwen_image_parts(fp8_blocks)
+    with torch.device("meta"):
+        text = Qwen2_5_VLModel(qwen25_vl_7b_config(build_qwen_tokenizer(TEMPLATE_WORDS)))
+    return ModelParts(family="qwen_image_edit", unet=base.unet, vae=base.vae, text_encoder=text, tokenizer=None,
+                      scheduler_config={}, name="qwen-image-edit")
+
+
 def full_qwen_image_components(device="cuda", dtype=torch.bfloat16) -> dict:
     """A components dict (as ``memory.tiny_qwen_image.build_tiny_qwen_image`` returns, with the language model as
     ``text_encoder``, as the folder loader keeps it) of the full-size architecture with random weights."""

@@ -12,12 +12,12 @@ computing with another block's weights (a stale ring slot) moves the result by f
 import pytest
 import torch
 
-from leandiffusion.memory.engine import parts_from_components
 from leandiffusion.memory.load import build_engine
 from leandiffusion.sampling.flow.settings import FlowSettings
 from leandiffusion.sampling.qwen.loop import sample_qwen_image
 from leandiffusion.sampling.qwen.text import encode_prompts
-from leandiffusion.tests.kit.gpu_budget import GiB, capped_allocator, drop_engine, peak_over, rel, reserved_now
+from leandiffusion.tests.kit.gpu_budget import GiB, bf16_stream_engine, capped_allocator, drop_engine, host_parts, \
+    peak_over, rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -40,12 +40,7 @@ def _settings() -> FlowSettings:
 def parts():
     from leandiffusion.tests.kit.qwen_image_full import full_qwen_image_components
 
-    comps = full_qwen_image_components(device="cuda")
-    for key in ("transformer", "text_encoder", "vae"):
-        comps[key] = comps[key].to("cpu")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return parts_from_components(comps, name="qwen-image-random")
+    return host_parts(full_qwen_image_components(device="cuda"), "qwen-image-random")
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +58,8 @@ def reference(parts):
 @pytest.fixture(scope="module")
 def streamed(parts, reference):
     """The engine under ``stream`` and what the process held (reserved) before it existed."""
-    base = reserved_now()
-    engine = build_engine(parts, "stream", BUDGET_GB, weight_dtype="bf16", vae_dtype="bf16", device="cuda",
-                          working_shape=(2, 128, 128))
-    yield engine, base
-    drop_engine(engine)
+    with bf16_stream_engine(parts, BUDGET_GB, (2, 128, 128)) as pair:
+        yield pair
 
 
 @pytest.fixture

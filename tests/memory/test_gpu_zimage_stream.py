@@ -13,12 +13,12 @@ weights (a stale ring slot) moves the result by far more.
 import pytest
 import torch
 
-from leandiffusion.memory.engine import parts_from_components
 from leandiffusion.memory.load import build_engine
 from leandiffusion.sampling.flow.loop import sample_flow
 from leandiffusion.sampling.flow.settings import FlowSettings
 from leandiffusion.sampling.flow.text import encode_prompts
-from leandiffusion.tests.kit.gpu_budget import GiB, capped_allocator, drop_engine, peak_over, rel, reserved_now
+from leandiffusion.tests.kit.gpu_budget import GiB, capped_allocator, drop_engine, host_parts, peak_over, rel, \
+    reserved_now
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -40,12 +40,7 @@ def _settings(acceleration: str) -> FlowSettings:
 def parts():
     from leandiffusion.bench.zimage_models import full_zimage_components
 
-    comps = full_zimage_components(device="cuda")
-    for key in ("transformer", "text_encoder", "vae"):
-        comps[key] = comps[key].to("cpu")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return parts_from_components(comps, name="z-image-turbo-random")
+    return host_parts(full_zimage_components(device="cuda"), "z-image-turbo-random")
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,12 @@ weights really come from the streamers' host copies (zeroing them changes the ou
 import pytest
 import torch
 
-from leandiffusion.memory.engine import engine_from_parts, parts_from_components
-from leandiffusion.memory.load import build_engine
-from leandiffusion.memory.policies import stream_working_minimum_gb
+from leandiffusion.memory.engine import parts_from_components
 from leandiffusion.sampling.flow.settings import FlowSettings
 from leandiffusion.sampling.qwen.loop import sample_qwen_image
 from leandiffusion.sampling.qwen.text import encode_prompts
-from leandiffusion.tests.kit.partial_stream import engine_under, replace_deeper
+from leandiffusion.tests.kit.partial_stream import assert_refused_below_minimum, engine_under, removed_to_plain, \
+    replace_deeper
 
 POLICIES = ["full", "balanced", "lowvram", "stream", "auto"]
 WORKING_SHAPE = (2, 8, 8)
@@ -147,27 +146,11 @@ def test_the_language_model_streams_only_while_the_text_stage_runs(streamed, ref
 
 
 def test_a_budget_below_the_working_minimum_is_refused_before_anything_is_placed(monkeypatch):
-    from leandiffusion.memory import policies
-
-    parts = _parts()
-    minimum = stream_working_minimum_gb(parts, "cpu", working_shape=WORKING_SHAPE)
-    placed = []
-    monkeypatch.setattr(policies, "ModelPlacement", lambda *a, **k: placed.append(a))
-    with pytest.raises(ValueError, match=r"vram_budget_gb=[0-9.e-]+ is below the working minimum of [0-9.]+ GB .*"
-                                         r"'stream' .*text stage: staging .* at 1058 tokens\); raise vram_budget_gb"):
-        build_engine(parts, "stream", minimum * 0.9, device="cpu", working_shape=WORKING_SHAPE)
-    assert placed == []
-    assert all(p.device.type == "cpu" for p in parts.unet.parameters())
+    assert_refused_below_minimum(_parts(), WORKING_SHAPE, 1058, monkeypatch)
 
 
 def test_remove_leaves_plain_modules_with_the_same_outputs(reference):
-    from leandiffusion.memory.streaming import host_copy
-
-    engine = _engine("stream")
-    engine.placement.remove()
-    for module in (engine.parts.unet, engine.parts.text_encoder):
-        assert all(host_copy(p) is None and p.device.type == "cpu" for p in module.parameters())
-    plain = engine_from_parts(engine.parts)
+    plain = removed_to_plain(_engine("stream"))
     assert torch.equal(_dit_forward(plain), reference["dit"])
     for got, want in zip(encode_prompts(plain, PROMPTS), reference["text"]):
         assert torch.equal(got, want)

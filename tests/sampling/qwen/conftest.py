@@ -1,6 +1,6 @@
 """Shared fixtures of the Qwen-Image sampling tests: a tiny Qwen-Image saved as a diffusers folder, the diffusers
 pipeline loaded back from it (the reference) and engines our loader built from the same folder, with the text
-stage resident (``full``) and on the CPU (``lowvram``)."""
+stage resident (``full``), on the CPU (``lowvram``) and, for the edit model, under ``stream``."""
 import pytest
 from diffusers import QwenImagePipeline
 
@@ -53,7 +53,7 @@ def edit_pipe(edit_folder):
     return load_edit_pipeline(edit_folder)
 
 
-@pytest.fixture(params=["full", "lowvram"])
+@pytest.fixture(params=["full", "lowvram", "stream"])
 def edit_engine(edit_folder, monkeypatch, request):
     monkeypatch.setenv("LEANDIFFUSION_MODELS", str(edit_folder.parent.parent))
     return load_engine(edit_folder.name, request.param, device="cpu")

@@ -69,15 +69,6 @@ def test_the_folder_loads_as_qwen_image_edit_with_the_whole_vl_encoder(edit_full
     assert edit_full.parts.image_processor.merge_size == 2
 
 
-@pytest.mark.parametrize("policy", ["stream"])
-def test_a_policy_it_does_not_run_yet_is_refused(edit_folder, monkeypatch, policy):
-    from leandiffusion.memory.load import load_engine
-
-    monkeypatch.setenv("LEANDIFFUSION_MODELS", str(edit_folder.parent.parent))
-    with pytest.raises(ValueError, match=r"vram_policy='stream': 'stream' is not supported yet for qwen_image_edit"):
-        load_engine(edit_folder.name, policy, device="cpu")
-
-
 def test_the_fused_ddim_sampler_refuses_it_as_a_flow_dit(edit_full, opened_sessions):
     from leandiffusion.sampling.loop import sample
     from leandiffusion.sampling.settings import SamplerSettings

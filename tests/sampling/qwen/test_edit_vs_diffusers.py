@@ -1,6 +1,6 @@
 """The Fused Edit Sampler's LATENT equals diffusers' QwenImageEditPlusPipeline (the fidelity contract): one and two
 reference images, true_cfg_scale 1 (one pass) and 4 (true CFG with its norm rescale), under ``full`` (and
-``lowvram`` for one reference), with the pipeline's own sizes at megapixels 1 and with its area constant scaled for a smaller run; a
+``lowvram`` and ``stream`` for one reference), with the pipeline's own sizes at megapixels 1 and with its area constant scaled for a smaller run; a
 batch of images is that many edits, each the pipeline's run with its noise row. The pipeline's packed latent is
 unpacked by diffusers' own helper and converted to raw VAE space with the VAE config's per-channel statistics."""
 import pytest
