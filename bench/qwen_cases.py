@@ -208,6 +208,10 @@ def peer_offload(ctx: BenchContext, weights: SharedWeights, w: Workload, budget_
     weights.all_to_host()
     pipe = w.pipeline(weights.components)
     cuda = ctx.device.type == "cuda"
+    if cuda:  # pinned in place, one tensor at a time: group offload then pins nothing twice (host RAM holds one copy)
+        for module in (pipe.transformer, pipe.text_encoder):
+            for t in list(module.parameters()) + list(module.buffers()):
+                t.data = t.data.pin_memory()
     for module in (pipe.transformer, pipe.text_encoder):
         apply_group_offloading(module, onload_device=ctx.device, offload_device=torch.device("cpu"),
                                offload_type="leaf_level", use_stream=cuda, record_stream=cuda)

@@ -4,7 +4,7 @@ Workload (``LEANDIFFUSION_BENCH_QWEN_WORKLOAD``, default ``edit``, issue 44's ac
 (``qwen_models.EDIT``): one 1024x1024 reference image + instruction -> latent, 1024x1024, true CFG 4, 20 steps,
 the peer ``QwenImageEditPlusPipeline`` and ours the Fused Edit Sampler; ``t2i`` (``qwen_models.TEXT_TO_IMAGE``):
 prompt -> latent, the peer ``QwenImagePipeline`` and ours the Fused Flow Sampler. ``--quick``: 4 steps, one timed
-run after one warm-up; full: the median of 3. Random weights built ONCE per process on the device and shared by
+run after one warm-up; full: the median of 3 (``LEANDIFFUSION_BENCH_QWEN_STEPS`` sets the steps of either). Random weights built ONCE per process on the device and shared by
 every case (``qwen_cases.SharedWeights``). Cases, in the order they run (``LEANDIFFUSION_BENCH_QWEN_CASES``,
 a comma list of ``ALL_PARTS``; default all; a part pulls in the case its ratio needs, ``REQUIRES``):
 - ``peer``: the workload's diffusers pipeline on the same modules, bf16, SDPA, resident;
@@ -13,7 +13,8 @@ a comma list of ``ALL_PARTS``; default all; a part pulls in the case its ratio n
 - ``fp8_fast``: ours resident with ``weight_dtype`` ``fp8_e4m3fn_fast``, ``compile+cuda_graph``; ``fp8``: resident
   ``fp8_e4m3fn``, ``cuda_graph`` (what the 8 GB stream compares with);
 - ``stream_fp8``: ours ``stream`` at 8 GB with ``fp8_e4m3fn``; ``stream``: ours ``stream`` at 12 GB, bf16 (both
-  ``cuda_graph``, allocator capped at the budget);
+  ``cuda_graph`` unless ``LEANDIFFUSION_BENCH_QWEN_STREAM_ACCELERATION`` says otherwise; allocator capped at the
+  budget);
 - ``peer_offload``: the pipeline with diffusers' leaf-level group offload and streams on the transformer and text
   encoder under a 12 GiB cap (last: it leaves its hooks on the modules).
 Rows (``qwen_targets``): each case's peak; issue 44's ratios, each with its target, from cases of this process
@@ -57,8 +58,9 @@ ALL_PARTS = ("peer", "none", "cuda_graph", "compile+cuda_graph", "fp8_fast", "fp
              "peer_offload")
 REQUIRES = {"stream": ("cuda_graph",), "stream_fp8": ("fp8",), "peer_offload": ("stream",)}
 ENV_CASES, ENV_WORKLOAD = "LEANDIFFUSION_BENCH_QWEN_CASES", "LEANDIFFUSION_BENCH_QWEN_WORKLOAD"
+ENV_STEPS, ENV_STREAM_ACCELERATION = "LEANDIFFUSION_BENCH_QWEN_STEPS", "LEANDIFFUSION_BENCH_QWEN_STREAM_ACCELERATION"
 QUICK_STEPS = 4
-STREAM_ACCELERATION = "cuda_graph"
+STREAM_ACCELERATION = "cuda_graph"  # the default; ENV_STREAM_ACCELERATION picks another
 # seconds a part needs beyond its runs (capture, compile, quantization, pinned host copies), and its runs' cost
 # relative to one resident peer run
 FIXED_S = {"peer": 0, "none": 0, "cuda_graph": 20, "compile+cuda_graph": 150, "fp8_fast": 180, "fp8": 30,
@@ -86,7 +88,20 @@ def workload(ctx: BenchContext):
     w = WORKLOADS[name]
     if ctx.smoke or ctx.device.type != "cuda":
         return w.with_steps(2, 64)
+    steps = os.environ.get(ENV_STEPS, "").strip()
+    if steps:
+        if not steps.isdigit() or int(steps) < 1:
+            raise ValueError(f"{ENV_STEPS}={steps!r}: expected a positive step count")
+        return w.with_steps(int(steps), w.size)  # e.g. the workload's full 20 steps with --quick's single run
     return w.with_steps(QUICK_STEPS, w.size) if ctx.quick else w
+
+
+def stream_acceleration() -> str:
+    """The streamed cases' ``acceleration`` (eager avoids recapturing when the text stage drops the graph)."""
+    value = os.environ.get(ENV_STREAM_ACCELERATION, "").strip() or STREAM_ACCELERATION
+    if value not in ("none", "cuda_graph", "compile+cuda_graph"):
+        raise ValueError(f"{ENV_STREAM_ACCELERATION}={value!r}: expected none, cuda_graph or compile+cuda_graph")
+    return value
 
 
 def _weights(ctx: BenchContext) -> SharedWeights:
@@ -164,11 +179,11 @@ def run(ctx: BenchContext) -> None:
                                                         dit=_fp8_dit(weights)).items()})
     if "stream_fp8" in parts:
         r.guarded("stream_fp8", [STREAM_FP8], lambda: {STREAM_FP8: ours_stream(
-            ctx, weights, w, 8.0, "fp8_e4m3fn", STREAM_ACCELERATION, warmup, repeat, dit=weights.fp8_dit())})
+            ctx, weights, w, 8.0, "fp8_e4m3fn", stream_acceleration(), warmup, repeat, dit=weights.fp8_dit())})
     weights.drop_fp8_dit()  # host memory for the bf16 stream's and the peer's pinned copies
     if "stream" in parts:
         r.guarded("stream", [STREAM_BF16], lambda: {STREAM_BF16: ours_stream(
-            ctx, weights, w, 12.0, dtype, STREAM_ACCELERATION, warmup, repeat)})
+            ctx, weights, w, 12.0, dtype, stream_acceleration(), warmup, repeat)})
     if "peer_offload" in parts:
         r.guarded("peer_offload", [PEER_OFFLOAD], lambda: {PEER_OFFLOAD: peer_offload(
             ctx, weights, w, 12.0, warmup, repeat)})
