@@ -9,7 +9,8 @@ Outside ComfyUI:
 - the interruption check is a no-op,
 - model folders resolve against ``$LEANDIFFUSION_MODELS/<folder>`` (ComfyUI's ``models/`` names, ``FOLDER_ALIASES``),
 - ComfyUI's memory manager hooks do nothing,
-- ComfyUI's bundled tokenizer path is ``None``.
+- ComfyUI's bundled tokenizer path is ``None``,
+- ComfyUI's input folder is ``$LEANDIFFUSION_INPUT`` (``None`` when unset).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 logger = logging.getLogger(__name__)
 
 MODELS_ENV = "LEANDIFFUSION_MODELS"
+INPUT_ENV = "LEANDIFFUSION_INPUT"
 MAX_NAME = 1024  # characters of a model name, well under PATH_MAX (4096) with the folder's own path in front
 
 
@@ -230,6 +232,17 @@ def model_fingerprint(folder: str, name: str) -> str:
         return digest.hexdigest()
     except (OSError, ValueError):
         return str(name)
+
+
+# --------------------------------------------------------------------------------------------- input folder
+def input_directory() -> Optional[Path]:
+    """ComfyUI's input folder (where Load Image finds its files), ``$LEANDIFFUSION_INPUT`` outside ComfyUI, or
+    ``None`` when neither is known."""
+    fp = _comfy_module("folder_paths")
+    if fp is not None:
+        return Path(fp.get_input_directory())
+    base = os.environ.get(INPUT_ENV)
+    return Path(base) if base else None
 
 
 # --------------------------------------------------------------------------------------------- device
