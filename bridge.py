@@ -9,8 +9,7 @@ Outside ComfyUI:
 - the interruption check is a no-op,
 - model folders resolve against ``$LEANDIFFUSION_MODELS/<folder>`` (ComfyUI's ``models/`` names, ``FOLDER_ALIASES``),
 - ComfyUI's memory manager hooks do nothing,
-- ComfyUI's bundled tokenizer path is ``None``,
-- ComfyUI's input folder is ``$LEANDIFFUSION_INPUT`` (``None`` when unset).
+- ComfyUI's bundled tokenizer path is ``None`` and its input folder ``$LEANDIFFUSION_INPUT``.
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from typing import Callable, Optional
 logger = logging.getLogger(__name__)
 
 MODELS_ENV = "LEANDIFFUSION_MODELS"
-INPUT_ENV = "LEANDIFFUSION_INPUT"
 MAX_NAME = 1024  # characters of a model name, well under PATH_MAX (4096) with the folder's own path in front
 
 
@@ -122,6 +120,12 @@ def _folder_roots(folder: str) -> list[Path]:
             found = []
         roots += [Path(p) for p in found if Path(p) not in roots]
     return roots
+
+
+def input_directory() -> Optional[Path]:
+    """ComfyUI's input folder (Load Image's); outside ComfyUI ``$LEANDIFFUSION_INPUT``, else ``None``."""
+    fp, base = _comfy_module("folder_paths"), os.environ.get("LEANDIFFUSION_INPUT")
+    return Path(fp.get_input_directory()) if fp is not None else (Path(base) if base else None)
 
 
 def _in_link_cycle(dirpath: str, root: str) -> bool:
@@ -232,17 +236,6 @@ def model_fingerprint(folder: str, name: str) -> str:
         return digest.hexdigest()
     except (OSError, ValueError):
         return str(name)
-
-
-# --------------------------------------------------------------------------------------------- input folder
-def input_directory() -> Optional[Path]:
-    """ComfyUI's input folder (where Load Image finds its files), ``$LEANDIFFUSION_INPUT`` outside ComfyUI, or
-    ``None`` when neither is known."""
-    fp = _comfy_module("folder_paths")
-    if fp is not None:
-        return Path(fp.get_input_directory())
-    base = os.environ.get(INPUT_ENV)
-    return Path(base) if base else None
 
 
 # --------------------------------------------------------------------------------------------- device
@@ -388,10 +381,8 @@ def register_memory_owner(owner, device, size_fn: Callable[[], int], release: Ca
 
 def unregister_memory_owner(handle) -> None:
     """Remove a handle returned by :func:`register_memory_owner` (no-op if ComfyUI already dropped it)."""
-    if handle is None:
-        return
     mm = _comfy_module("comfy.model_management")
-    if mm is None:
+    if handle is None or mm is None:
         return
     models = getattr(mm, "current_loaded_models", [])
     for i, entry in enumerate(models):

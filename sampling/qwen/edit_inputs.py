@@ -79,7 +79,7 @@ def folder_path(folder: str) -> Path:
     root = bridge.input_directory()
     if root is None:
         raise ValueError(f"folder={folder!r}: ComfyUI's input directory is not known (outside ComfyUI set "
-                         f"{bridge.INPUT_ENV}); or connect the images to the images input instead")
+                         f"LEANDIFFUSION_INPUT); or connect the images to the images input instead")
     path = root / folder
     if not path.is_dir():
         raise ValueError(f"folder={folder!r} is not a folder in ComfyUI's input directory ({root}); create it there "

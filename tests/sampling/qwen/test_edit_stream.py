@@ -14,6 +14,7 @@ from leandiffusion.sampling.qwen.edit_stream import EditStreamSettings, run_edit
 from leandiffusion.tests.kit.qwen_edit import image_batch, pictures
 from leandiffusion.vae.untiled import vae_decode
 
+INPUT_ENV = "LEANDIFFUSION_INPUT"  # the input directory outside ComfyUI (bridge.input_directory)
 SMALL = 0.0625  # megapixels: a 256x256-area run
 NEGATIVE = "blurry, dark"
 STEPS = 2
@@ -93,7 +94,7 @@ def _load_image(path):
 
 
 def test_a_folder_is_edited_after_the_images_sorted_by_name(edit_full, three, references, tmp_path, monkeypatch):
-    monkeypatch.setenv(bridge.INPUT_ENV, str(tmp_path))
+    monkeypatch.setenv(INPUT_ENV, str(tmp_path))
     shots = tmp_path / "shots"
     _write(shots, "b.png", image_batch(7, 1, 72, 104))
     _write(shots, "a.png", image_batch(8, 1, 144, 208))  # another resolution, the same aspect ratio: one size
@@ -115,7 +116,7 @@ def test_a_folder_is_edited_after_the_images_sorted_by_name(edit_full, three, re
 
 
 def test_images_of_different_sizes_are_grouped_by_size(edit_full, tmp_path, monkeypatch):
-    monkeypatch.setenv(bridge.INPUT_ENV, str(tmp_path))
+    monkeypatch.setenv(INPUT_ENV, str(tmp_path))
     wide, tall = image_batch(1, 1, 64, 128), image_batch(2, 1, 128, 64)
     _write(tmp_path / "mixed", "0.png", wide)
     _write(tmp_path / "mixed", "1.png", tall)
@@ -146,7 +147,7 @@ def test_a_small_image_is_refused(edit_full, opened_sessions):
 
 
 def test_a_small_folder_image_is_refused_naming_the_file(edit_full, tmp_path, monkeypatch, opened_sessions):
-    monkeypatch.setenv(bridge.INPUT_ENV, str(tmp_path))
+    monkeypatch.setenv(INPUT_ENV, str(tmp_path))
     _write(tmp_path / "in", "a.png", image_batch(0, 1, 72, 104))
     _write(tmp_path / "in", "tiny.png", image_batch(0, 1, 40, 90))
     _refused(edit_full, ValueError, r"folder 'in/tiny\.png': 90x40 px is smaller than 64 px", opened_sessions,
@@ -161,7 +162,7 @@ def test_a_small_folder_image_is_refused_naming_the_file(edit_full, tmp_path, mo
     ("broken", r"folder 'broken': bad\.png could not be read as an image"),
 ])
 def test_a_bad_folder_is_refused(edit_full, tmp_path, monkeypatch, opened_sessions, folder, message):
-    monkeypatch.setenv(bridge.INPUT_ENV, str(tmp_path))
+    monkeypatch.setenv(INPUT_ENV, str(tmp_path))
     (tmp_path / "empty").mkdir()
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "bad.png").write_bytes(b"not a png")
