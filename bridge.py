@@ -9,7 +9,7 @@ Outside ComfyUI:
 - the interruption check is a no-op,
 - model folders resolve against ``$LEANDIFFUSION_MODELS/<folder>`` (ComfyUI's ``models/`` names, ``FOLDER_ALIASES``),
 - ComfyUI's memory manager hooks do nothing,
-- ComfyUI's bundled tokenizer path is ``None``.
+- ComfyUI's bundled tokenizer path is ``None`` and its input folder ``$LEANDIFFUSION_INPUT``.
 """
 from __future__ import annotations
 
@@ -120,6 +120,12 @@ def _folder_roots(folder: str) -> list[Path]:
             found = []
         roots += [Path(p) for p in found if Path(p) not in roots]
     return roots
+
+
+def input_directory() -> Optional[Path]:
+    """ComfyUI's input folder (Load Image's); outside ComfyUI ``$LEANDIFFUSION_INPUT``, else ``None``."""
+    fp, base = _comfy_module("folder_paths"), os.environ.get("LEANDIFFUSION_INPUT")
+    return Path(fp.get_input_directory()) if fp is not None else (Path(base) if base else None)
 
 
 def _in_link_cycle(dirpath: str, root: str) -> bool:
@@ -375,10 +381,8 @@ def register_memory_owner(owner, device, size_fn: Callable[[], int], release: Ca
 
 def unregister_memory_owner(handle) -> None:
     """Remove a handle returned by :func:`register_memory_owner` (no-op if ComfyUI already dropped it)."""
-    if handle is None:
-        return
     mm = _comfy_module("comfy.model_management")
-    if mm is None:
+    if handle is None or mm is None:
         return
     models = getattr(mm, "current_loaded_models", [])
     for i, entry in enumerate(models):

@@ -418,3 +418,19 @@ def test_split_folders_include_their_older_names(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "folder_paths", fp)
     assert bridge._folder_roots("diffusion_models") == [tmp_path / "unet", tmp_path / "diffusion_models"]
     assert bridge.list_models("diffusion_models") == ["diffusion_models.safetensors", "unet.safetensors"]
+
+
+def test_input_directory_is_comfyuis_inside_comfyui_else_the_variable(monkeypatch, tmp_path):
+    """The Stream Edit Sampler's ``folder`` resolves inside Load Image's folder: ComfyUI's, or outside ComfyUI
+    ``$LEANDIFFUSION_INPUT`` (``None`` when unset, so the node can say what to set)."""
+    import types
+
+    monkeypatch.delenv("LEANDIFFUSION_INPUT", raising=False)
+    monkeypatch.delitem(sys.modules, "folder_paths", raising=False)
+    assert bridge.input_directory() is None
+    monkeypatch.setenv("LEANDIFFUSION_INPUT", str(tmp_path / "outside"))
+    assert bridge.input_directory() == tmp_path / "outside"
+    fp = types.ModuleType("folder_paths")
+    fp.get_input_directory = lambda: str(tmp_path / "comfy_input")
+    monkeypatch.setitem(sys.modules, "folder_paths", fp)
+    assert bridge.input_directory() == tmp_path / "comfy_input"

@@ -102,10 +102,9 @@ def sample_qwen_edit(engine: LeanEngine, settings: EditSettings, image, image2=N
     batch = int(images[0].shape[0])
     pictures = [[edit_images.to_picture(im, b) for im in images] for b in range(batch)]
     bridge.check_interrupted()
-    text_rows = _encode(engine, s, [edit_images.condition_pictures(p, sizes) for p in pictures])
+    text_rows = encode_edit_rows(engine, s, [edit_images.condition_pictures(p, sizes) for p in pictures])
     bridge.check_interrupted()
-    reference = QwenReference(_reference_tokens(engine, pictures, sizes),
-                              tuple((1, rh // 16, rw // 16) for rw, rh in sizes.vae))
+    reference = QwenReference(reference_tokens(engine, pictures, sizes), reference_shapes(sizes))
     width, height = sizes.output
     factor = vae_scale_factor(engine)
     h, w = height // factor, width // factor
@@ -117,7 +116,12 @@ def sample_qwen_edit(engine: LeanEngine, settings: EditSettings, image, image2=N
     return {"samples": to_raw(unpack(x.cpu(), h, w), engine.parts.vae)}
 
 
-def _encode(engine: LeanEngine, s: EditSettings, conditions: list) -> list:
+def reference_shapes(sizes: edit_images.EditSizes) -> tuple:
+    """``QwenReference.shapes``: one ``(1, h, w)`` token grid per reference, from its VAE size in pixels."""
+    return tuple((1, rh // edit_images.MULTIPLE, rw // edit_images.MULTIPLE) for rw, rh in sizes.vae)
+
+
+def encode_edit_rows(engine: LeanEngine, s: EditSettings, conditions: list) -> list:
     """One ``[L, C]`` text row per model row: the instruction's per edit, then (when guided) the negative's."""
     prompts = [s.instruction, s.negative] if s.guided else [s.instruction]
     inputs = [[tokenize_edit(engine, prompt, c) for c in conditions] for prompt in prompts]
@@ -127,7 +131,7 @@ def _encode(engine: LeanEngine, s: EditSettings, conditions: list) -> list:
 
 
 @torch.no_grad()
-def _reference_tokens(engine: LeanEngine, pictures: list, sizes: edit_images.EditSizes) -> torch.Tensor:
+def reference_tokens(engine: LeanEngine, pictures: list, sizes: edit_images.EditSizes) -> torch.Tensor:
     """``[B, sum of reference tokens, 64]`` float32 on the CPU: each reference VAE-encoded (mode), normalised per
     channel and packed, in input order (module docstring)."""
     mean, std = channel_stats(engine.parts.vae)

@@ -25,13 +25,14 @@ MULTIPLE = 16  # VAE downsampling (8) x DiT patch (2)
 INPUTS = ("image", "image2", "image3")
 
 
-def check_images(image, image2=None, image3=None) -> list[torch.Tensor]:
-    """The connected IMAGEs in order (``image`` first); ``ValueError``/``TypeError`` naming the input when one is
-    missing, not an IMAGE, smaller than ``MIN_SIDE_PX`` or of a batch that is neither 1 nor ``image``'s."""
+def check_images(image, image2=None, image3=None, names: Sequence[str] = INPUTS) -> list[torch.Tensor]:
+    """The connected IMAGEs in order (``image`` first); ``ValueError``/``TypeError`` naming the input (``names``: the
+    node's names of the three inputs) when one is missing, not an IMAGE, smaller than ``MIN_SIDE_PX`` or of a batch
+    that is neither 1 nor ``image``'s."""
     if image is None:
-        raise ValueError("image: no image connected; connect the IMAGE to edit (a Load Image node)")
+        raise ValueError(f"{names[0]}: no image connected; connect the IMAGE to edit (a Load Image node)")
     found = []
-    for name, value in zip(INPUTS, (image, image2, image3)):
+    for name, value in zip(names, (image, image2, image3)):
         if value is None:
             continue
         if not isinstance(value, torch.Tensor) or value.ndim != 4 or value.shape[-1] not in (3, 4):
@@ -44,7 +45,7 @@ def check_images(image, image2=None, image3=None) -> list[torch.Tensor]:
             raise ValueError(f"{name}: {w}x{h} px is smaller than {MIN_SIDE_PX} px on a side; upscale it or use a "
                              f"larger image")
         if found and value.shape[0] not in (1, found[0].shape[0]):
-            raise ValueError(f"{name}: batch of {value.shape[0]} images, but image has {found[0].shape[0]}; give "
+            raise ValueError(f"{name}: batch of {value.shape[0]} images, but {names[0]} has {found[0].shape[0]}; give "
                              f"it 1 image (shared by every edit) or {found[0].shape[0]} (one per edit)")
         found.append(value)
     return found
@@ -66,15 +67,15 @@ class EditSizes:
     condition: tuple[tuple[int, int], ...]
 
 
-def edit_sizes(images: Sequence[torch.Tensor], megapixels: float) -> EditSizes:
-    """The run's sizes from the IMAGEs' shapes (module docstring); ``ValueError`` naming ``image`` when the output
-    would be smaller than ``MULTIPLE`` pixels on a side (an extreme aspect ratio)."""
+def edit_sizes(images: Sequence[torch.Tensor], megapixels: float, names: Sequence[str] = INPUTS) -> EditSizes:
+    """The run's sizes from the IMAGEs' shapes (module docstring); ``ValueError`` naming the input (``names[i]`` for
+    image ``i``) when a size would be smaller than ``MULTIPLE`` pixels on a side (an extreme aspect ratio)."""
     ratios = [int(im.shape[2]) / int(im.shape[1]) for im in images]
     vae = tuple(calculate_dimensions(VAE_AREA * megapixels, r) for r in ratios)
     condition = tuple(calculate_dimensions(CONDITION_AREA, r) for r in ratios)
     width, height = calculate_dimensions(VAE_AREA * megapixels, ratios[0])
     output = (width // MULTIPLE * MULTIPLE, height // MULTIPLE * MULTIPLE)
-    for name, size in [("image", output)] + [(INPUTS[i], s) for i, s in enumerate(vae)]:
+    for name, size in [(names[0], output)] + [(names[i], s) for i, s in enumerate(vae)]:
         if min(size) < MULTIPLE:
             raise ValueError(f"{name}: at megapixels={megapixels:g} its aspect ratio gives a {size[0]}x{size[1]} px "
                              f"image; raise megapixels or crop it to a less extreme aspect ratio")

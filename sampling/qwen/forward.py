@@ -19,6 +19,13 @@ the same token counts (the rows' lengths are part of its key). Why not the
 module's forward: it builds its mask normalisation with ``torch.as_tensor`` of a host int (an upload per call) and,
 for ``zero_cond_t`` models, its modulation index from ``img_shapes`` lists on the host; both break a capture.
 
+Batch rows: every row of one call is at the step's one timestep (the step program sets them all alike), so the time
+embedding, each block's modulation linears and the output norm's run on one row and broadcast over the rows (for a
+``zero_cond_t`` model: that row and its zero-timestep twin). A small-``M`` matrix product's rounding depends on
+``M``, so computed per row they would make a row's prediction depend on how many rows share the call; this way
+a batch of edits or images gives each row its one-image prediction bit for bit on the CPU (the Stream Edit
+Sampler's promise); the values equal the per-row ones up to that rounding.
+
 The embedders, blocks and output layers are the model's own modules, called through ``__call__`` (so forward hooks
 of a VRAM policy, unmerged LoRA adapters and fp8 weight storage see every call); only the glue between them is here.
 """
@@ -107,12 +114,13 @@ def qwen_layout(dit: torch.nn.Module, rows: Sequence[torch.Tensor], capacity: in
 
 def qwen_forward(dit: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, layout: QwenLayout) -> torch.Tensor:
     """The transformer's prediction ``[R, N, C_out]`` for packed noise tokens ``x`` ``[R, N, C_in]`` (model dtype)
-    at timesteps ``t`` ``[R]`` (the module's ``timestep``: ``sigma`` in the model dtype), conditioned on ``layout``;
+    at timesteps ``t`` ``[R]``, all equal (the module's ``timestep``: ``sigma`` in the model dtype; row 0 is read),
+    conditioned on ``layout``;
     reference tokens ride after the noise tokens and their predictions are dropped."""
     tokens = x.shape[1]
     hidden = x if layout.reference is None else torch.cat([x, layout.reference], dim=1)
     hidden = dit.img_in(hidden)
-    timestep = t.to(hidden.dtype)
+    timestep = t[:1].to(hidden.dtype)  # one row for all: see "Batch rows" in the module docstring
     zero_cond = layout.modulate_index is not None
     if zero_cond:
         timestep = torch.cat([timestep, timestep * 0], dim=0)

@@ -21,6 +21,8 @@ Invariants
   batch's latents to page-locked host memory; ``drain`` calls ``before_deferred`` (the scheduler drops the run's
   CUDA graphs there, whose memory pools would otherwise stay reserved beside the decode) and then decodes every
   batch, tiled, in submission order. Outputs and their order are the same as in the overlapped mode.
+- ``raw=True`` (a VAE without one scaling factor: Qwen-Image's per-channel normalisation, which the caller undoes):
+  the submitted latents are raw already, and the LATENT rows are exactly them.
 - The VAE session runs on a view of the engine without adapters (no adapter touches the VAE, and attaching a
   LoRA from the ``vae`` stream could race the ``unet`` stream's reads of the weights it writes).
 """
@@ -68,7 +70,8 @@ class _Pending:
 class DecodeStage:
     def __init__(self, engine: LeanEngine, tile_size: int, tiled: bool, streams: StageStreams,
                  images_out: torch.Tensor, latents_out: torch.Tensor, timeline: Optional[Timeline] = None,
-                 decode_budget: Optional[int] = None, before_deferred: Optional[Callable[[], None]] = None):
+                 decode_budget: Optional[int] = None, before_deferred: Optional[Callable[[], None]] = None,
+                 raw: bool = False):
         self.engine = engine.with_changes(adapters=())
         self.before_deferred = before_deferred
         self._deferred: list = []  # deferred mode: (start, stop, host latents, event) in submission order
@@ -80,8 +83,8 @@ class DecodeStage:
         self.latents_out = latents_out
         self.written = torch.zeros(images_out.shape[0], dtype=torch.bool)
         self.timeline = timeline
-        self.scale = engine.parts.vae_scaling_factor
-        self.shift = engine.parts.vae_shift_factor
+        self.scale = 1.0 if raw else engine.parts.vae_scaling_factor
+        self.shift = 0.0 if raw else engine.parts.vae_shift_factor
         self._queued = None  # (start, stop, device latents, event): waiting for its decode to be enqueued
         self._pending: list[_Pending] = []  # decodes enqueued, outputs not yet written
         self._fit: Optional[tuple] = None  # (tile, budget) an out-of-memory retry found; later images start there

@@ -112,6 +112,17 @@ def _save(nid, col, images, prefix, row=0):
     return N(nid, "SaveImage", col, row, values={"filename_prefix": prefix}, links={"images": images}, width=340)
 
 
+QWEN_EDIT_INSTRUCTION = ("replace the background with a sunlit beach at golden hour, keep the subject, its pose and "
+                         "its lighting unchanged")
+
+
+def _qwen_edit_loader(nid):
+    return N(nid, "LeanSplitModelLoader", 0, values={
+        "diffusion_model": "qwen_image_edit_2509_bf16.safetensors", "text_encoder": "qwen_2.5_vl_7b.safetensors",
+        "vae": "qwen_image_vae.safetensors", "vram_policy": "auto", "vram_budget_gb": 12.0, "weight_dtype": "auto",
+        "vae_dtype": "auto"}, width=360)
+
+
 WORKFLOWS = [
     W("quickstart", "Quickstart: tiny model, runs anywhere", [
         _loader(1, "tiny-random (test)", "auto", weight="auto"),
@@ -229,6 +240,37 @@ WORKFLOWS = [
         "models/text_encoders/qwen_3_4b.safetensors and models/vae/ae.safetensors (fp8 variants load too). The "
         "'stream' policy keeps every stage, the 4B text encoder included, inside 6 GB. Turbo is distilled for 9 "
         "steps at cfg 1 (no negative pass)."),
+    W("qwen_image_edit", "Qwen-Image-Edit: one instruction edit from ComfyUI's split files", [
+        _qwen_edit_loader(1),
+        N(2, "LoadImage", 0, 1, values={"image": "example.png"}, width=320),
+        N(3, "LeanEditSampler", 1, values={
+            "instruction": QWEN_EDIT_INSTRUCTION, "negative": "", "seed": 42, "steps": 40, "true_cfg": 4.0,
+            "megapixels": 1.0, "acceleration": "cuda_graph"}, links={"lean_model": (1, 0), "image": (2, 0)},
+          width=400),
+        _decode(4, 2, (3, 0), (1, 0)),
+        _save(5, 3, (4, 0), "leandiffusion_qwen_image_edit"),
+    ], [("Qwen-Image-Edit and the image", [1, 2], "#3f789e"), ("Edit, 40 steps, true CFG 4", [3], "#8A8"),
+        ("Decode and save", [4, 5], "#b58b2a")],
+        "Qwen-Image-Edit from the files ComfyUI users have: models/diffusion_models/qwen_image_edit_2509_bf16"
+        ".safetensors, models/text_encoders/qwen_2.5_vl_7b.safetensors (the whole Qwen2.5-VL, vision tower included: "
+        "it reads the picture with the instruction) and models/vae/qwen_image_vae.safetensors (fp8 variants load "
+        "too). The Fused Edit Sampler gives diffusers' QwenImageEditPlusPipeline result for the same seed; the "
+        "output keeps the picture's aspect ratio at about 1 megapixel."),
+    W("qwen_image_edit_batch", "Qwen-Image-Edit: many images, one instruction, pipelined on CUDA streams", [
+        _qwen_edit_loader(1),
+        N(2, "LoadImage", 0, 1, values={"image": "example.png"}, width=320),
+        N(3, "LeanEditStreamSampler", 1, values={
+            "instruction": QWEN_EDIT_INSTRUCTION, "negative": "", "seed": 42, "steps": 40, "true_cfg": 4.0,
+            "megapixels": 1.0, "acceleration": "cuda_graph", "max_batch": 0, "folder": ""},
+          links={"lean_model": (1, 0), "images": (2, 0)}, width=400),
+        _save(4, 2, (3, 0), "leandiffusion_qwen_image_edit_batch"),
+    ], [("Qwen-Image-Edit and the images", [1, 2], "#3f789e"),
+        ("Encode, edit and decode, overlapped", [3], "#8A8"), ("Save", [4], "#b58b2a")],
+        "Edits every image with one instruction: the images input (a Load Image batch) and, when folder names one, "
+        "every picture in that folder of ComfyUI's input directory (sorted by name). The Stream Edit Sampler "
+        "encodes the next batch and decodes the previous one while it denoises this one, on separate CUDA streams; "
+        "edit n is exactly the Fused Edit Sampler's edit of that picture with seed + n. Pictures of different "
+        "aspect ratios come out as one batch per output size."),
     W("ksampler_core_interop", "Core nodes around the Fused KSampler", [
         N(2, "CheckpointLoaderSimple", 0, 0, values={"ckpt_name": SD15}, width=320),
         _loader(1, SD15, "balanced", row=1),

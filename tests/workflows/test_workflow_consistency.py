@@ -24,7 +24,7 @@ from leandiffusion.tests.workflows.specs import API_WORKFLOWS_DIR, PACK_ROOT, WO
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ISSUE_WORKFLOWS = {"quickstart", "sdxl_4gb_product_shot", "sd15_fast", "lora_hot_swap", "batch_catalogue",
-                   "image_edit", "upscale_only", "comfy_conditioning"}
+                   "image_edit", "upscale_only", "comfy_conditioning", "qwen_image_edit", "qwen_image_edit_batch"}
 UI_FILES = sorted(WORKFLOWS_DIR.glob("*.json"))
 NAMES = [p.name[:-len(".json")] for p in UI_FILES]
 QUICKSTART_NODES = {"LeanModelLoader", "LeanFusedDDIMSampler", "LeanTiledVAEDecode"}
