@@ -53,8 +53,11 @@ class LeanEditSampler:
                                                     "output keeps image's aspect ratio, sides multiples of 32. The "
                                                     "references are VAE-encoded at the same area."}),
                 "acceleration": (list(ACCELERATIONS), {"default": "cuda_graph",
-                                                       "tooltip": "Accepted for the Flow Sampler's choices; the edit "
-                                                                  "loop runs eager in this version."}),
+                                                       "tooltip": "none: eager; cuda_graph: the step (both CFG rows in "
+                                                                  "one transformer call) is captured once and "
+                                                                  "replayed; compile+cuda_graph: torch.compile the "
+                                                                  "transformer blocks first (slow first run). Eager "
+                                                                  "on the CPU."}),
             },
             "optional": {
                 "image2": ("IMAGE", {"tooltip": _REFERENCE.format(n=2)}),

@@ -5,6 +5,8 @@ Invariants
   ending at 0: for ``denoise == 1`` exactly the sigmas ``ZImagePipeline`` steps through (Z-Image's default
   ``linspace(1, 1/steps, steps)`` through diffusers' ``FlowMatchEulerDiscreteScheduler.set_timesteps`` with the
   config's static or resolution-dependent shift, then the terminal 0).
+- A schedule with a terminal stretch (``shift_terminal``, Qwen-Image) needs at least 2 steps: at one the stretch is
+  0 / 0 (diffusers' pipelines return NaN there); it is refused naming ``steps``.
 - ``denoise < 1`` follows ComfyUI's rule (``comfy.samplers.KSampler.set_steps``): build the schedule for
   ``int(steps / denoise)`` steps and keep its last ``steps + 1`` sigmas, so img2img starts part-way down.
 - The DiT's timestep input is ``(1000 - 1000 sigma) / 1000`` in float32, computed as the pipeline does it, so
@@ -39,6 +41,9 @@ def flow_sigmas(config: dict, steps: int, latent_h: int, latent_w: int, denoise:
     if not isinstance(denoise, (int, float)) or not 0.0 < denoise <= 1.0 or math.isnan(denoise):
         raise ValueError(f"denoise={denoise!r}: expected a number in (0, 1]; 1.0 samples from pure noise")
     total = steps if denoise >= 1.0 else int(steps / denoise)
+    if total < 2 and config.get("shift_terminal"):  # the stretch divides by 1 - sigma_last, which is 0 at one step
+        raise ValueError(f"steps={steps!r}: this model's schedule (a terminal shift) needs at least 2 steps; "
+                         f"set steps to 2 or more")
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     base = torch.linspace(1.0, 1.0 / total, total).tolist()
     kwargs = {}

@@ -100,17 +100,17 @@ def sample_qwen_edit(engine: LeanEngine, settings: EditSettings, image, image2=N
     images = edit_images.check_images(image, image2, image3)
     sizes = edit_images.edit_sizes(images, s.megapixels)
     batch = int(images[0].shape[0])
+    width, height = sizes.output
+    factor = vae_scale_factor(engine)
+    h, w = height // factor, width // factor
+    sigmas = flow_sigmas(engine.parts.scheduler_config, s.steps, h, w)  # before any stage: it checks steps
     pictures = [[edit_images.to_picture(im, b) for im in images] for b in range(batch)]
     bridge.check_interrupted()
     text_rows = encode_edit_rows(engine, s, [edit_images.condition_pictures(p, sizes) for p in pictures])
     bridge.check_interrupted()
     reference = QwenReference(reference_tokens(engine, pictures, sizes), reference_shapes(sizes))
-    width, height = sizes.output
-    factor = vae_scale_factor(engine)
-    h, w = height // factor, width // factor
     noise = torch.randn((batch, engine.parts.latent_channels, h, w),
                         generator=torch.Generator("cpu").manual_seed(s.seed), dtype=torch.float32)
-    sigmas = flow_sigmas(engine.parts.scheduler_config, s.steps, h, w)
     with engine.session("unet"), torch.no_grad():
         x = _denoise(engine, text_rows, pack(noise), sigmas, (h, w), s, quiet, reference=reference, runner=runner)
     return {"samples": to_raw(unpack(x.cpu(), h, w), engine.parts.vae)}

@@ -162,6 +162,8 @@ def run_edit_stream(engine: Any, settings: EditStreamSettings, images: Optional[
         raise ValueError(f"seed={s.seed}: edit n uses seed + n and this run has {len(items)} images, so the last seed "
                          f"{last} exceeds {MAX_SEED}; use a seed <= {MAX_SEED - len(items) + 1}")
     factor = vae_scale_factor(engine)
+    for it in items[:1]:  # the schedule checks steps (the same for every size) before any stage opens
+        flow_sigmas(engine.parts.scheduler_config, s.steps, it.sizes.output[1] // factor, it.sizes.output[0] // factor)
     pixels = sum(it.sizes.output[0] * it.sizes.output[1] for it in items)
     check_host_bytes(int(pixels * (3 + engine.parts.latent_channels / factor ** 2) * 4), "images",
                      f"{len(items)} edits and their latents (float32)", "edit fewer images per run, or lower megapixels")

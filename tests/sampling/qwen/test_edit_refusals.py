@@ -107,3 +107,10 @@ def test_tiled_vae_decodes_its_latent(edit_full):
         ref = edit_full.parts.vae.decode(latent[:, :, None]).sample[:, :, 0]
     ref = ((ref.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1)
     assert image.shape == ref.shape and (image - ref).abs().max().item() < 1e-4
+
+
+def test_one_step_is_refused_naming_steps(edit_full, opened_sessions):
+    """Qwen's terminal-stretched schedule is 0 / 0 at one step (the pipelines return NaN): refused, not NaN."""
+    with pytest.raises(ValueError, match=r"steps=1: this model's schedule \(a terminal shift\) needs at least 2 steps"):
+        _run(edit_full, image_batch(0, 1, 64, 64), steps=1)
+    assert opened_sessions == []

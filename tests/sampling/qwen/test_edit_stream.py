@@ -183,6 +183,7 @@ def test_a_qwen_image_without_vision_tower_is_refused(qwen_engine, opened_sessio
 
 @pytest.mark.parametrize("kw,message", [
     ({"max_batch": -1}, r"max_batch"), ({"steps": 0}, r"steps"),
+    ({"steps": 1}, r"steps=1: this model's schedule \(a terminal shift\) needs at least 2 steps"),
     ({"seed": 2 ** 64 - 2}, r"seed=18446744073709551614: edit n uses seed \+ n"),
 ])
 def test_bad_settings_are_refused(edit_full, opened_sessions, kw, message):
