@@ -14,7 +14,11 @@ random full-size CLIP-L, since ComfyUI builds CLIP-L at full size and the sample
 runs many times slower), LoRA and upscaler names to tiny random files, ``target_blocks`` to "" (block names are the
 real architecture's; the tiny UNet has fewer), ComfyUI's ``CLIPLoader`` / ``CheckpointLoaderSimple`` to the
 random CLIP-L files, and the split-file loader's three files to the tiny Z-Image's (written with a diffusers folder
-of it, whose tokenizer the loader finds before ComfyUI's full-vocabulary Qwen files).
+of it, whose tokenizer the loader finds before ComfyUI's full-vocabulary Qwen files); in a workflow with the Fused
+Edit Sampler or the Stream Edit Sampler, to the tiny Qwen-Image-Edit's (``memory/tiny_qwen_image.py``: the whole
+Qwen2.5-VL, vision tower included, so the loaded model can edit; likewise with a Qwen-Image-Edit diffusers folder for
+its tokenizer). LoadImage keeps its file: a started ComfyUI reads it from its input folder (``--input-dir``, else
+ComfyUI's own ``input/``, which ships the shipped workflows' ``example.png``).
 
 The stand-in files: with ``--comfyui``, written once into ``tiny_models_dir()`` by ComfyUI's own interpreter
 (``python -m leandiffusion.tests.kit.tiny_model_files``: torch and the pack's requirements are there, the runner
@@ -45,8 +49,13 @@ ZIMAGE_TAG = "leandiffusion_tiny_zimage"  # the tiny Z-Image's split files (and 
 ZIMAGE_DIT = f"{ZIMAGE_TAG}_diffusion_model.safetensors"
 ZIMAGE_TE = f"{ZIMAGE_TAG}_text_encoder.safetensors"
 ZIMAGE_VAE = f"{ZIMAGE_TAG}_vae.safetensors"
+QWEN_EDIT_TAG = "leandiffusion_tiny_qwen_image_edit"  # the tiny Qwen-Image-Edit's, likewise
+QWEN_EDIT_DIT = f"{QWEN_EDIT_TAG}_diffusion_model.safetensors"
+QWEN_EDIT_TE = f"{QWEN_EDIT_TAG}_text_encoder.safetensors"
+QWEN_EDIT_VAE = f"{QWEN_EDIT_TAG}_vae.safetensors"
 FILES = {LORA: ("lora", "loras"), UPSCALER: ("upscaler", "upscale_models"), CLIP_L: ("clip_l", "text_encoders"),
-         SD1_CLIP_L: ("sd1_clip_l", "checkpoints"), ZIMAGE_DIT: ("zimage", "diffusion_models")}
+         SD1_CLIP_L: ("sd1_clip_l", "checkpoints"), ZIMAGE_DIT: ("zimage", "diffusion_models"),
+         QWEN_EDIT_DIT: ("qwen_image_edit", "diffusion_models")}
 WRITER = "leandiffusion.tests.kit.tiny_model_files"
 
 # (class type, input) -> stand-in value, set where the workflow's node declares that input
@@ -67,6 +76,9 @@ TINY_INPUTS: dict[tuple[str, str], Any] = {
 # a workflow holding a node of one of these types gets this stand-in for the Memory Pool Loader instead (first match)
 LOADER_BY_NEIGHBOUR = (("LeanFlowSampler", TINY_ZIMAGE), ("CLIPLoader", SD1_CLIP_L),
                        ("CheckpointLoaderSimple", SD1_CLIP_L))
+# a workflow holding a node of one of these types gets these stand-ins for the split-file loader instead (first match)
+QWEN_EDIT_SPLIT = {"diffusion_model": QWEN_EDIT_DIT, "text_encoder": QWEN_EDIT_TE, "vae": QWEN_EDIT_VAE}
+SPLIT_BY_NEIGHBOUR = (("LeanEditSampler", QWEN_EDIT_SPLIT), ("LeanEditStreamSampler", QWEN_EDIT_SPLIT))
 # the stand-in files each node type needs
 NEEDS = {"LeanLoraInjector": (LORA,), "LeanESRGANUpscale": (UPSCALER,), "CLIPLoader": (CLIP_L, SD1_CLIP_L),
          "CheckpointLoaderSimple": (CLIP_L, SD1_CLIP_L), "LeanSplitModelLoader": (ZIMAGE_DIT,)}
@@ -80,17 +92,28 @@ def class_types(kind: str, workflow: dict) -> set[str]:
     return {node.get("type") for node in workflow.get("nodes") or [] if isinstance(node, dict)} - {None}
 
 
+def _table(types: set) -> dict[tuple[str, str], Any]:
+    """``TINY_INPUTS`` with the loaders' stand-ins chosen by what else a workflow of these node types holds."""
+    loader = next((value for neighbour, value in LOADER_BY_NEIGHBOUR if neighbour in types), TINY_SD)
+    split = next((files for neighbour, files in SPLIT_BY_NEIGHBOUR if neighbour in types), {})
+    return {**TINY_INPUTS, ("LeanModelLoader", "model"): loader,
+            **{("LeanSplitModelLoader", name): value for name, value in split.items()}}
+
+
 def files_needed(types: Iterable[str]) -> list[str]:
-    """The stand-in files (``FILES`` keys) a workflow with these node types needs, in a fixed order."""
+    """The stand-in files (``FILES`` keys) a workflow with these node types needs, in a fixed order: each node
+    type's ``NEEDS``, the split-file loader's being the diffusion model file ``--tiny`` gives it."""
+    types = set(types)
+    split_dit = _table(types)[("LeanSplitModelLoader", "diffusion_model")]
     wanted = {name for t in types for name in NEEDS.get(t, ())}
+    if "LeanSplitModelLoader" in types:
+        wanted = (wanted - set(NEEDS["LeanSplitModelLoader"])) | {split_dit}
     return [name for name in FILES if name in wanted]
 
 
 def tiny_overrides(prompt: dict, object_info: dict) -> list[tuple[str, str, Any]]:
     """``(node id, input, stand-in)`` for every input ``--tiny`` sets in the API ``prompt`` (module docstring)."""
-    types = {node.get("class_type") for node in prompt.values()}
-    loader = next((value for neighbour, value in LOADER_BY_NEIGHBOUR if neighbour in types), TINY_SD)
-    table = {**TINY_INPUTS, ("LeanModelLoader", "model"): loader}
+    table = _table({node.get("class_type") for node in prompt.values()})
     out = []
     for node_id in sorted(prompt, key=lambda k: (len(k), k)):
         node = prompt[node_id]

@@ -23,7 +23,12 @@ PACK_INPUTS = {"LeanModelLoader": ["model", "vram_policy", "weight_dtype"],
                "LeanFusedDDIMSampler": ["lean_model", "positive", "steps", "width"],
                "LeanFlowSampler": ["lean_model", "positive"], "LeanESRGANUpscale": ["image", "model_name"],
                "LeanTiledVAEDecode": ["samples", "lean_model"], "CLIPLoader": ["clip_name", "type", "device"],
-               "CLIPTextEncode": ["text", "clip"]}
+               "CLIPTextEncode": ["text", "clip"],
+               "LeanSplitModelLoader": ["diffusion_model", "text_encoder", "vae", "vram_policy", "weight_dtype"],
+               "LeanEditSampler": ["lean_model", "image", "instruction", "steps"],
+               "LeanEditStreamSampler": ["lean_model", "images", "instruction", "steps"]}
+QWEN_EDIT = (tiny.QWEN_EDIT_DIT, tiny.QWEN_EDIT_TE, tiny.QWEN_EDIT_VAE)
+ZIMAGE = (tiny.ZIMAGE_DIT, tiny.ZIMAGE_TE, tiny.ZIMAGE_VAE)
 
 
 def _spec(names):
@@ -95,10 +100,41 @@ def test_the_loaders_stand_in_follows_what_the_workflow_feeds_it(holds, loader):
         assert ("2", "clip_name", tiny.CLIP_L) in sets and ("2", "type", "stable_diffusion") in sets
 
 
+@pytest.mark.parametrize("holds, files", [("LeanEditSampler", QWEN_EDIT), ("LeanEditStreamSampler", QWEN_EDIT),
+                                          ("LeanFlowSampler", ZIMAGE), ("SaveImage", ZIMAGE)])
+def test_the_split_loaders_stand_ins_follow_the_sampler_the_workflow_feeds(holds, files):
+    prompt = {"1": {"class_type": "LeanSplitModelLoader", "inputs": {"diffusion_model": "real.safetensors"}},
+              "2": {"class_type": holds, "inputs": {}}}
+    sets = tiny.tiny_overrides(prompt, {k: _spec(v) for k, v in PACK_INPUTS.items()})
+    assert [(name, value) for _, name, value in sets if name != "weight_dtype"] == \
+        list(zip(("diffusion_model", "text_encoder", "vae"), files))
+    assert tiny.files_needed({"LeanSplitModelLoader", holds}) == [files[0]]  # the set's DiT is written last
+
+
+def test_an_edit_workflow_gets_the_tiny_qwen_edit_files_says_so_and_set_still_wins(fake, tmp_path, capsys):
+    fake.object_info = {**fake.object_info, "LoadImage": _spec(["image"]), "SaveImage": _spec(["images"])}
+    code = main([_workflow(tmp_path, "qwen_image_edit.api.json"), "--server", fake.url, "--out", str(tmp_path / "o"),
+                 "--tiny", "--set", "1.vae=\"mine.safetensors\""])
+    assert code == EXIT_OK
+    sent = fake.prompts[-1]["prompt"]
+    assert (sent["1"]["inputs"]["diffusion_model"], sent["1"]["inputs"]["text_encoder"]) == QWEN_EDIT[:2]
+    assert sent["1"]["inputs"]["vae"] == "mine.safetensors" and sent["1"]["inputs"]["vram_policy"] == "auto"
+    assert sent["2"]["inputs"]["image"] == "example.png"  # LoadImage keeps its file (ComfyUI's input folder)
+    assert sent["3"]["inputs"]["steps"] == 40
+    err = capsys.readouterr().err
+    assert ("note: --tiny: node 1 (LeanSplitModelLoader) text_encoder: 'qwen_2.5_vl_7b.safetensors' -> "
+            f"'{tiny.QWEN_EDIT_TE}'") in err
+    assert f"diffusion_models/{tiny.QWEN_EDIT_DIT}" in err and tiny.ZIMAGE_DIT not in err
+
+
 def test_files_needed_follow_the_node_types_in_either_format():
     assert tiny.files_needed(tiny.class_types("api", json.loads((API_DIR / "quickstart.api.json").read_text()))) == []
     product = json.loads((API_DIR / "sdxl_4gb_product_shot.api.json").read_text())
     assert tiny.files_needed(tiny.class_types("api", product)) == [tiny.LORA, tiny.UPSCALER]
+    for name, dit in (("qwen_image_edit", tiny.QWEN_EDIT_DIT), ("qwen_image_edit_batch", tiny.QWEN_EDIT_DIT),
+                      ("z_image_turbo", tiny.ZIMAGE_DIT)):
+        shipped = json.loads((API_DIR / f"{name}.api.json").read_text())
+        assert tiny.files_needed(tiny.class_types("api", shipped)) == [dit]
     ui = {"nodes": [{"type": "CLIPLoader"}, {"type": "LeanModelLoader"}, "not a node"]}
     assert tiny.files_needed(tiny.class_types("ui", ui)) == [tiny.CLIP_L, tiny.SD1_CLIP_L]
 
@@ -149,3 +185,26 @@ def test_a_writer_that_fails_is_exit_4_with_its_output(tmp_path):
     assert failed.value.exit_code == EXIT_UNREACHABLE
     assert "install the pack's requirements.txt with that python" in failed.value.lines[0]
     assert failed.value.lines[1:] == ["  ModuleNotFoundError: No module named 'safetensors'"]
+
+
+def test_the_qwen_edit_stand_ins_load_as_an_editor_beside_the_zimage_ones(tmp_path, monkeypatch):
+    """Both split sets share one folder (``tiny_models_dir()``): each family finds its own diffusers folder's
+    tokenizer there, and the Qwen set's text encoder keeps its vision tower, so the Edit samplers can run it."""
+    from leandiffusion import bridge
+    from leandiffusion.memory.split_files import load_split_engine
+    from leandiffusion.tests.kit.tiny_model_files import write_files
+
+    write_files(tmp_path, {kind: f"{sub}/{name}" for name, (kind, sub) in tiny.FILES.items()
+                           if kind in ("zimage", "qwen_image_edit")})
+    assert not list(tmp_path.rglob(".*partial*"))
+    monkeypatch.setenv(bridge.MODELS_ENV, str(tmp_path))
+    monkeypatch.setattr(bridge, "comfy_qwen_tokenizer_dir", lambda: None)  # only the written folders may answer
+    qwen = load_split_engine(*QWEN_EDIT, "full", device="cpu")
+    zimage = load_split_engine(*ZIMAGE, "full", device="cpu")
+    assert qwen.family == "qwen_image" and qwen.parts.text_encoder.visual is not None
+    assert zimage.family == "zimage"
+    from transformers import AutoTokenizer
+
+    written = AutoTokenizer.from_pretrained(str(tmp_path / "diffusers" / tiny.QWEN_EDIT_TAG / "tokenizer"))
+    assert qwen.parts.tokenizer.get_vocab() == written.get_vocab()
+    assert zimage.parts.tokenizer.get_vocab() != written.get_vocab()  # the two tokenizers differ: a mix-up fails

@@ -14,7 +14,10 @@ Kinds:
 - ``zimage``: the tiny Z-Image (``memory/tiny_zimage.py``) as the split loader's three files (PATH names the
   diffusion model; the text encoder and VAE go to ``text_encoders/`` and ``vae/`` under the same tag) and as
   ``diffusers/<tag>`` (the loader takes the tokenizer from a Z-Image diffusers folder); the diffusion model file is
-  written last, so its presence means the set is complete.
+  written last, so its presence means the set is complete;
+- ``qwen_image_edit``: the tiny Qwen-Image (``memory/tiny_qwen_image.py``) likewise, its text encoder the whole
+  Qwen2.5-VL (``visual.*`` included, so the split loader's model can edit) and its diffusers folder a
+  ``QwenImageEditPlusPipeline`` one (the tokenizer's source for Qwen-Image split files).
 """
 from __future__ import annotations
 
@@ -56,6 +59,21 @@ def write_zimage(folder: Path, dit_path: Path) -> None:
     shutil.move(str(folder / "diffusion_models" / names["diffusion_model"]), str(dit_path))
 
 
+def write_qwen_image_edit(folder: Path, dit_path: Path) -> None:
+    """The tiny Qwen-Image-Edit's text encoder, VAE and diffusers folder under ``folder``, then its DiT at
+    ``dit_path``."""
+    import shutil
+
+    from ...memory.tiny_qwen_image import build_tiny_qwen_image, save_qwen_image_edit_folder
+    from ...runner.tiny import QWEN_EDIT_TAG
+    from .qwen_image_split import write_split_files
+
+    components = build_tiny_qwen_image(seed=0)
+    save_qwen_image_edit_folder(components, folder / "diffusers" / QWEN_EDIT_TAG)
+    names = write_split_files(components, folder, QWEN_EDIT_TAG, dtype="bf16", comfy=True)
+    shutil.move(str(folder / "diffusion_models" / names["diffusion_model"]), str(dit_path))
+
+
 def _written(path: Path, write: Callable[[Path], None]) -> None:
     """``write(tmp)`` beside ``path``, then renamed to ``path`` (kept when it exists)."""
     if path.is_file():
@@ -74,11 +92,14 @@ def write_files(folder: str | Path, paths: dict[str, str]) -> None:
     from .clip_l import write_clip_l_pair
 
     folder = Path(folder)
-    unknown = set(paths) - {"lora", "upscaler", "clip_l", "sd1_clip_l", "zimage"}
+    unknown = set(paths) - {"lora", "upscaler", "clip_l", "sd1_clip_l", "zimage", "qwen_image_edit"}
     if unknown:
-        raise ValueError(f"unknown kinds {sorted(unknown)}: expected lora, upscaler, clip_l, sd1_clip_l, zimage")
+        raise ValueError(f"unknown kinds {sorted(unknown)}: expected lora, upscaler, clip_l, sd1_clip_l, zimage, "
+                         f"qwen_image_edit")
     if "zimage" in paths:
         _written(folder / paths["zimage"], lambda tmp: write_zimage(folder, tmp))
+    if "qwen_image_edit" in paths:
+        _written(folder / paths["qwen_image_edit"], lambda tmp: write_qwen_image_edit(folder, tmp))
     if "lora" in paths:
         _written(folder / paths["lora"], write_lora)
     if "upscaler" in paths:
