@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACK = Path(__file__).resolve().parents[1]
 DOC = PACK / "docs" / "reliability.md"
-SECTIONS = ["LeanModelLoader", "LeanSplitModelLoader", "LeanFusedDDIMSampler", "LeanKSampler", "LeanEditSampler", "LeanStreamSampler", "LeanLoraInjector",
+SECTIONS = ["LeanModelLoader", "LeanSplitModelLoader", "LeanFusedDDIMSampler", "LeanKSampler", "LeanEditSampler", "LeanEditStreamSampler", "LeanStreamSampler", "LeanLoraInjector",
             "LeanTiledVAEDecode", "LeanESRGANUpscale", "run.py"]
 TEST_ID = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
 
