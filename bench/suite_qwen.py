@@ -10,6 +10,10 @@ a comma list of ``ALL_PARTS``; default all; a part pulls in the case its ratio n
 - ``peer``: the workload's diffusers pipeline on the same modules, bf16, SDPA, resident;
 - ``none`` / ``cuda_graph`` / ``compile+cuda_graph``: ours, resident (``full``), bf16, through the workload's node
   with that ``acceleration``;
+- ``stream_edit``: 8 edits through one Stream Edit Sampler run against the Fused Edit Sampler one image at a time,
+  on one resident bf16 engine (``qwen_stream_edit``; one timed run per side, so its guard counts ~16 edits per
+  "run": give it the workload's 20 steps with ``--quick`` and ``LEANDIFFUSION_BENCH_QWEN_STEPS=20``; it needs the
+  peer's run time for that guard);
 - ``fp8_fast``: ours resident with ``weight_dtype`` ``fp8_e4m3fn_fast``, ``compile+cuda_graph``; ``fp8``: resident
   ``fp8_e4m3fn``, ``cuda_graph`` (what the 8 GB stream compares with);
 - ``stream_fp8``: ours ``stream`` at 8 GB with ``fp8_e4m3fn``; ``stream``: ours ``stream`` at 12 GB, bf16 (both
@@ -44,7 +48,8 @@ from .harness import BenchContext
 from .qwen_cases import SharedWeights, ours_resident, ours_stream, peer_offload, peer_resident, \
     unavailable_reason
 from .qwen_models import DEFAULT_WORKLOAD, WORKLOADS
-from .qwen_targets import PEER_OFFLOAD, STREAM_BF16, STREAM_FP8, Rows
+from .qwen_stream_edit import stream_edit
+from .qwen_targets import PEER_OFFLOAD, STREAM_BF16, STREAM_EDIT, STREAM_EDIT_ONE_BY_ONE, STREAM_FP8, Rows
 from .zimage_budget import free_device
 
 logger = logging.getLogger(__name__)
@@ -54,18 +59,20 @@ SMOKE_BUDGET_S = 20
 QUICK_BUDGET_S = 480  # the 57 GB build, two regional compiles and the pinned host copies dominate
 FULL_BUDGET_S = 540
 
-ALL_PARTS = ("peer", "none", "cuda_graph", "compile+cuda_graph", "fp8_fast", "fp8", "stream_fp8", "stream",
-             "peer_offload")
-REQUIRES = {"stream": ("cuda_graph",), "stream_fp8": ("fp8",), "peer_offload": ("stream",)}
+ALL_PARTS = ("peer", "none", "cuda_graph", "compile+cuda_graph", "stream_edit", "fp8_fast", "fp8", "stream_fp8",
+             "stream", "peer_offload")
+REQUIRES = {"stream_edit": ("peer",), "stream": ("cuda_graph",), "stream_fp8": ("fp8",),
+            "peer_offload": ("stream",)}
 ENV_CASES, ENV_WORKLOAD = "LEANDIFFUSION_BENCH_QWEN_CASES", "LEANDIFFUSION_BENCH_QWEN_WORKLOAD"
 ENV_STEPS, ENV_STREAM_ACCELERATION = "LEANDIFFUSION_BENCH_QWEN_STEPS", "LEANDIFFUSION_BENCH_QWEN_STREAM_ACCELERATION"
 QUICK_STEPS = 4
 STREAM_ACCELERATION = "cuda_graph"  # the default; ENV_STREAM_ACCELERATION picks another
 # seconds a part needs beyond its runs (capture, compile, quantization, pinned host copies), and its runs' cost
 # relative to one resident peer run
-FIXED_S = {"peer": 0, "none": 0, "cuda_graph": 20, "compile+cuda_graph": 150, "fp8_fast": 180, "fp8": 30,
-           "stream_fp8": 60, "stream": 90, "peer_offload": 120}
-RUN_FACTOR = {"stream": 1.5, "stream_fp8": 1.5, "peer_offload": 4.0}
+FIXED_S = {"peer": 0, "none": 0, "cuda_graph": 20, "compile+cuda_graph": 150, "stream_edit": 30, "fp8_fast": 180,
+           "fp8": 30, "stream_fp8": 60, "stream": 90, "peer_offload": 120}
+# stream_edit: 16 edits + a 1-step warm-up of each side over the suite's (warm-up + 1) runs with --quick
+RUN_FACTOR = {"stream_edit": 8.0, "stream": 1.5, "stream_fp8": 1.5, "peer_offload": 4.0}
 
 
 def selected_parts() -> tuple:
@@ -171,6 +178,8 @@ def run(ctx: BenchContext) -> None:
         guard = accelerations[-1]
         r.guarded(guard, [f"bf16/{a}" for a in accelerations], lambda: {
             f"bf16/{a}": v for a, v in ours_resident(ctx, weights, w, dtype, accelerations, warmup, repeat).items()})
+    if "stream_edit" in parts:
+        r.guarded("stream_edit", [STREAM_EDIT_ONE_BY_ONE, STREAM_EDIT], lambda: stream_edit(ctx, weights, w, warmup))
     for part, storage, acceleration in (("fp8_fast", "fp8_e4m3fn_fast", "compile+cuda_graph"),
                                         ("fp8", "fp8_e4m3fn", "cuda_graph")):
         if part in parts:

@@ -66,9 +66,32 @@ def test_capped_cases_run_or_fail_their_targets_with_the_reason(smoke):
     assert offload["peer"] > 0 and "group offload" in offload["peer_name"]
 
 
+def test_stream_edit_runs_both_sides_and_its_latents_equal_the_one_image_runs(smoke):
+    """Issue 44's 8-image throughput row: both sides measured, the target stated, and (CPU fp32) the stream's LATENT
+    row n exactly the Fused Edit Sampler's edit of picture n with seed + n, so a misordered or mis-seeded row fails."""
+    rows = _rows(smoke)
+    ratio = rows[("stream_edit_8/stream", "throughput_vs_one_by_one")]
+    assert ratio["ours"] > 0 and ratio["peer"] > 0 and ratio["target"].startswith(">= 1.3x")
+    assert ratio["passed"] is (ratio["ratio"] >= 1.3)
+    same = rows[("stream_edit_8/stream", "rel_vs_one_by_one")]
+    assert same["ours"] == 0.0 and same["passed"] is True
+    for key in ("stream_edit_8/stream", "stream_edit_8/one_by_one"):
+        assert rows[(key, "peak_reserved_gb")]["ours"] is not None
+
+
+def test_stream_edit_pictures_are_distinct_and_of_one_size():
+    from leandiffusion.bench.qwen_stream_edit import N_IMAGES, references
+
+    images = references(64)
+    assert images.shape == (N_IMAGES, 64, 64, 3)
+    assert all(not torch.equal(images[i], images[j]) for i in range(N_IMAGES) for j in range(i))
+
+
 def test_parts_pull_in_what_their_ratios_need(monkeypatch):
     monkeypatch.setenv(suite_qwen.ENV_CASES, "peer_offload,stream_fp8")
     assert suite_qwen.selected_parts() == ("cuda_graph", "fp8", "stream_fp8", "stream", "peer_offload")
+    monkeypatch.setenv(suite_qwen.ENV_CASES, "stream_edit")
+    assert suite_qwen.selected_parts() == ("peer", "stream_edit")  # the time guard needs the peer's run time
     monkeypatch.setenv(suite_qwen.ENV_CASES, "cuda_graph,stream_gpu")
     with pytest.raises(ValueError, match=r"LEANDIFFUSION_BENCH_QWEN_CASES: unknown part\(s\) \['stream_gpu'\]"):
         suite_qwen.selected_parts()
