@@ -11,7 +11,8 @@ Invariants
   specified to equal that one-image run.
 - Warm-up (untimed, when the suite warms up): each side once over the same pictures at 1 step. The CUDA graphs are
   keyed by shapes and text lengths, never by the step count, so the timed run replays what the warm-up captured
-  (batch 1 for one by one; each batch size the stream picks) without paying the workload's steps twice.
+  (batch 1 for one by one; each batch size the stream picks) without paying the workload's steps twice. Captures
+  made inside the timed run anyway (an automatic batch that changed with the free VRAM) are counted in its notes.
 - One timed run per side whatever the mode (8 edits take ~140 s per side at 20 steps; a median of 3 would not fit
   one device call); CUDA-event wall time, the peak reserved inside each side. The one-by-one side's graphs are
   dropped before the stream starts, so each peak is its own.
@@ -69,6 +70,8 @@ def _stream(engine, images: torch.Tensor, steps: int, w: Workload) -> torch.Tens
 
 
 def _side(ctx: BenchContext, engine, side, images: torch.Tensor, w: Workload, warmup: int, notes: str) -> Run:
+    from ..sampling.graph_runner import default_runner
+
     if warmup:
         side(engine, images, WARMUP_STEPS, w)
     out: list = [None]
@@ -76,10 +79,12 @@ def _side(ctx: BenchContext, engine, side, images: torch.Tensor, w: Workload, wa
     def call() -> None:
         out[0] = side(engine, images, w.steps, w)
 
+    captured = default_runner().captures(engine)
     with peak_memory(ctx.device) as mem:
         ms = time_ms(call, warmup=0, repeat=1, device=ctx.device)
     _check_accelerated(ctx, engine, ACCELERATION)
-    return Run(ms, mem["reserved_gb"], out[0], notes=notes)
+    captured = default_runner().captures(engine) - captured  # e.g. the automatic batch chose another size
+    return Run(ms, mem["reserved_gb"], out[0], notes=f"{notes}; {captured} CUDA graph capture(s) in the timed run")
 
 
 def stream_edit(ctx: BenchContext, weights: SharedWeights, w: Workload, warmup: int) -> dict:
