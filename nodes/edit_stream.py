@@ -41,7 +41,7 @@ class LeanEditStreamSampler:
                 "true_cfg": EDIT_INPUTS["true_cfg"],
                 "megapixels": ("FLOAT", {"default": 1.0, "min": 0.01, "max": MAX_MEGAPIXELS, "step": 0.01,
                                          "tooltip": "Output area relative to 1024x1024; each output keeps its "
-                                                    "image's aspect ratio (sides multiples of 16)."}),
+                                                    "image's aspect ratio (sides multiples of 32)."}),
                 "acceleration": (list(ACCELERATIONS), {"default": "cuda_graph",
                                                        "tooltip": "none: eager; cuda_graph: each batch shape's step "
                                                                   "is captured once and replayed; "

@@ -115,8 +115,7 @@ def qwen_layout(dit: torch.nn.Module, rows: Sequence[torch.Tensor], capacity: in
 def qwen_forward(dit: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, layout: QwenLayout) -> torch.Tensor:
     """The transformer's prediction ``[R, N, C_out]`` for packed noise tokens ``x`` ``[R, N, C_in]`` (model dtype)
     at timesteps ``t`` ``[R]``, all equal (the module's ``timestep``: ``sigma`` in the model dtype; row 0 is read),
-    conditioned on ``layout``;
-    reference tokens ride after the noise tokens and their predictions are dropped."""
+    conditioned on ``layout``; reference tokens ride after the noise tokens and their predictions are dropped."""
     tokens = x.shape[1]
     hidden = x if layout.reference is None else torch.cat([x, layout.reference], dim=1)
     hidden = dit.img_in(hidden)
