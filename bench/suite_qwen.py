@@ -66,12 +66,14 @@ REQUIRES = {"stream_edit": ("peer",), "stream": ("cuda_graph",), "stream_fp8": (
 ENV_CASES, ENV_WORKLOAD = "LEANDIFFUSION_BENCH_QWEN_CASES", "LEANDIFFUSION_BENCH_QWEN_WORKLOAD"
 ENV_STEPS, ENV_STREAM_ACCELERATION = "LEANDIFFUSION_BENCH_QWEN_STEPS", "LEANDIFFUSION_BENCH_QWEN_STREAM_ACCELERATION"
 QUICK_STEPS = 4
+# rows that time one resident bf16 run: the time guard's unit for the parts after them
+RESIDENT_RUN_KEYS = ("peer", "bf16/none", "bf16/cuda_graph")
 STREAM_ACCELERATION = "cuda_graph"  # the default; ENV_STREAM_ACCELERATION picks another
 # seconds a part needs beyond its runs (capture, compile, quantization, pinned host copies), and its runs' cost
 # relative to one resident peer run
 FIXED_S = {"peer": 0, "none": 0, "cuda_graph": 20, "compile+cuda_graph": 150, "stream_edit": 30, "fp8_fast": 180,
            "fp8": 30, "stream_fp8": 60, "stream": 90, "peer_offload": 120}
-# stream_edit: 16 edits + a 1-step warm-up of each side over the suite's (warm-up + 1) runs with --quick
+# stream_edit: 16 edits + a 2-step warm-up of each side over the suite's (warm-up + 1) runs with --quick
 RUN_FACTOR = {"stream_edit": 8.0, "stream": 1.5, "stream_fp8": 1.5, "peer_offload": 4.0}
 
 
@@ -158,7 +160,7 @@ class _Runner:
             results = {key: reason for key in keys}
             free_device()
         for key, result in results.items():
-            if key in ("peer", "bf16/none") and hasattr(result, "ms"):
+            if key in RESIDENT_RUN_KEYS and hasattr(result, "ms"):
                 self.run_s = result.ms / 1e3
             self.rows.add(key, result)
 

@@ -87,6 +87,32 @@ def test_stream_edit_pictures_are_distinct_and_of_one_size():
     assert all(not torch.equal(images[i], images[j]) for i in range(N_IMAGES) for j in range(i))
 
 
+def test_the_stream_edit_warm_up_is_a_step_count_the_qwen_schedule_accepts():
+    """The smoke run skips warm-ups, so the warm-up's step count is checked against the real schedule here."""
+    from leandiffusion.bench.qwen_stream_edit import WARMUP_STEPS
+    from leandiffusion.memory.tiny_qwen_image import QWEN_IMAGE_SCHEDULER
+    from leandiffusion.sampling.flow.schedule import flow_sigmas
+
+    assert flow_sigmas(dict(QWEN_IMAGE_SCHEDULER), WARMUP_STEPS, 128, 128).shape == (WARMUP_STEPS + 1,)
+
+
+def test_the_time_guard_learns_one_run_from_the_resident_cuda_graph_row():
+    """A call without the peer (e.g. stream + peer_offload) still sizes later parts by a measured run."""
+    ctx = _Ctx()
+    ctx.smoke, ctx.has_time = False, lambda seconds: True
+    runner = suite_qwen._Runner(ctx, _RowsStub(), warmup=1, repeat=1)
+    runner.guarded("cuda_graph", ["bf16/cuda_graph"], lambda: {"bf16/cuda_graph": qwen_cases.Run(
+        15_000.0, 57.0, torch.zeros(1))})
+    assert runner.run_s == pytest.approx(15.0)
+
+
+class _RowsStub:
+    case = "edit_1024_20steps"
+
+    def add(self, key, result):
+        pass
+
+
 def test_parts_pull_in_what_their_ratios_need(monkeypatch):
     monkeypatch.setenv(suite_qwen.ENV_CASES, "peer_offload,stream_fp8")
     assert suite_qwen.selected_parts() == ("cuda_graph", "fp8", "stream_fp8", "stream", "peer_offload")
