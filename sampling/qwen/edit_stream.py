@@ -17,7 +17,8 @@ Invariants
   one LATENT per output size, in the order of each size's first image (one of each when every image has one size).
 - Batch size: ``max_batch``, or automatically (0) ``stream.batching.auto_batch`` from the DiT's activation estimate
   for one image's guided call with its reference tokens (``memory.units.trace_units``), the usable free VRAM and the
-  loader's budget (``stream.batching.available_bytes``), less one concurrent decode and one VAE encode.
+  loader's budget (``stream.batching.available_bytes``), less one concurrent decode and one VAE encode, and at most
+  the batch that fills the GPU (``stream.batching.saturating_dit_batch``: a guided 1024 px edit alone does).
 - Overlap (CUDA, every stage resident, no hard budget, stage-aware adapters only): after batch k's first step is
   enqueued, the host enqueues the decode of batch k-1 on the ``vae`` stream and encodes batch k+1 on the ``text``
   stream, inside batch k's session (nothing moves between stages when all are resident); events and
@@ -49,7 +50,7 @@ from ..flow.schedule import flow_sigmas
 from ..graph_runner import GraphRunner
 from ..loop import upload, vae_scale_factor
 from ..settings import MAX_SEED, check_int
-from ..stream.batching import auto_batch, available_bytes, decode_reserve, saturating_batch, shrink
+from ..stream.batching import auto_batch, available_bytes, decode_reserve, saturating_dit_batch, shrink
 from ..stream.decode import DecodeStage, needs_tiles, untiled_decode_bytes
 from ..stream.scheduler import initial_noise
 from ..stream.settings import MAX_BATCH, ImageJob
@@ -58,7 +59,7 @@ from . import edit_images
 from .edit import EditSettings, check_edit_model, encode_edit_rows, reference_shapes, reference_tokens
 from .edit_inputs import EditItem, collect_items
 from .forward import QwenReference
-from .latents import pack, to_raw, unpack
+from .latents import PATCH, pack, to_raw, unpack
 from .loop import denoise_qwen_batch
 
 logger = logging.getLogger(__name__)
@@ -141,8 +142,9 @@ def choose_batch(engine: LeanEngine, s: EditStreamSettings, group: list[EditItem
     per_image = max(1, activation_bytes(units, torch.empty((), dtype=engine.dtype).element_size(), "cpu"))
     decode = untiled_decode_bytes(height, width, engine.vae_dtype)
     reserve = decode if tiled else decode_reserve(engine, decode) + decode  # a decode and a VAE encode beside it
+    tokens = (h // PATCH) * (w // PATCH) * (1 + refs)  # noise + reference tokens of one row
     batch = auto_batch(len(group), per_image, available_bytes(engine), reserve,
-                       saturating_batch(h * (1 + refs), w, s.guided))
+                       saturating_dit_batch(tokens, s.guided))
     logger.info("%s: automatic batch of %d images at %dx%d (%.0f MB activations per image)", NODE, batch, width,
                 height, per_image / 2 ** 20)
     return batch

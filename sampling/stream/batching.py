@@ -14,6 +14,10 @@ AUTO_BATCH_CAP)``, then evened out over the run (``ceil(N / ceil(N / B))``) so t
 - ``saturating = ceil(SATURATION_ROWS_PX / (copies x latent_h x latent_w))``: batching pays while the UNet call is
   too small to fill the GPU and keeps paying, more slowly, well past a "full" GPU; ~256k latent pixel-rows per call
   (SD1.5 512 px: 32 images, capped at 16; SDXL 1024 px: 8 images).
+- A DiT (the Qwen-Image edit) counts image tokens instead: ``saturating_dit_batch`` =
+  ``ceil(DIT_SATURATION_TOKENS / (copies x image tokens))``, 16k tokens per call. A guided 1024 px edit (2 x 8192
+  noise and reference tokens through 3072-wide layers) keeps a large GPU busy on its own, so batching such calls
+  adds memory, not speed: it runs one at a time (512 px: 4 per batch).
 - ``MIN_BATCHES`` = 1: the pipeline hides a batch's decode behind the next batch's denoising, but an overlapped
   decode takes SMs from the UNet and one larger batch beats several smaller ones. Runs longer than a batch still
   pipeline: the decode of batch k-1 and the encoding of batch k+1 overlap batch k.
@@ -37,6 +41,7 @@ from ...memory.units import trace_units
 AUTO_BATCH_CAP = 16
 MIN_BATCHES = 1
 SATURATION_ROWS_PX = 64 * 64 * 64
+DIT_SATURATION_TOKENS = 16 * 1024
 CPU_BUDGET = 4 * 2 ** 30
 
 _PER_IMAGE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -73,6 +78,12 @@ def decode_reserve(engine: LeanEngine, untiled_bytes: int) -> int:
 def saturating_batch(latent_h: int, latent_w: int, guided: bool) -> int:
     """Images per batch at which the UNet call holds ``SATURATION_ROWS_PX`` latent pixel-rows (at least 1)."""
     return max(1, math.ceil(SATURATION_ROWS_PX / ((2 if guided else 1) * latent_h * latent_w)))
+
+
+def saturating_dit_batch(image_tokens: int, guided: bool) -> int:
+    """Images per batch at which a DiT call holds ``DIT_SATURATION_TOKENS`` image tokens (at least 1);
+    ``image_tokens``: one image's noise and reference tokens in one row."""
+    return max(1, math.ceil(DIT_SATURATION_TOKENS / ((2 if guided else 1) * max(1, image_tokens))))
 
 
 def auto_batch(n_images: int, per_image: int, available: int, reserve: int, saturating: int = AUTO_BATCH_CAP) -> int:

@@ -22,7 +22,8 @@ import torch
 from leandiffusion.sampling.graph_runner import GraphRunner
 from leandiffusion.sampling.loop import sample
 from leandiffusion.sampling.settings import SamplerSettings
-from leandiffusion.sampling.stream.batching import auto_batch, even_out, saturating_batch, shrink
+from leandiffusion.sampling.stream.batching import auto_batch, even_out, saturating_batch, saturating_dit_batch, \
+    shrink
 from leandiffusion.sampling.stream.scheduler import initial_noise, run_stream
 from leandiffusion.sampling.stream.settings import StreamSettings
 from leandiffusion.sampling.stream.streams import Timeline
@@ -261,6 +262,15 @@ def test_saturating_batch_sizes():
     assert saturating_batch(64, 64, True) == 32  # SD1.5 512 px (then capped at 16)
     assert saturating_batch(128, 128, True) == 8  # SDXL 1024 px
     assert saturating_batch(8, 8, False) == 4096
+
+
+def test_saturating_dit_batch_sizes():
+    """Qwen-Image edits (noise + one reference's tokens per row, 2x2 patches of the 1/8 latent)."""
+    assert saturating_dit_batch(64 * 64 * 2, True) == 1  # 1024 px: one guided edit fills the GPU
+    assert saturating_dit_batch(48 * 48 * 2, True) == 2  # 768 px
+    assert saturating_dit_batch(32 * 32 * 2, True) == 4  # 512 px
+    assert saturating_dit_batch(32 * 32 * 2, False) == 8  # 512 px, true_cfg 1: one row per image
+    assert saturating_dit_batch(0, True) >= 1
 
 
 def test_shrink_halves_down_to_one():
