@@ -142,7 +142,8 @@ def choose_batch(engine: LeanEngine, s: EditStreamSettings, group: list[EditItem
     per_image = max(1, activation_bytes(units, torch.empty((), dtype=engine.dtype).element_size(), "cpu"))
     decode = untiled_decode_bytes(height, width, engine.vae_dtype)
     reserve = decode if tiled else decode_reserve(engine, decode) + decode  # a decode and a VAE encode beside it
-    tokens = (h // PATCH) * (w // PATCH) * (1 + refs)  # noise + reference tokens of one row
+    # one row's image tokens: the noise's and each reference's (2x2 patches of the 1/8 latent)
+    tokens = sum((y // factor // PATCH) * (x // factor // PATCH) for x, y in [(width, height), *group[0].sizes.vae])
     batch = auto_batch(len(group), per_image, available_bytes(engine), reserve,
                        saturating_dit_batch(tokens, s.guided))
     logger.info("%s: automatic batch of %d images at %dx%d (%.0f MB activations per image)", NODE, batch, width,

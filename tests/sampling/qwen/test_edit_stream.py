@@ -205,3 +205,18 @@ def test_an_interrupted_run_returns_nothing(edit_full, three):
     finally:
         bridge.set_interrupt_hook(None)
     assert any("Stream Edit Sampler stopped" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_the_automatic_batch_stops_where_one_guided_call_fills_the_gpu(edit_full, monkeypatch):
+    """With memory to spare, the DiT's token count alone bounds the automatic batch: a 1024 px edit (16k image
+    tokens per guided call) runs one at a time, a 256 px one batches all eight pictures."""
+    from leandiffusion.sampling.qwen import edit_stream
+    from leandiffusion.sampling.qwen.edit_inputs import collect_items
+
+    monkeypatch.setattr(edit_stream, "available_bytes", lambda engine: 1 << 40)
+    pictures8 = image_batch(1, 8, 64, 64)
+    big = collect_items(pictures8, "", 1.0)
+    assert big[0].sizes.output == (1024, 1024)
+    assert edit_stream.choose_batch(edit_full, _settings(megapixels=1.0), big, tiled=True) == 1
+    small = collect_items(pictures8, "", SMALL)
+    assert edit_stream.choose_batch(edit_full, _settings(), small, tiled=True) == 8
