@@ -48,9 +48,10 @@ class LeanEditStreamSampler:
                                                                   "compile+cuda_graph: torch.compile the DiT blocks "
                                                                   "first (slow first run). Eager on the CPU."}),
                 "max_batch": ("INT", {"default": 0, "min": 0, "max": MAX_BATCH,
-                                      "tooltip": "Images denoised together per DiT call. 0 = automatic from the free "
-                                                 "VRAM and the loader's budget; halved automatically on "
-                                                 "out-of-memory."}),
+                                      "tooltip": "Images denoised together per DiT call. 0 = automatic: as many as the "
+                                                 "free VRAM and the loader's budget hold, up to what fills the "
+                                                 "GPU (1024 px edits go one at a time, 512 px four at a time); "
+                                                 "halved automatically on out-of-memory."}),
             },
             "optional": {
                 "images": ("IMAGE", {"tooltip": "The images to edit (an IMAGE batch, e.g. from Load Image); edited "
