@@ -86,6 +86,7 @@ class MemoryPlan:
     unet_resident_bytes: int = 0  # resident block weights under stream
     unet_streamed_bytes: int = 0
     arena_bytes: int = 0
+    packed_slot_bytes: int = 0  # of ``arena_bytes``: the packed staging slot (streamed bf16 weights cross packed)
     streamed_units: int = 0
     total_units: int = 0
     est_step_ms: Optional[float] = None
@@ -97,6 +98,7 @@ class MemoryPlan:
     text_fixed_bytes: int = 0  # streamed text encoder: always on the device (final norm)
     text_host_bytes: int = 0  # streamed text encoder: embedding table, looked up on the host
     text_arena_bytes: int = 0  # streamed text encoder: staging ring, on the device while the text stage runs
+    text_packed_slot_bytes: int = 0  # of ``text_arena_bytes``: its packed staging slot
     text_streamed_units: int = 0
     text_total_units: int = 0
     unet_storage: str = ""  # how the denoiser's weights are stored when not in ``dtype`` ("fp8_e4m3fn", ...)
@@ -111,8 +113,8 @@ class MemoryPlan:
         else:
             lines = [f"  text : {gb(self.text_bytes)} weights: streamed {self.text_streamed_units} of "
                      f"{self.text_total_units} blocks per encoder forward through a {gb(self.text_arena_bytes)} staging "
-                     f"ring held only while the text stage runs; embedding table {gb(self.text_host_bytes)} on the "
-                     f"host (lookup there), resident {self.text_fixed_bytes / 2 ** 10:.1f} KB"]
+                     f"ring{_packed(self.text_packed_slot_bytes)} held only while the text stage runs; embedding "
+                     f"table {gb(self.text_host_bytes)} on the host (lookup there), resident {self.text_fixed_bytes / 2 ** 10:.1f} KB"]
         if self.text_activation_bytes:
             lines.append(f"         activations+workspace estimate {gb(self.text_activation_bytes)} at "
                          f"{self.text_tokens} tokens, batch {batch}")
@@ -134,7 +136,8 @@ class MemoryPlan:
         if self.unet_mode == "stream":
             lines.append(f"  unet : {gb(self.unet_bytes)} weights: resident {gb(self.unet_fixed_bytes + self.unet_resident_bytes)}"
                          f", streamed {gb(self.unet_streamed_bytes)} per step ({self.streamed_units} of "
-                         f"{self.total_units} blocks) through a {gb(self.arena_bytes)} staging ring from pinned host memory")
+                         f"{self.total_units} blocks) through a {gb(self.arena_bytes)} staging ring"
+                         f"{_packed(self.packed_slot_bytes)} from pinned host memory")
             if self.est_step_ms is not None:
                 lines.append(f"         model estimate: step ~{self.est_step_ms:.0f} ms vs ~{self.est_compute_ms:.0f} ms "
                              f"compute (50 GB/s H2D, 200 TFLOPS assumed)")
@@ -154,3 +157,10 @@ class MemoryPlan:
             lines.append("  measured peak per stage: (after the first run; see engine.placement.report())")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _packed(slot_bytes: int) -> str:
+    """The plan's words for a ring with a packed staging slot (``memory/packed_weights.py``)."""
+    if not slot_bytes:
+        return ""
+    return f" (with a {gb(slot_bytes)} slot: bf16 weights cross packed losslessly, ~70% of their bytes)"

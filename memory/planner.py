@@ -12,7 +12,9 @@ Per policy (``T``, ``U``, ``V``: text, UNet, VAE weight bytes; ``act``: the UNet
   (``text_units.py``: Qwen3, Qwen2.5-VL's language model; a Qwen2.5-VL's vision tower through a smallest ring of its
   own, ``vision_units.py``) streams block by block through a ring held only while its stage runs, the UNet planned
   again with ``room = max(act, text ring + ta)`` and the encoder's norm always resident (or, where that costs the
-  UNet less, stays whole with ``room = T + ta``); encoders that cannot stream (CLIP) run on the CPU.
+  UNet less, stays whole with ``room = T + ta``); encoders that cannot stream (CLIP) run on the CPU. With bf16
+  weights on CUDA the UNet's and the text encoder's rings carry a packed staging slot (``packed_weights.py``,
+  ``stream_schedule.py``): their streamed weights cross packed, losslessly.
   A budget below the working minimum (``stream_minimum_bytes``) is refused with that number.
 - ``auto``: the first of full > balanced > lowvram whose peak fits ``free_vram.usable_free_bytes``, else ``stream``
   at that many bytes (on the CPU: ``full``).
@@ -34,6 +36,7 @@ from .engine import ModelParts, modules_of_stage
 from .families import family_defaults
 from .fp8_weights import storage_name
 from .free_vram import FREE_FRACTION, usable_free_bytes
+from .packed_weights import slot_bytes_for, slot_fraction
 from .plan import GiB, MemoryPlan, activation_bytes, gb, module_bytes
 from .policy_config import PolicyConfig, VramPolicy, dtype_name
 from .stream_schedule import StreamSchedule, minimum_arena_bytes, plan_all_streamed, plan_schedule
@@ -137,7 +140,7 @@ def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name:
         text_mode, vae, resident = StageMode.CPU, StageMode.WHILE_USED, U
         peaks = {"text": U, "unet": U + act, "vae": U + V}
     else:
-        planned = _plan_stream(config, units, act, sizes, text)
+        planned = _plan_stream(config, units, act, sizes, text, _slot_fractions(parts, config))
         text_mode, vae, resident, peaks = planned.text, StageMode.WHILE_USED, planned.resident, planned.peaks
     stream = pol == VramPolicy.STREAM
     text_dtype = torch.float32 if text_mode is StageMode.CPU else config.dtype
@@ -164,35 +167,57 @@ def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name:
     return PolicyPlan(config, plan, budget, schedule, text_schedule, vision_schedule)
 
 
-def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optional[TextStream]) -> _Stream:
-    """The ``stream`` plan (module docstring): the UNet's schedule, where the text encoders go, the peaks."""
+def _slot_fractions(parts, config: PolicyConfig) -> dict:
+    """Per streamed stage, the packed staging slot per byte of its largest unit (``packed_weights.slot_fraction``);
+    0 for a stage whose weights are stored in fp8 (one byte a weight already: nothing to pack)."""
+    modules = {"unet": [getattr(parts, "unet", None)], "text": [getattr(parts, "text_encoder", None),
+                                                                 getattr(parts, "text_encoder_2", None)]}
+    dtypes = {"unet": config.dtype, "text": config.text_dtype}
+    return {stage: 0.0 if any(storage_name(m) for m in mods) else slot_fraction(config.device, dtypes[stage])
+            for stage, mods in modules.items()}
+
+
+def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optional[TextStream],
+                 fractions: Optional[dict] = None) -> _Stream:
+    """The ``stream`` plan (module docstring): the UNet's schedule, where the text encoders go, the peaks;
+    ``fractions``: the packed slot per stage (``_slot_fractions``; none when not given)."""
+    fractions = fractions or {}
+    unet_slot = fractions.get("unet", 0.0)
     T, U, V = sizes["text"], sizes["unet"], sizes["vae"]
     budget = config.budget_bytes
     minimum = stream_minimum_bytes(units, act, U, text, T)
     if budget < minimum:
         raise ValueError(_below_minimum(config, units, act, U, text, minimum))
     ta = text.activation_bytes if text is not None else 0
-    schedule, resident, fields = _stream_schedule(config, units, act, U)
+    schedule, resident, fields = _stream_schedule(config, units, act, U, slot=unet_slot)
     text_schedule = vision_schedule = None
     if resident + T + ta <= budget:
         mode, text_peak = StageMode.WHILE_USED, resident + T + ta
     elif text is None:
         mode, text_peak = StageMode.CPU, resident
     elif T + ta <= max(act, text.minimum_stage_bytes) + text.fixed_bytes:  # whole costs the UNet no more room
-        schedule, resident, fields = _stream_schedule(config, units, T + ta, U)
+        schedule, resident, fields = _stream_schedule(config, units, T + ta, U, slot=unet_slot)
         mode, text_peak = StageMode.WHILE_USED, resident + T + ta
     else:
-        schedule, resident, fields = _stream_schedule(config, units, max(act, text.minimum_stage_bytes), U,
-                                                      text.fixed_bytes)
+        # room for the text ring's packed slot too, where the budget holds it beside the UNet's minimum
+        text_slot = slot_bytes_for(max(u.nbytes for u in text.units), fractions.get("text", 0.0))
+        try:
+            schedule, resident, fields = _stream_schedule(config, units, max(act, text.minimum_stage_bytes + text_slot),
+                                                          U, text.fixed_bytes, slot=unet_slot)
+        except ValueError:
+            schedule, resident, fields = _stream_schedule(config, units, max(act, text.minimum_stage_bytes), U,
+                                                          text.fixed_bytes, slot=unet_slot)
         headroom = int(HEADROOM * budget)
         vision_arena = 0
         if text.vision is not None:  # its smallest ring: its blocks are small, the language model's ring gains
             vision_schedule = plan_all_streamed(list(text.vision.units), text.vision.minimum_arena_bytes)
             vision_arena = vision_schedule.arena_bytes
-        text_schedule = plan_all_streamed(list(text.units), budget - resident - ta - vision_arena - headroom)
+        text_schedule = plan_all_streamed(list(text.units), budget - resident - ta - vision_arena - headroom,
+                                          fractions.get("text", 0.0))
         arenas = text_schedule.arena_bytes + vision_arena
         mode, text_peak = StageMode.STREAM, resident + arenas + ta
         fields.update(text_fixed_bytes=text.fixed_bytes, text_host_bytes=text.host_bytes, text_arena_bytes=arenas,
+                      text_packed_slot_bytes=text_schedule.slot_bytes,
                       text_streamed_units=len(text_schedule.streamed) + (
                           len(vision_schedule.streamed) if vision_schedule else 0),
                       text_total_units=len(text.units) + (len(text.vision.units) if text.vision else 0))
@@ -200,17 +225,20 @@ def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optio
     return _Stream(schedule, text_schedule, vision_schedule, resident, mode, peaks, fields)
 
 
-def _stream_schedule(config: PolicyConfig, units, room: int, unet_bytes: int, extra_fixed: int = 0) -> tuple:
+def _stream_schedule(config: PolicyConfig, units, room: int, unet_bytes: int, extra_fixed: int = 0,
+                     slot: float = 0.0) -> tuple:
     """(schedule, bytes resident on the device between stages, the plan's stream fields) when the UNet's resident
-    set leaves ``room`` of ``config.budget_bytes`` free beside ``extra_fixed`` other always-resident bytes."""
+    set leaves ``room`` of ``config.budget_bytes`` free beside ``extra_fixed`` other always-resident bytes; ``slot``:
+    the packed staging slot's fraction of the largest unit (0: plain copies)."""
     fixed = unet_bytes - sum(u.nbytes for u in units)
     capacity = config.budget_bytes - room - fixed - extra_fixed - int(HEADROOM * config.budget_bytes)
-    schedule = plan_schedule(units, capacity)
+    schedule = plan_schedule(units, capacity, slot)
     resident = fixed + extra_fixed + schedule.resident_unit_bytes + schedule.arena_bytes
     notes = () if schedule.streamed else ("the whole UNet fits the budget: nothing streams",)
     est = schedule.est_step_s * 1e3 if config.device.type == "cuda" else None
     fields = dict(unet_fixed_bytes=fixed, unet_resident_bytes=schedule.resident_unit_bytes,
                   unet_streamed_bytes=schedule.streamed_bytes, arena_bytes=schedule.arena_bytes,
+                  packed_slot_bytes=schedule.slot_bytes,
                   streamed_units=len(schedule.streamed), est_step_ms=est,
                   est_compute_ms=schedule.est_compute_s * 1e3 if est is not None else None, notes=notes)
     return schedule, resident, fields

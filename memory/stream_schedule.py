@@ -18,10 +18,17 @@ Staging arena (the math)
     ``k`` may start once ``p(k)`` has finished computing. With ``A >= 3 * max(s_k)`` every copy has at least one
     unit of lead (block k+1 is fetched while block k computes); bigger arenas give more lead.
 
+Packed slot
+    Where streamed weights travel packed (``packed_weights.py``: bf16 on CUDA), the arena also holds one packed
+    staging slot of ``slot_bytes`` after the ring: a unit's packed bytes land there and are decoded into its ring
+    slice. ``arena_bytes`` counts the slot, so every budget sum stays right; a capacity too small for the ring
+    and the slot gets the plain schedule (no slot) instead of a refusal.
+
 Time model
     A step costs ~``max(sum_i c_i, S / B)`` when copies hide, where ``c_i`` is unit compute and ``B`` the pinned
-    host-to-device bandwidth (``ASSUMED_H2D_BYTES_PER_S``). :func:`simulate` evaluates exactly this model (one copy
-    engine, one compute stream) to choose the arena size and to print the plan's step estimate.
+    host-to-device bandwidth (``ASSUMED_H2D_BYTES_PER_S``); packed units cross as ``ESTIMATED_RATIO`` of their
+    bytes. :func:`simulate` evaluates exactly this model (one copy engine, one compute stream) to choose the arena
+    size and to print the plan's step estimate.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .hostmem import ALIGN, align
+from .packed_weights import ESTIMATED_RATIO, slot_bytes_for
 from .unet_units import Unit
 
 ASSUMED_H2D_BYTES_PER_S = 50e9
@@ -47,6 +55,11 @@ class StreamSchedule:
     arena_bytes: int
     est_step_s: float
     est_compute_s: float
+    slot_bytes: int = 0  # the packed staging slot at the arena's end (0: plain copies)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.arena_bytes - self.slot_bytes
 
     @property
     def streamed_bytes(self) -> int:
@@ -107,8 +120,9 @@ def ring_layout(units: list[Unit], streamed: list[int], arena: int) -> tuple[lis
 
 
 def simulate(units: list[Unit], streamed: list[int], wait_for: list[int], bw: float = ASSUMED_H2D_BYTES_PER_S,
-             rate: float = ASSUMED_FLOPS_PER_S) -> float:
-    """Step time (s) of the schedule under the module docstring's model (one copy engine, one compute stream)."""
+             rate: float = ASSUMED_FLOPS_PER_S, copy_ratio: float = 1.0) -> float:
+    """Step time (s) of the schedule under the module docstring's model (one copy engine, one compute stream);
+    each copy moves ``copy_ratio`` of its unit's bytes."""
     kpos = {i: k for k, i in enumerate(streamed)}
     compute_end: dict[int, float] = {}
     ready: dict[int, float] = {}
@@ -116,7 +130,7 @@ def simulate(units: list[Unit], streamed: list[int], wait_for: list[int], bw: fl
     for i, u in enumerate(units):
         while kk < len(streamed) and wait_for[kk] < i:
             start = max(copy_free, compute_end.get(wait_for[kk], 0.0))
-            copy_free = start + units[streamed[kk]].nbytes / bw + COPY_OVERHEAD_S
+            copy_free = start + copy_ratio * units[streamed[kk]].nbytes / bw + COPY_OVERHEAD_S
             ready[kk] = copy_free
             kk += 1
         start = max(t, ready[kpos[i]]) if i in kpos else t
@@ -125,40 +139,49 @@ def simulate(units: list[Unit], streamed: list[int], wait_for: list[int], bw: fl
     return t
 
 
-def plan_schedule(units: list[Unit], capacity_bytes: int) -> StreamSchedule:
-    """Best schedule whose resident units + arena fit ``capacity_bytes`` (raises ``ValueError`` if none fits)."""
+def plan_schedule(units: list[Unit], capacity_bytes: int, slot_fraction: float = 0.0) -> StreamSchedule:
+    """Best schedule whose resident units + arena fit ``capacity_bytes`` (raises ``ValueError`` if none fits);
+    ``slot_fraction`` > 0 reserves a packed staging slot of that size per byte of the largest unit."""
     total = sum(u.nbytes for u in units)
     compute = sum(u.flops for u in units) / ASSUMED_FLOPS_PER_S
     if total <= capacity_bytes:
         return StreamSchedule(tuple(units), (), (), (), 0, compute, compute)
-    return _best_arena(units, capacity_bytes, lambda arena: choose_streamed(units, total - (capacity_bytes - arena)))
+    return _best_arena(units, capacity_bytes, lambda arena: choose_streamed(units, total - (capacity_bytes - arena)),
+                       slot_fraction=slot_fraction)
 
 
-def plan_all_streamed(units: list[Unit], room_bytes: int) -> StreamSchedule:
+def plan_all_streamed(units: list[Unit], room_bytes: int, slot_fraction: float = 0.0) -> StreamSchedule:
     """Every unit with weights streams (a stage whose weights visit the device only while it runs); the arena is
     the multiple of the largest unit within ``room_bytes`` with the best simulated time, never above what the
-    units hold in all (raises ``ValueError`` if not even the minimum fits)."""
+    units hold in all (raises ``ValueError`` if not even the minimum fits); ``slot_fraction`` as ``plan_schedule``."""
     streamed = [i for i, u in enumerate(units) if u.nbytes]
     total = sum(u.nbytes for u in units)
-    return _best_arena(units, room_bytes, lambda arena: streamed, total)
+    return _best_arena(units, room_bytes, lambda arena: streamed, total, slot_fraction)
 
 
-def _best_arena(units: list[Unit], capacity_bytes: int, pick, most: Optional[int] = None) -> StreamSchedule:
-    """The schedule of the ``ARENA_MULTIPLES`` arena (within ``capacity_bytes`` and, if given, ``most`` bytes) whose
-    simulated step is fastest; ``pick(arena)`` gives the streamed units' indices."""
+def _best_arena(units: list[Unit], capacity_bytes: int, pick, most: Optional[int] = None,
+                slot_fraction: float = 0.0) -> StreamSchedule:
+    """The schedule of the ``ARENA_MULTIPLES`` ring (within ``capacity_bytes`` with the packed slot, and, if given,
+    ``most`` bytes) whose simulated step is fastest; ``pick(arena)`` gives the streamed units' indices for an arena
+    of that many bytes (ring and slot). Without room for the slot, the plain schedule."""
     compute = sum(u.flops for u in units) / ASSUMED_FLOPS_PER_S
     biggest = max(u.nbytes for u in units)
+    slot = slot_bytes_for(biggest, slot_fraction)
+    ratio = ESTIMATED_RATIO if slot else 1.0
     best: Optional[StreamSchedule] = None
     for m in ARENA_MULTIPLES:
-        arena = int(m * biggest)
-        if arena > capacity_bytes or (best is not None and most is not None and arena > most):
+        ring = int(m * biggest)
+        if ring + slot > capacity_bytes or (best is not None and most is not None and ring > most):
             break
-        streamed = pick(arena)
-        offsets, wait_for = ring_layout(units, streamed, arena)
-        est = simulate(units, streamed, wait_for)
-        cand = StreamSchedule(tuple(units), tuple(streamed), tuple(offsets), tuple(wait_for), arena, est, compute)
+        streamed = pick(ring + slot)
+        offsets, wait_for = ring_layout(units, streamed, ring)
+        est = simulate(units, streamed, wait_for, copy_ratio=ratio)
+        cand = StreamSchedule(tuple(units), tuple(streamed), tuple(offsets), tuple(wait_for), ring + slot, est,
+                              compute, slot)
         if best is None or est < best.est_step_s * 0.98:
             best = cand
+    if best is None and slot:
+        return _best_arena(units, capacity_bytes, pick, most)
     if best is None:
         raise ValueError(f"capacity {capacity_bytes} B cannot hold the minimum staging arena "
                          f"({ARENA_MULTIPLES[0]} x {biggest} B)")

@@ -18,16 +18,25 @@ Invariants
   no ``.item()``, so the whole forward, copies included, can be captured into a CUDA graph (fork/join through
   events is how CUDA graphs express multi-stream work). On the CPU the same schedule runs with synchronous copies
   and no events.
+- Packed units: when the schedule reserves a packed staging slot (``StreamSchedule.slot_bytes``), each streamed
+  unit is also packed at build (``packed_weights.py``, lossless) into its own pinned host buffer; its copy is then
+  the packed bytes into the slot followed by the decode into its ring slice, both on ``S`` before ``ready[k]``
+  (``S`` orders the next unit's copy into the slot after this decode). Units that do not pack smaller, or a host
+  without the memory for the packed copies, keep plain copies. The plain pinned host copy stays either way: it is
+  what ``host_copy`` returns and what ``remove`` restores.
 """
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from typing import Optional
 
 import torch
 
+from .host_memory import HOST_SHARE, available_host_bytes
 from .hostmem import ALIGN, FlatLayout, PinnedBuffer
+from .packed_weights import PackedUnit, pack_words, packed_host_estimate
 from .stream_schedule import StreamSchedule
 from .unet_units import unit_params
 
@@ -59,6 +68,10 @@ class _SyncCopier:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, k: int) -> None:
         dst.copy_(src)
 
+    def copy_packed(self, dst: torch.Tensor, packed: PackedUnit, slot: torch.Tensor, k: int) -> None:
+        slot[: packed.nbytes].copy_(packed.host.tensor)
+        packed.unpack_into(slot, dst)
+
     def issue(self, fn) -> None:
         fn()
 
@@ -71,7 +84,8 @@ class _CudaCopier:
 
     def __init__(self, device: torch.device, n_units: int, n_streamed: int):
         self.device = device
-        self.side = torch.cuda.Stream(device=device)
+        # high priority: a packed unit's decode kernel gets multiprocessors ahead of the compute stream's kernels
+        self.side = torch.cuda.Stream(device=device, priority=-1)
         self.fork = torch.cuda.Event()
         self.join = torch.cuda.Event()
         self.last = torch.cuda.Event()
@@ -101,6 +115,12 @@ class _CudaCopier:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, k: int) -> None:
         with torch.cuda.stream(self.side):
             dst.copy_(src, non_blocking=True)
+            self.ready[k].record(self.side)
+
+    def copy_packed(self, dst: torch.Tensor, packed: PackedUnit, slot: torch.Tensor, k: int) -> None:
+        with torch.cuda.stream(self.side):
+            slot[: packed.nbytes].copy_(packed.host.tensor, non_blocking=True)
+            packed.unpack_into(slot, dst)
             self.ready[k].record(self.side)
 
     def end(self) -> None:
@@ -139,6 +159,8 @@ class BlockStreamer:
         self._host_param_views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._src, self._dst = [], []
         self._streamed, self._layouts = [], []
+        self._packed: list[Optional[PackedUnit]] = []  # per streamed unit, its packed copy (None: plain copies)
+        self._slot: Optional[torch.Tensor] = None
         self.host = self.arena = self.resident = None
         self.copies_issued = 0
         self._cursor = 0
@@ -180,6 +202,8 @@ class BlockStreamer:
             self._place_resident([p for p in unet.parameters() if id(p) not in streamed_params | host_params],
                                  {id(m) for hm in host_mods for m in hm.modules()})
         self._src = [self.host.tensor[h: h + lay.nbytes] for h, lay in zip(host_offsets, self._layouts)]
+        if schedule.slot_bytes:
+            self._packed = self._pack_units(schedule.slot_bytes)
         if self.arena_at_build:
             self.onload()
         self._issue_after: dict[int, list[int]] = {}
@@ -206,6 +230,31 @@ class BlockStreamer:
                 if buf is not None:
                     setattr(mod, name, buf.to(self.device))
 
+    def _pack_units(self, slot_bytes: int) -> list[Optional[PackedUnit]]:
+        """Each streamed unit's packed copy, or None where it does not pack smaller within the slot (module
+        docstring); all None when the host lacks the memory for them."""
+        plain = sum(lay.nbytes for lay in self._layouts)
+        available = available_host_bytes()
+        if available is not None and packed_host_estimate(plain) > HOST_SHARE * available:
+            logger.warning("streamed weights cross unpacked: packing them needs ~%.1f GiB of host memory, %.1f GiB "
+                           "available", packed_host_estimate(plain) / 2 ** 30, available / 2 ** 30)
+            return [None] * len(self._layouts)
+        start, packed = time.perf_counter(), []
+        pin = self.device.type == "cuda"
+        for src in self._src:
+            limit = min(slot_bytes, int(0.9 * src.numel()))
+            packed.append(pack_words(src.view(torch.int16), device=self.device, pin=pin, limit_bytes=limit))
+        moved = sum(p.nbytes if p is not None else lay.nbytes for p, lay in zip(packed, self._layouts))
+        logger.info("packed %d of %d streamed blocks in %.1f s: %.2f GB cross per forward instead of %.2f GB",
+                    sum(p is not None for p in packed), len(packed), time.perf_counter() - start, moved / 1e9,
+                    plain / 1e9)
+        return packed
+
+    @property
+    def packed_units(self) -> int:
+        """How many streamed units cross packed."""
+        return sum(p is not None for p in self._packed)
+
     # ----------------------------------------------------------------- staging ring
     def onload(self) -> None:
         """Allocate the staging ring on the device and make each streamed parameter a fixed view of its slice (at
@@ -218,6 +267,8 @@ class BlockStreamer:
                 for p, av in zip(params, lay.views(arena, aoff)):
                     p.data = av
         self._dst = [arena[a: a + lay.nbytes] for a, lay in zip(self.schedule.offsets, self._layouts)]
+        ring = self.schedule.ring_bytes
+        self._slot = arena[ring: ring + self.schedule.slot_bytes] if self.schedule.slot_bytes else None
         self.arena = arena
 
     def offload(self) -> None:
@@ -230,6 +281,7 @@ class BlockStreamer:
             for p, hv in self._host_param_views:
                 p.data = hv
         self._dst = []
+        self._slot = None
         self.arena = None
 
     # ----------------------------------------------------------------- hooks
@@ -246,7 +298,11 @@ class BlockStreamer:
         if self.arena is None:  # no staging ring (outside the stage): streamed weights are their host copies
             return
         for k in ks:
-            self.copier.copy(self._dst[k], self._src[k], k)
+            packed = self._packed[k] if self._packed else None
+            if packed is not None and self._slot is not None:
+                self.copier.copy_packed(self._dst[k], packed, self._slot, k)
+            else:
+                self.copier.copy(self._dst[k], self._src[k], k)
             self.copies_issued += 1
 
     def _begin(self, module, args) -> None:
@@ -328,7 +384,11 @@ class BlockStreamer:
                         setattr(mod, name, buf.cpu())
         self._host_param_views = []
         self._src, self._dst = [], []
-        self.arena = None
+        self.arena = self._slot = None
         self.resident = None
+        for packed in self._packed:
+            if packed is not None:
+                packed.host.release()
+        self._packed = []
         if self.host is not None:
             self.host.release()
