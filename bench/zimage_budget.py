@@ -7,7 +7,9 @@ Invariants
 - The cap is ``memory.cap.allocator_cap`` at the budget (PyTorch's ``set_per_process_memory_fraction``): a side that
   needs more fails with out of memory instead of passing quietly. Peak reserved memory is read back as well.
 - Times are prompt -> latent end to end, 9 steps at 1024x1024, cfg 1, as the resident case; the ratio targets compare
-  with the resident ``cuda_graph`` time of the same run (``resident_ms``).
+  with the resident ``cuda_graph`` time of the same run (``resident_ms``). Ours asks for ``cuda_graph`` as a user
+  would; a DiT that streams steps eagerly whatever it asks (``sampling.dit_steps.streams_weights``), and bf16
+  weights cross packed where the plan says so (``memory/packed_weights.py``).
 - Smoke mode (the CPU): the tiny Z-Image of the suite's resident part (same seed) through the same code; no cap.
 """
 from __future__ import annotations

@@ -14,9 +14,9 @@ Invariants (an engine whose plan is budgeted -- policy ``stream`` -- on a CUDA d
   call (``text_activation_at``), not of the plan's longest prompt, so a short prompt keeps the graphs. The UNet
   stage keeps them when it replays them; an eager UNet run releases them when
   they would leave its activations (the plan's estimate) no room (``ensure_room``).
-- A text or VAE stage that released them records itself on the placement (``graphs_released_by``): the budget has
-  shown it cannot hold a graph beside that stage, so every later run would capture again only to lose the graph
-  (the DiT samplers then run eagerly: ``sampling.loop.resolve_acceleration``).
+- A graph runner remembers which of its graphs a release dropped (``GraphRunner.was_released``): a DiT sampler
+  asked to capture such a graph again steps eagerly instead, since each later run would capture it only to lose
+  it at the same stage (``sampling.dit_steps.prepare_dit_steps``).
 - ``room_bytes``: what the cap leaves now for the running stage's working memory (after the loader's headroom);
   the Tiled VAE Decode / Encode size their tiles from it (``vae.targets``).
 
@@ -135,10 +135,7 @@ def make_room(placement, stage: str, cap: int, text_shape: Optional[tuple[int, i
         return False
     activations = text_activation_at(placement, text_shape) if stage == "text" else None
     need = placement.budget.entering_bytes(stage, activations) + STAGE_FLOOR_BYTES[stage]
-    released = _release_if_short(placement, need, cap, f"{stage} stage")
-    if released:
-        placement.graphs_released_by = f"{stage} stage"
-    return released
+    return _release_if_short(placement, need, cap, f"{stage} stage")
 
 
 def ensure_room(engine, need_bytes: int, what: str) -> bool:

@@ -61,7 +61,6 @@ class ModelPlacement:
         self.text_dtype = DTYPES[plan.text_dtype] if plan.text_dtype in DTYPES else config.dtype
         self.measured: dict[str, tuple[int, bool]] = {}
         self.epoch = 0
-        self.graphs_released_by: Optional[str] = None  # the budget stage that dropped the model's graphs (budget.py)
         self.streamer: Optional[BlockStreamer] = None
         self._swaps: dict[str, list[ModuleSwap]] = {}
         self._live = False

@@ -13,8 +13,8 @@ Per policy (``T``, ``U``, ``V``: text, UNet, VAE weight bytes; ``act``: the UNet
   own, ``vision_units.py``) streams block by block through a ring held only while its stage runs, the UNet planned
   again with ``room = max(act, text ring + ta)`` and the encoder's norm always resident (or, where that costs the
   UNet less, stays whole with ``room = T + ta``); encoders that cannot stream (CLIP) run on the CPU. With bf16
-  weights on CUDA the UNet's and the text encoder's rings carry a packed staging slot (``packed_weights.py``,
-  ``stream_schedule.py``): their streamed weights cross packed, losslessly.
+  weights on CUDA the rings of stages whose steps wait on their copies (``stream_schedule.copy_bound``) carry
+  packed staging slots (``packed_weights.py``): their streamed weights cross packed, losslessly.
   A budget below the working minimum (``stream_minimum_bytes``) is refused with that number.
 - ``auto``: the first of full > balanced > lowvram whose peak fits ``free_vram.usable_free_bytes``, else ``stream``
   at that many bytes (on the CPU: ``full``).
@@ -36,10 +36,10 @@ from .engine import ModelParts, modules_of_stage
 from .families import family_defaults
 from .fp8_weights import storage_name
 from .free_vram import FREE_FRACTION, usable_free_bytes
-from .packed_weights import slot_bytes_for, slot_fraction
+from .packed_weights import slot_bytes_for, slot_count, slot_fraction
 from .plan import GiB, MemoryPlan, activation_bytes, gb, module_bytes
 from .policy_config import PolicyConfig, VramPolicy, dtype_name
-from .stream_schedule import StreamSchedule, minimum_arena_bytes, plan_all_streamed, plan_schedule
+from .stream_schedule import StreamSchedule, copy_bound, minimum_arena_bytes, plan_all_streamed, plan_schedule
 from .text_units import TEXT_TOKENS, TextStream, text_stream
 from .units import trace_units
 from .vram_budget import HEADROOM, StageMode, VramBudget
@@ -181,7 +181,10 @@ def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optio
                  fractions: Optional[dict] = None) -> _Stream:
     """The ``stream`` plan (module docstring): the UNet's schedule, where the text encoders go, the peaks;
     ``fractions``: the packed slot per stage (``_slot_fractions``; none when not given)."""
-    fractions = fractions or {}
+    fractions = dict(fractions or {})
+    for stage, stage_units in (("unet", units), ("text", text.units if text is not None else ())):
+        if not copy_bound(list(stage_units)):  # copies hide behind its compute: the decode would only cost time
+            fractions[stage] = 0.0
     unet_slot = fractions.get("unet", 0.0)
     T, U, V = sizes["text"], sizes["unet"], sizes["vae"]
     budget = config.budget_bytes
@@ -200,7 +203,9 @@ def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optio
         mode, text_peak = StageMode.WHILE_USED, resident + T + ta
     else:
         # room for the text ring's packed slot too, where the budget holds it beside the UNet's minimum
-        text_slot = slot_bytes_for(max(u.nbytes for u in text.units), fractions.get("text", 0.0))
+        text_fraction = fractions.get("text", 0.0)
+        text_slot = slot_bytes_for(max(u.nbytes for u in text.units), text_fraction,
+                                   slot_count() if text_fraction else 0)
         try:
             schedule, resident, fields = _stream_schedule(config, units, max(act, text.minimum_stage_bytes + text_slot),
                                                           U, text.fixed_bytes, slot=unet_slot)

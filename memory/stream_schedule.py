@@ -19,9 +19,10 @@ Staging arena (the math)
     unit of lead (block k+1 is fetched while block k computes); bigger arenas give more lead.
 
 Packed slot
-    Where streamed weights travel packed (``packed_weights.py``: bf16 on CUDA), the arena also holds one packed
-    staging slot of ``slot_bytes`` after the ring: a unit's packed bytes land there and are decoded into its ring
-    slice. ``arena_bytes`` counts the slot, so every budget sum stays right; a capacity too small for the ring
+    Where streamed weights travel packed (``packed_weights.py``: bf16 on CUDA), the arena also holds ``slots``
+    packed staging slots (``slot_bytes`` in all) after the ring: a unit's packed bytes land in one and are decoded
+    into its ring slice, for a stage whose step waits on its copies (``copy_bound``); a compute-bound stage keeps
+    plain copies (the decode would only take GPU time from it). ``arena_bytes`` counts the slot, so every budget sum stays right; a capacity too small for the ring
     and the slot gets the plain schedule (no slot) instead of a refusal.
 
 Time model
@@ -37,13 +38,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .hostmem import ALIGN, align
-from .packed_weights import ESTIMATED_RATIO, slot_bytes_for
+from .packed_weights import ESTIMATED_RATIO, slot_bytes_for, slot_count
 from .unet_units import Unit
 
 ASSUMED_H2D_BYTES_PER_S = 50e9
 ASSUMED_FLOPS_PER_S = 200e12
 COPY_OVERHEAD_S = 5e-6
 ARENA_MULTIPLES = (3, 4, 6, 8, 12)
+# compute per streamed weight byte (at the working shape) below which a step waits on its copies on an H200-class
+# GPU (~55 GB/s host-to-device against several hundred TFLOP/s): measured copy-bound under ``stream`` at
+# ~10k (Z-Image at 6 GB, Qwen-Image text-to-image at 12 GB), compute-bound at ~24k (Qwen-Image-Edit at 12 GB)
+PACK_BELOW_FLOPS_PER_BYTE = 15_000
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,8 @@ class StreamSchedule:
     arena_bytes: int
     est_step_s: float
     est_compute_s: float
-    slot_bytes: int = 0  # the packed staging slot at the arena's end (0: plain copies)
+    slot_bytes: int = 0  # the packed staging slots at the arena's end (0: plain copies)
+    slots: int = 0  # how many (``slot_bytes`` is split evenly among them)
 
     @property
     def ring_bytes(self) -> int:
@@ -139,6 +145,12 @@ def simulate(units: list[Unit], streamed: list[int], wait_for: list[int], bw: fl
     return t
 
 
+def copy_bound(units: list[Unit]) -> bool:
+    """Whether streaming ``units`` is expected to wait on the copies (``PACK_BELOW_FLOPS_PER_BYTE``)."""
+    nbytes = sum(u.nbytes for u in units)
+    return nbytes > 0 and sum(u.flops for u in units) / nbytes < PACK_BELOW_FLOPS_PER_BYTE
+
+
 def plan_schedule(units: list[Unit], capacity_bytes: int, slot_fraction: float = 0.0) -> StreamSchedule:
     """Best schedule whose resident units + arena fit ``capacity_bytes`` (raises ``ValueError`` if none fits);
     ``slot_fraction`` > 0 reserves a packed staging slot of that size per byte of the largest unit."""
@@ -166,7 +178,8 @@ def _best_arena(units: list[Unit], capacity_bytes: int, pick, most: Optional[int
     of that many bytes (ring and slot). Without room for the slot, the plain schedule."""
     compute = sum(u.flops for u in units) / ASSUMED_FLOPS_PER_S
     biggest = max(u.nbytes for u in units)
-    slot = slot_bytes_for(biggest, slot_fraction)
+    slots = slot_count() if slot_fraction > 0 else 0
+    slot = slot_bytes_for(biggest, slot_fraction, slots)
     ratio = ESTIMATED_RATIO if slot else 1.0
     best: Optional[StreamSchedule] = None
     for m in ARENA_MULTIPLES:
@@ -177,7 +190,7 @@ def _best_arena(units: list[Unit], capacity_bytes: int, pick, most: Optional[int
         offsets, wait_for = ring_layout(units, streamed, ring)
         est = simulate(units, streamed, wait_for, copy_ratio=ratio)
         cand = StreamSchedule(tuple(units), tuple(streamed), tuple(offsets), tuple(wait_for), ring + slot, est,
-                              compute, slot)
+                              compute, slot, slots)
         if best is None or est < best.est_step_s * 0.98:
             best = cand
     if best is None and slot:

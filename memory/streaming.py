@@ -18,12 +18,14 @@ Invariants
   no ``.item()``, so the whole forward, copies included, can be captured into a CUDA graph (fork/join through
   events is how CUDA graphs express multi-stream work). On the CPU the same schedule runs with synchronous copies
   and no events.
-- Packed units: when the schedule reserves a packed staging slot (``StreamSchedule.slot_bytes``), each streamed
-  unit is also packed at build (``packed_weights.py``, lossless) into its own pinned host buffer; its copy is then
-  the packed bytes into the slot followed by the decode into its ring slice, both on ``S`` before ``ready[k]``
-  (``S`` orders the next unit's copy into the slot after this decode). Units that do not pack smaller, or a host
-  without the memory for the packed copies, keep plain copies. The plain pinned host copy stays either way: it is
-  what ``host_copy`` returns and what ``remove`` restores.
+- Packed units: when the schedule reserves packed staging slots (``StreamSchedule.slot_bytes``, ``slots`` of
+  them), each streamed unit is also packed at build (``packed_weights.py``, lossless) into its own pinned host
+  buffer. Its copy is then: on ``S``, wait until the previous unit using the same slot (packed units alternate
+  slots) has decoded, copy the packed bytes into the slot, record ``copied[k]``; on a second side stream ``D``,
+  wait ``copied[k]``, decode into its ring slice, record ``ready[k]``. So the copy engine fills one slot while the
+  other decodes; ``D`` forks and joins with ``C`` like ``S``. Units that do not pack smaller, or a host without the
+  memory for the packed copies, keep plain copies. The plain pinned host copy stays either way: it is what
+  ``host_copy`` returns and what ``remove`` restores.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch
 from .host_memory import HOST_SHARE, available_host_bytes
 from .hostmem import ALIGN, FlatLayout, PinnedBuffer
 from .packed_weights import PackedUnit, pack_words, packed_host_estimate
+from .stream_copies import CudaCopier, SyncCopier
 from .stream_schedule import StreamSchedule
 from .unet_units import unit_params
 
@@ -50,88 +53,6 @@ def host_copy(param: torch.Tensor) -> Optional[torch.Tensor]:
     tensor is a slot of the staging ring: its contents are that parameter's only inside its unit's forward, so code
     that reads weights outside a forward (the DoRA gain, ``lora/dora_forward.py``) reads this copy instead."""
     return getattr(param, HOST_COPY_ATTR, None)
-
-
-# --------------------------------------------------------------------------------------------- runtime
-class _SyncCopier:
-    """CPU (or any synchronous) copy engine: the same schedule, copies happen at issue time."""
-
-    def begin(self) -> None:
-        return None
-
-    def before(self, k: int) -> None:
-        return None
-
-    def after(self, j: int) -> None:
-        return None
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, k: int) -> None:
-        dst.copy_(src)
-
-    def copy_packed(self, dst: torch.Tensor, packed: PackedUnit, slot: torch.Tensor, k: int) -> None:
-        slot[: packed.nbytes].copy_(packed.host.tensor)
-        packed.unpack_into(slot, dst)
-
-    def issue(self, fn) -> None:
-        fn()
-
-    def end(self) -> None:
-        return None
-
-
-class _CudaCopier:
-    """Side-stream copy engine with fork/join events (capture-safe; see the module docstring)."""
-
-    def __init__(self, device: torch.device, n_units: int, n_streamed: int):
-        self.device = device
-        # high priority: a packed unit's decode kernel gets multiprocessors ahead of the compute stream's kernels
-        self.side = torch.cuda.Stream(device=device, priority=-1)
-        self.fork = torch.cuda.Event()
-        self.join = torch.cuda.Event()
-        self.last = torch.cuda.Event()
-        self.done = [torch.cuda.Event() for _ in range(n_units)]
-        self.ready = [torch.cuda.Event() for _ in range(n_streamed)]
-        self.cur = None
-        self._last_recorded = False
-        cur = torch.cuda.current_stream(device)
-        for ev in [self.fork, self.join, self.last, *self.done, *self.ready]:
-            ev.record(cur)  # create every CUDA event now, never during a capture
-        torch.cuda.current_stream(device).synchronize()
-
-    def begin(self) -> None:
-        self.cur = torch.cuda.current_stream(self.device)
-        if self._last_recorded and not torch.cuda.is_current_stream_capturing():
-            self.cur.wait_event(self.last)  # a forward issued on another stream waits for the previous one
-        self.fork.record(self.cur)
-        self.side.wait_event(self.fork)
-
-    def before(self, k: int) -> None:
-        self.cur.wait_event(self.ready[k])
-
-    def after(self, j: int) -> None:
-        self.done[j].record(self.cur)
-        self.side.wait_event(self.done[j])
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, k: int) -> None:
-        with torch.cuda.stream(self.side):
-            dst.copy_(src, non_blocking=True)
-            self.ready[k].record(self.side)
-
-    def copy_packed(self, dst: torch.Tensor, packed: PackedUnit, slot: torch.Tensor, k: int) -> None:
-        with torch.cuda.stream(self.side):
-            slot[: packed.nbytes].copy_(packed.host.tensor, non_blocking=True)
-            packed.unpack_into(slot, dst)
-            self.ready[k].record(self.side)
-
-    def end(self) -> None:
-        if self.cur is None:  # begin never ran (or raised before it had a stream): nothing was forked
-            return
-        self.join.record(self.side)
-        self.cur.wait_event(self.join)
-        self.last.record(self.cur)
-        # an event recorded during a capture is not a real record outside it: only eager forwards chain on it
-        self._last_recorded = not torch.cuda.is_current_stream_capturing()
-        self.cur = None
 
 
 class BlockStreamer:
@@ -160,7 +81,9 @@ class BlockStreamer:
         self._src, self._dst = [], []
         self._streamed, self._layouts = [], []
         self._packed: list[Optional[PackedUnit]] = []  # per streamed unit, its packed copy (None: plain copies)
-        self._slot: Optional[torch.Tensor] = None
+        self._slots: list[torch.Tensor] = []  # the packed staging slots (views of the arena's end)
+        self._slot_users: list[Optional[int]] = [None] * schedule.slots  # per slot, its last unit in this forward
+        self._packed_issued = 0
         self.host = self.arena = self.resident = None
         self.copies_issued = 0
         self._cursor = 0
@@ -211,7 +134,7 @@ class BlockStreamer:
             self._issue_after.setdefault(j, []).append(k)
         self._kpos = {i: k for k, i in enumerate(schedule.streamed)}
         n = len(schedule.streamed)
-        self.copier = _CudaCopier(self.device, len(order), n) if self.device.type == "cuda" else _SyncCopier()
+        self.copier = CudaCopier(self.device, len(order), n) if self.device.type == "cuda" else SyncCopier()
         self._install_hooks(modules)
 
     def _place_resident(self, resident: list, host_module_ids: set) -> None:
@@ -242,7 +165,7 @@ class BlockStreamer:
         start, packed = time.perf_counter(), []
         pin = self.device.type == "cuda"
         for src in self._src:
-            limit = min(slot_bytes, int(0.9 * src.numel()))
+            limit = min(slot_bytes // self.schedule.slots, int(0.9 * src.numel()))
             packed.append(pack_words(src.view(torch.int16), device=self.device, pin=pin, limit_bytes=limit))
         moved = sum(p.nbytes if p is not None else lay.nbytes for p, lay in zip(packed, self._layouts))
         logger.info("packed %d of %d streamed blocks in %.1f s: %.2f GB cross per forward instead of %.2f GB",
@@ -267,8 +190,9 @@ class BlockStreamer:
                 for p, av in zip(params, lay.views(arena, aoff)):
                     p.data = av
         self._dst = [arena[a: a + lay.nbytes] for a, lay in zip(self.schedule.offsets, self._layouts)]
-        ring = self.schedule.ring_bytes
-        self._slot = arena[ring: ring + self.schedule.slot_bytes] if self.schedule.slot_bytes else None
+        ring, slots = self.schedule.ring_bytes, self.schedule.slots
+        each = self.schedule.slot_bytes // slots if slots else 0
+        self._slots = [arena[ring + i * each: ring + (i + 1) * each] for i in range(slots)] if each else []
         self.arena = arena
 
     def offload(self) -> None:
@@ -281,7 +205,7 @@ class BlockStreamer:
             for p, hv in self._host_param_views:
                 p.data = hv
         self._dst = []
-        self._slot = None
+        self._slots = []
         self.arena = None
 
     # ----------------------------------------------------------------- hooks
@@ -299,8 +223,11 @@ class BlockStreamer:
             return
         for k in ks:
             packed = self._packed[k] if self._packed else None
-            if packed is not None and self._slot is not None:
-                self.copier.copy_packed(self._dst[k], packed, self._slot, k)
+            if packed is not None and self._slots:
+                i = self._packed_issued % len(self._slots)
+                self.copier.copy_packed(self._dst[k], packed, self._slots[i], k, self._slot_users[i])
+                self._slot_users[i] = k
+                self._packed_issued += 1
             else:
                 self.copier.copy(self._dst[k], self._src[k], k)
             self.copies_issued += 1
@@ -314,6 +241,8 @@ class BlockStreamer:
     def _start(self) -> None:
         self._active = True
         self._cursor = 0
+        self._packed_issued = 0  # forward-local: no wait on a previous forward's decodes (the fork orders them)
+        self._slot_users = [None] * self.schedule.slots
         self.copier.begin()
         self._issue(self._issue_after.get(-1, []))
 
@@ -384,7 +313,8 @@ class BlockStreamer:
                         setattr(mod, name, buf.cpu())
         self._host_param_views = []
         self._src, self._dst = [], []
-        self.arena = self._slot = None
+        self.arena = None
+        self._slots = []
         self.resident = None
         for packed in self._packed:
             if packed is not None:

@@ -6,7 +6,13 @@ Invariants
   (reads and writes only its buffers, no host synchronisation), ``sample`` (the float32 state) and ``dit_fn`` (the
   transformer call ``step()`` makes). ``none`` runs ``step()``; ``cuda_graph`` and ``compile+cuda_graph`` replay the
   graph the runner captured for the key (``graph_runner.GraphRunner.step_for``), so a cached graph serves every run
-  whose key matches and only the buffers' values change.
+  whose key matches and only the buffers' values change. A key whose graph a budgeted stage dropped in an earlier
+  run (``GraphRunner.was_released``) runs eagerly instead, the same latent: each run would otherwise capture it
+  again (several steps' worth of time) only to lose it at the same stage, while a DiT step is long enough that
+  replaying it gains little. Another key (a shorter prompt, another batch) still captures and may keep its graph.
+- A DiT whose blocks stream at every step (``streams_weights``) steps eagerly whatever the acceleration, the same
+  latent: its step is bound by the weight copies, and on Z-Image at 6 GB with packed copies the replayed graph
+  took 1.6 s where the eager steps took 1.4 s (plain copies: equal).
 - ``dit_fn`` is bound for the duration of a run only: a cached program must not keep its engine alive (the cache
   is weak in the model); a real CUDA graph replays without calling it.
 - ``bridge.check_interrupted()`` runs before every step, ``on_step(i)`` after step ``i`` was enqueued; on the GPU the
@@ -15,6 +21,7 @@ Invariants
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
@@ -26,6 +33,8 @@ from .graph_runner import GraphRunner, default_runner
 from .loop import bound_run_ahead
 from .settings import Acceleration
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class PreparedDitSteps:
@@ -36,18 +45,32 @@ class PreparedDitSteps:
     coeffs: torch.Tensor  # [steps, k] float32 on the device: each step's coefficients
 
 
+def streams_weights(engine: LeanEngine) -> bool:
+    """Whether the engine's denoiser streams blocks from the host at every step (``stream`` left some out)."""
+    streamer = getattr(engine.placement, "streamer", None)
+    return streamer is not None and bool(streamer.schedule.streamed)
+
+
 def prepare_dit_steps(engine: LeanEngine, mode: str, key: Hashable, build: Callable[[Callable], Any],
                       prepare: Callable[[Any], None], eager_fn: Callable, compiled_fn: Callable[[], Callable],
                       runner: Optional[GraphRunner], timesteps: torch.Tensor,
                       coeffs: torch.Tensor) -> PreparedDitSteps:
     """The program for ``mode`` (a resolved acceleration), loaded by ``prepare``: built and run eagerly, or the
     runner's captured one for ``key`` (``compiled_fn()`` gives the compiled transformer call)."""
+    runner = runner if runner is not None else default_runner()
+    compiled = mode == Acceleration.COMPILE.value
+    if mode != Acceleration.NONE.value and streams_weights(engine):
+        logger.info("acceleration=%r: the DiT's weights stream under the VRAM budget, so its steps are bound by the "
+                    "copies; running them eagerly (the same result; a replayed graph measured slower)", mode)
+        mode = Acceleration.NONE.value
+    if mode != Acceleration.NONE.value and runner.was_released(engine, key, compiled):
+        logger.info("acceleration=%r: a stage released this step's CUDA graph to fit the VRAM budget in an earlier "
+                    "run, so each run would capture it again; running the DiT steps eagerly (the same result)", mode)
+        mode = Acceleration.NONE.value
     if mode == Acceleration.NONE.value:
         program = build(eager_fn)
         prepare(program)
         return PreparedDitSteps(program, program.step, eager_fn, timesteps, coeffs)
-    runner = runner if runner is not None else default_runner()
-    compiled = mode == Acceleration.COMPILE.value
     fn = compiled_fn() if compiled else eager_fn
     captured = runner.step_for(engine, key, lambda: build(fn), prepare, compiled=compiled)
     return PreparedDitSteps(captured.program, captured.replay, fn, timesteps, coeffs)

@@ -128,6 +128,8 @@ class GraphRunner:
             raise ValueError(f"max_graphs={max_graphs}: expected >= 1 (set {ENV_MAX_GRAPHS} to a positive int)")
         self.max_graphs = max_graphs
         self._cache: "weakref.WeakKeyDictionary[Any, _PartsCache]" = weakref.WeakKeyDictionary()
+        # per model, the keys of graphs a budgeted stage dropped (``release_device_memory``; ``was_released``)
+        self._released: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
         register_device_cache(self)  # a budgeted stage may need the graphs' pools back (memory/budget.py)
 
     def captures(self, engine: LeanEngine) -> int:
@@ -144,8 +146,10 @@ class GraphRunner:
         if engine is None:
             dropped = [entry for entry in self._cache.values() if entry.graphs]
             self._cache = weakref.WeakKeyDictionary()
+            self._released = weakref.WeakKeyDictionary()
         else:
             dropped = [self._cache.pop(engine.parts, None)]
+            self._released.pop(engine.parts, None)
         self._after_drop(dropped)
 
     def _after_drop(self, dropped: list) -> None:
@@ -158,8 +162,17 @@ class GraphRunner:
             forget_library_workspaces(device)
 
     def release_device_memory(self, parts: Any) -> None:
-        """Drop the graphs cached for the model ``parts`` (``memory.budget``'s device-cache protocol)."""
-        self._after_drop([self._cache.pop(parts, None)])
+        """Drop the graphs cached for the model ``parts`` (``memory.budget``'s device-cache protocol), remembering
+        their keys (``was_released``)."""
+        entry = self._cache.pop(parts, None)
+        if entry is not None and entry.graphs:
+            self._released.setdefault(parts, set()).update(entry.graphs)
+        self._after_drop([entry])
+
+    def was_released(self, engine: LeanEngine, key: Hashable, compiled: bool = False) -> bool:
+        """Whether this runner captured the step ``key`` of the engine's model and a budgeted stage then dropped it:
+        under that budget the next capture of it would be lost at the same stage again."""
+        return graph_key(engine, key, compiled) in self._released.get(engine.parts, ())
 
     def step_for(self, engine: LeanEngine, key: Hashable, build: Callable[[], StepProgram],
                  prepare: Callable[[StepProgram], None], compiled: bool = False) -> CapturedStep:

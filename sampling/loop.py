@@ -39,7 +39,6 @@ from .. import bridge
 from ..kernels.dispatch import triton_unusable_reason
 from ..memory.budget import ensure_room
 from ..memory.engine import LeanEngine
-from ..memory.families import is_dit_family
 from . import ddim
 from .cfg import Conditioning, encode_conditioning, unet_calls
 from .fallback import ChunkNoise, attempts, conditioning_rows, run_with_fallback
@@ -147,10 +146,7 @@ def _denoise_degrading(engine: LeanEngine, conditioning: Conditioning, x_init: t
 def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional[GraphRunner]) -> str:
     """The acceleration that can run here: CUDA graphs need a CUDA device (or a test backend); compile needs a
     placement whose budget allows it (``VramBudget.supports_compile``) and, on a CUDA device, a usable Triton
-    (installed, compute capability 7.0+); a DiT whose graph a text or VAE stage released under the hard budget
-    (``placement.graphs_released_by``) runs eagerly, the same latent: every later run would otherwise capture again
-    (several steps' worth of time) and lose the graph at that stage, while a DiT step is long enough that replaying
-    it gains little. Fallbacks are logged."""
+    (installed, compute capability 7.0+). Fallbacks are logged."""
     if acceleration == Acceleration.NONE.value:
         return acceleration
     cuda_backend = runner is None or getattr(runner.backend, "name", "") == "cuda"
@@ -168,11 +164,6 @@ def resolve_acceleration(engine: LeanEngine, acceleration: str, runner: Optional
             logger.warning("acceleration='compile+cuda_graph' needs Triton for torch.compile on the GPU, but %s; "
                            "using cuda_graph without compile", reason)
             return Acceleration.CUDA_GRAPH.value
-    released = getattr(placement, "graphs_released_by", None)
-    if released and placement.budget.hard and is_dit_family(engine.family):
-        logger.info("acceleration=%r: the %s released this model's CUDA graph to fit the VRAM budget, so each run "
-                    "would capture it again; running the DiT steps eagerly (the same result)", acceleration, released)
-        return Acceleration.NONE.value
     return acceleration
 
 

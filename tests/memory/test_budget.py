@@ -145,18 +145,6 @@ def test_vae_stage_releases_cached_graphs_when_their_pools_leave_no_room(fake_cu
     assert fake_cuda.reserved == 1 * GiB + 100 * MiB
 
 
-def test_the_stage_that_released_the_graphs_is_recorded_on_the_placement(fake_cuda):
-    """The DiT samplers read it (``sampling.loop.resolve_acceleration``): a stage that found room records nothing."""
-    placement = _placement(text=StageMode.WHILE_USED)
-    fake_cuda.reserved = 1 * GiB
-    GraphCache(fake_cuda, placement.parts, 600 * MiB)
-    roomy = _placement(budget_bytes=4 * GiB, text=StageMode.WHILE_USED)
-    assert budget.make_room(roomy, "vae", 4 * GiB) is False
-    assert getattr(roomy, "graphs_released_by", None) is None
-    assert budget.make_room(placement, "text", 2 * GiB) is True
-    assert placement.graphs_released_by == "text stage"
-
-
 def test_text_stage_releases_cached_graphs_when_its_weights_would_not_fit(fake_cuda):
     """2 GiB budget: 1.0 GiB held + a 0.6 GiB graph pool; the text encoders bring 500 MiB + the 128 MiB floor onto
     the device (0.63 GiB > the 0.4 GiB left), so the text stage, not only the VAE's, drops the graphs first."""

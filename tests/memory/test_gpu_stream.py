@@ -144,7 +144,7 @@ def test_budget_error_and_failed_build_leave_nothing_allocated(sdxl_unet, monkey
         def __init__(self, *a, **k):
             raise RuntimeError("injected failure after arena and resident buffers were allocated")
 
-    monkeypatch.setattr(streaming, "_CudaCopier", Broken)
+    monkeypatch.setattr(streaming, "CudaCopier", Broken)
     with pytest.raises(RuntimeError, match="injected"):
         apply_vram_policy(parts, "stream", device="cuda", dtype=torch.float16, vram_budget_gb=4.0)
     torch.cuda.synchronize()

@@ -13,7 +13,7 @@ import torch
 from leandiffusion.memory import planner
 from leandiffusion.memory.engine import parts_from_components
 from leandiffusion.memory.load import build_engine
-from leandiffusion.memory.packed_weights import SLOT_FRACTION, slot_bytes_for, slot_fraction
+from leandiffusion.memory.packed_weights import SLOT_FRACTION, slot_bytes_for, slot_count, slot_fraction
 from leandiffusion.memory.stream_schedule import plan_schedule
 from leandiffusion.memory.unet_units import Unit
 from leandiffusion.sampling.flow.loop import sample_flow
@@ -45,31 +45,35 @@ def _parts():
     return parts_from_components(replace_deeper(comps, 1, build), name="tiny-zimage-packed")
 
 
-def _engine(monkeypatch, packed: bool):
+def _engine(monkeypatch, packed: bool, slots: int = 1):
     fraction = SLOT_FRACTION if packed else 0.0
+    monkeypatch.setenv("LEANDIFFUSION_PACKED_SLOTS", str(slots))
     monkeypatch.setattr(planner, "slot_fraction", lambda device, dtype: fraction if dtype == torch.bfloat16 else 0.0)
     parts = _parts()
-    # the working minimum in bf16 plus a third of the DiT: some blocks resident, the rest and the text streamed
+    # the working minimum in bf16 plus 40% (60% with two slots) of the DiT: the DiT's and the text's packed slots
+    # fit, some DiT blocks stay resident, the rest and the text stream
     minimum = stream_working_minimum_gb(parts, "cpu", dtype=torch.bfloat16, working_shape=WORKING_SHAPE)
-    budget = minimum + 0.3 * module_bytes(parts.unet, torch.bfloat16) / GiB
+    budget = minimum + (0.2 + 0.2 * slots) * module_bytes(parts.unet, torch.bfloat16) / GiB
     return build_engine(parts, "stream", budget, weight_dtype="bf16", vae_dtype="fp32", device="cpu",
                         working_shape=WORKING_SHAPE)
 
 
-def test_packed_streaming_gives_the_latent_of_plain_streaming(monkeypatch):
+@pytest.mark.parametrize("slots", [1, 2])
+def test_packed_streaming_gives_the_latent_of_plain_streaming(monkeypatch, slots):
     plain = _engine(monkeypatch, packed=False)
     assert plain.placement.plan.packed_slot_bytes == 0
     want = sample_flow(plain, SETTINGS, quiet=True)["samples"]
 
-    engine = _engine(monkeypatch, packed=True)
+    engine = _engine(monkeypatch, packed=True, slots=slots)
     plan, placement = engine.placement.plan, engine.placement
     assert plan.unet_mode == "stream" and plan.text_mode == "stream"
-    assert plan.packed_slot_bytes == placement.schedule.slot_bytes > 0
+    assert plan.packed_slot_bytes == placement.schedule.slot_bytes > 0 and placement.schedule.slots == slots
     assert plan.text_packed_slot_bytes == placement.text_schedule.slot_bytes > 0
     assert max(plan.peaks.values()) <= plan.budget_bytes
     assert "cross packed losslessly" in engine.plan
     dit_streamer = placement.streamer
     assert dit_streamer.packed_units == len(placement.schedule.streamed) > 0
+    assert len(placement.schedule.streamed) < plan.total_units  # some blocks stay resident
     for _ in range(2):  # the second run reuses the ring and the slot
         assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)
     packed_text = [s.packed_units for s in placement._swaps["text"]]
@@ -77,9 +81,10 @@ def test_packed_streaming_gives_the_latent_of_plain_streaming(monkeypatch):
     removed_to_plain(engine)
 
 
-def test_the_schedule_reserves_the_slot_after_the_ring_or_goes_plain():
+def test_the_schedule_reserves_the_slot_after_the_ring_or_goes_plain(monkeypatch):
+    monkeypatch.delenv("LEANDIFFUSION_PACKED_SLOTS", raising=False)
     units = [Unit(f"b{i}", 1024 * 512, 1e9) for i in range(8)]
-    slot = slot_bytes_for(1024 * 512, SLOT_FRACTION)
+    slot = slot_bytes_for(1024 * 512, SLOT_FRACTION, slot_count())
     sched = plan_schedule(units, 7 * 1024 * 512, SLOT_FRACTION)
     assert sched.slot_bytes == slot and sched.arena_bytes == sched.ring_bytes + slot
     assert all(off + 1024 * 512 <= sched.ring_bytes for off in sched.offsets)  # no unit lands in the slot
@@ -98,3 +103,16 @@ def test_packing_is_for_bf16_on_cuda_and_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("LEANDIFFUSION_PACKED_STREAMING", "maybe")
     with pytest.raises(ValueError, match="LEANDIFFUSION_PACKED_STREAMING='maybe'"):
         slot_fraction(torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setenv("LEANDIFFUSION_PACKED_SLOTS", "3")
+    with pytest.raises(ValueError, match="LEANDIFFUSION_PACKED_SLOTS='3': expected 1 or 2"):
+        slot_count()
+
+
+def test_only_stages_that_wait_on_their_copies_pack():
+    """A stage's compute per streamed byte decides (``stream_schedule.copy_bound``): Qwen-Image-Edit's DiT at 12 GB
+    is compute-bound (plain copies, more of it resident), its text encoder and Z-Image's DiT are not."""
+    from leandiffusion.memory.stream_schedule import PACK_BELOW_FLOPS_PER_BYTE, copy_bound
+
+    light = [Unit("a", 1000, 0.5 * PACK_BELOW_FLOPS_PER_BYTE * 1000)]
+    heavy = [Unit("a", 1000, 2 * PACK_BELOW_FLOPS_PER_BYTE * 1000)]
+    assert copy_bound(light) and not copy_bound(heavy) and not copy_bound([])

@@ -297,7 +297,7 @@ def test_failed_stream_build_leaves_model_whole(monkeypatch):
         def __init__(self):
             raise RuntimeError("injected failure after the arena and resident buffers exist")
 
-    monkeypatch.setattr(streaming, "_SyncCopier", Broken)
+    monkeypatch.setattr(streaming, "SyncCopier", Broken)
     parts = tiny_parts("sd1")
     with pytest.raises(RuntimeError, match="injected"):
         apply_vram_policy(parts, "stream", device="cpu", vram_budget_gb=_stream_budget(parts))

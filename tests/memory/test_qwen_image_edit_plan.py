@@ -73,6 +73,9 @@ def test_every_stage_fits_and_the_vision_tower_streams_in_its_own_ring(parts, bu
     assert fixed <= plan.text_fixed_bytes <= fixed + 64 * 1024  # patch embedding + merger (+ the final norm)
     assert 0 < plan.streamed_units < plan.total_units == 60 and plan.unet_resident_bytes > 0
     assert plan.peaks["text"] == budget.resident_bytes + plan.text_arena_bytes + plan.text_activation_bytes
+    # the edit's DiT step is compute-bound (bf16) or stored in fp8: plain copies; the bf16 language model's ring
+    # packs; the vision tower's smallest ring has no room for a slot
+    assert plan.packed_slot_bytes == 0 and vision.slot_bytes == 0 and plan.text_packed_slot_bytes > 0
 
 
 def test_every_budget_from_the_working_minimum_up_keeps_every_stage_within_it(parts):

@@ -72,6 +72,9 @@ def test_at_6_gb_every_stage_fits_and_the_text_encoder_streams(parts):
     dit_block = max(u.nbytes for u in planned.schedule.order)
     assert 0 < plan.streamed_units < plan.total_units == 34 and plan.unet_resident_bytes > 2 * dit_block
     assert 6 * GiB - max(plan.peaks.values()) < dit_block  # the DiT's resident set fills what the stages leave
+    # both stages wait on their copies at this budget: their rings carry packed slots (3/4 of a block each)
+    assert plan.packed_slot_bytes >= 2 * 0.75 * dit_block and plan.text_packed_slot_bytes >= 2 * 0.75 * layer
+    assert plan.arena_bytes >= 3 * dit_block + plan.packed_slot_bytes
     # the typed budget the placement enforces says the same
     assert budget.text is StageMode.STREAM and budget.text_on_device and budget.limit_bytes == 6 * GiB
     assert budget.resident_bytes == (plan.unet_fixed_bytes + plan.unet_resident_bytes + plan.arena_bytes
@@ -81,6 +84,7 @@ def test_at_6_gb_every_stage_fits_and_the_text_encoder_streams(parts):
                           "vae": budget.resident_bytes + plan.vae_bytes}
     assert budget.entering_bytes("text") == plan.text_arena_bytes + plan.text_activation_bytes
     report = plan.render()
+    assert "cross packed losslessly" in report
     assert "streamed 36 of 36 blocks" in report and "embedding table 0.72 GB on the host" in report
     assert "activations+workspace estimate 0.75 GB at 512 tokens" in report
 

@@ -38,22 +38,3 @@ def test_compile_needs_a_usable_triton_on_cuda(monkeypatch, caplog, triton, capa
     assert len(warned) == (expected == GRAPH)
     if warned:
         assert ("not installed" in warned[0]) if not triton else ("6.1" in warned[0])
-
-
-@pytest.mark.parametrize("family, released, hard, expected", [
-    ("qwen_image_edit", "text stage", True, "none"),  # every later run would capture again and lose the graph
-    ("zimage", "vae stage", True, "none"),
-    ("qwen_image_edit", None, True, GRAPH),  # the graph survived the stages: replay it
-    ("qwen_image_edit", "text stage", False, GRAPH),  # no hard budget: nothing releases graphs
-    ("sdxl", "text stage", True, GRAPH),  # a UNet step is short: replaying it pays even after a recapture
-])
-def test_a_dit_whose_graph_a_budget_stage_released_runs_eagerly(caplog, family, released, hard, expected):
-    from leandiffusion.memory.vram_budget import StageMode, VramBudget
-
-    budget = VramBudget(limit_bytes=12 * 2 ** 30 if hard else None, unet=StageMode.STREAM)
-    engine = SimpleNamespace(device=torch.device("cuda", 0), family=family,
-                             placement=SimpleNamespace(name="stream", budget=budget, graphs_released_by=released))
-    with caplog.at_level(logging.INFO, logger="leandiffusion.sampling.loop"):
-        assert resolve_acceleration(engine, GRAPH, None) == expected
-    said = [r.getMessage() for r in caplog.records if "running the DiT steps eagerly" in r.getMessage()]
-    assert len(said) == (expected == "none")
