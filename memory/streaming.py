@@ -155,7 +155,7 @@ class BlockStreamer:
 
     def _pack_units(self, slot_bytes: int) -> list[Optional[PackedUnit]]:
         """Each streamed unit's packed copy, or None where it does not pack smaller within the slot (module
-        docstring); all None when the host lacks the memory for them."""
+        docstring); all None when the host lacks the memory for them or packing runs out of memory."""
         plain = sum(lay.nbytes for lay in self._layouts)
         available = available_host_bytes()
         if available is not None and packed_host_estimate(plain) > HOST_SHARE * available:
@@ -164,9 +164,17 @@ class BlockStreamer:
             return [None] * len(self._layouts)
         start, packed = time.perf_counter(), []
         pin = self.device.type == "cuda"
-        for src in self._src:
-            limit = min(slot_bytes // self.schedule.slots, int(0.9 * src.numel()))
-            packed.append(pack_words(src.view(torch.int16), device=self.device, pin=pin, limit_bytes=limit))
+        try:
+            for src in self._src:
+                limit = min(slot_bytes // self.schedule.slots, int(0.9 * src.numel()))
+                packed.append(pack_words(src.view(torch.int16), device=self.device, pin=pin, limit_bytes=limit))
+        except torch.OutOfMemoryError as exc:  # the device had no room to pack in: plain copies, the same weights
+            for unit in packed:
+                if unit is not None:
+                    unit.host.release()
+            logger.warning("streamed weights cross unpacked: packing them ran out of memory (%s)",
+                           str(exc).splitlines()[0][:160])
+            return [None] * len(self._layouts)
         moved = sum(p.nbytes if p is not None else lay.nbytes for p, lay in zip(packed, self._layouts))
         logger.info("packed %d of %d streamed blocks in %.1f s: %.2f GB cross per forward instead of %.2f GB",
                     sum(p is not None for p in packed), len(packed), time.perf_counter() - start, moved / 1e9,

@@ -116,3 +116,18 @@ def test_only_stages_that_wait_on_their_copies_pack():
     light = [Unit("a", 1000, 0.5 * PACK_BELOW_FLOPS_PER_BYTE * 1000)]
     heavy = [Unit("a", 1000, 2 * PACK_BELOW_FLOPS_PER_BYTE * 1000)]
     assert copy_bound(light) and not copy_bound(heavy) and not copy_bound([])
+
+
+def test_packing_that_runs_out_of_memory_leaves_plain_copies_and_the_same_latent(monkeypatch):
+    """The device (or host) had no room to pack in at load: the engine still loads, every block crosses plain."""
+    from leandiffusion.memory import streaming
+
+    plain = sample_flow(_engine(monkeypatch, packed=False), SETTINGS, quiet=True)["samples"]
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room to pack")
+
+    monkeypatch.setattr(streaming, "pack_words", no_room)
+    engine = _engine(monkeypatch, packed=True)
+    assert engine.placement.schedule.slot_bytes > 0 and engine.placement.streamer.packed_units == 0
+    assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], plain)
