@@ -57,7 +57,8 @@ class LeanEditSampler:
                                                                   "one transformer call) is captured once and "
                                                                   "replayed; compile+cuda_graph: torch.compile the "
                                                                   "transformer blocks first (slow first run). Eager "
-                                                                  "on the CPU."}),
+                                                                  "on the CPU and while the DiT streams under a "
+                                                                  "VRAM budget."}),
             },
             "optional": {
                 "image2": ("IMAGE", {"tooltip": _REFERENCE.format(n=2)}),

@@ -46,7 +46,8 @@ class LeanEditStreamSampler:
                                                        "tooltip": "none: eager; cuda_graph: each batch shape's step "
                                                                   "is captured once and replayed; "
                                                                   "compile+cuda_graph: torch.compile the DiT blocks "
-                                                                  "first (slow first run). Eager on the CPU."}),
+                                                                  "first (slow first run). Eager on the CPU and "
+                                                                  "while the DiT streams under a VRAM budget."}),
                 "max_batch": ("INT", {"default": 0, "min": 0, "max": MAX_BATCH,
                                       "tooltip": "Images denoised together per DiT call. 0 = automatic: as many as the "
                                                  "free VRAM and the loader's budget hold, up to what fills the "

@@ -59,8 +59,9 @@ class LeanFlowSampler:
                                                        "tooltip": "none: eager; cuda_graph: the step is captured "
                                                                   "once and replayed (any prompt of similar length "
                                                                   "replays it); compile+cuda_graph: torch.compile "
-                                                                  "the DiT blocks first (slow first run). Falls "
-                                                                  "back to eager on the CPU."}),
+                                                                  "the DiT blocks first (slow first run). Eager "
+                                                                  "on the CPU and while the DiT streams under a "
+                                                                  "VRAM budget (its copies bound the step)."}),
             },
             "optional": {
                 "latent_image": ("LATENT", {"tooltip": "Optional 16-channel input latent for image-to-image "

@@ -49,7 +49,8 @@ class LeanKSampler:
                                                        "tooltip": "none: eager; cuda_graph: the model call is "
                                                                   "captured once per size and replayed; "
                                                                   "compile+cuda_graph: torch.compile first (slow "
-                                                                  "first run). Eager on the CPU."}),
+                                                                  "first run). Eager on the CPU and while a DiT "
+                                                                  "streams under a VRAM budget."}),
             },
             "optional": {
                 "positive": ("CONDITIONING", {"tooltip": "The conditioning describing what to include (core "
