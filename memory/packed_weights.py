@@ -65,9 +65,10 @@ def slot_count() -> int:
     return int(text)
 
 
-def slot_bytes_for(biggest_unit_bytes: int, fraction: float, slots: int = 1) -> int:
-    """Bytes of ``slots`` packed staging slots for units up to ``biggest_unit_bytes`` (0 without packing)."""
-    return slots * align(int(fraction * biggest_unit_bytes)) if fraction > 0 else 0
+def slot_bytes_for(biggest_unit_bytes: int, fraction: float) -> int:
+    """Bytes of the ``slot_count()`` packed staging slots for units up to ``biggest_unit_bytes`` (0 without
+    packing)."""
+    return slot_count() * align(int(fraction * biggest_unit_bytes)) if fraction > 0 else 0
 
 
 def choose_base(words: torch.Tensor) -> int:

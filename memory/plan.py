@@ -114,7 +114,8 @@ class MemoryPlan:
             lines = [f"  text : {gb(self.text_bytes)} weights: streamed {self.text_streamed_units} of "
                      f"{self.text_total_units} blocks per encoder forward through a {gb(self.text_arena_bytes)} staging "
                      f"ring{_packed(self.text_packed_slot_bytes)} held only while the text stage runs; embedding "
-                     f"table {gb(self.text_host_bytes)} on the host (lookup there), resident {self.text_fixed_bytes / 2 ** 10:.1f} KB"]
+                     f"table {gb(self.text_host_bytes)} on the host (lookup there), resident "
+                     f"{self.text_fixed_bytes / 2 ** 10:.1f} KB"]
         if self.text_activation_bytes:
             lines.append(f"         activations+workspace estimate {gb(self.text_activation_bytes)} at "
                          f"{self.text_tokens} tokens, batch {batch}")

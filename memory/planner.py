@@ -36,7 +36,7 @@ from .engine import ModelParts, modules_of_stage
 from .families import family_defaults
 from .fp8_weights import storage_name
 from .free_vram import FREE_FRACTION, usable_free_bytes
-from .packed_weights import slot_bytes_for, slot_count, slot_fraction
+from .packed_weights import slot_bytes_for, slot_fraction
 from .plan import GiB, MemoryPlan, activation_bytes, gb, module_bytes
 from .policy_config import PolicyConfig, VramPolicy, dtype_name
 from .stream_schedule import StreamSchedule, copy_bound, minimum_arena_bytes, plan_all_streamed, plan_schedule
@@ -203,9 +203,7 @@ def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optio
         mode, text_peak = StageMode.WHILE_USED, resident + T + ta
     else:
         # room for the text ring's packed slot too, where the budget holds it beside the UNet's minimum
-        text_fraction = fractions.get("text", 0.0)
-        text_slot = slot_bytes_for(max(u.nbytes for u in text.units), text_fraction,
-                                   slot_count() if text_fraction else 0)
+        text_slot = slot_bytes_for(max(u.nbytes for u in text.units), fractions.get("text", 0.0))
         try:
             schedule, resident, fields = _stream_schedule(config, units, max(act, text.minimum_stage_bytes + text_slot),
                                                           U, text.fixed_bytes, slot=unet_slot)

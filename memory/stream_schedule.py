@@ -22,8 +22,8 @@ Packed slot
     Where streamed weights travel packed (``packed_weights.py``: bf16 on CUDA), the arena also holds ``slots``
     packed staging slots (``slot_bytes`` in all) after the ring: a unit's packed bytes land in one and are decoded
     into its ring slice, for a stage whose step waits on its copies (``copy_bound``); a compute-bound stage keeps
-    plain copies (the decode would only take GPU time from it). ``arena_bytes`` counts the slot, so every budget sum stays right; a capacity too small for the ring
-    and the slot gets the plain schedule (no slot) instead of a refusal.
+    plain copies (the decode would only take GPU time from it). ``arena_bytes`` counts the slots, so every budget
+    sum stays right; a capacity too small for the ring and the slots gets the plain schedule instead of a refusal.
 
 Time model
     A step costs ~``max(sum_i c_i, S / B)`` when copies hide, where ``c_i`` is unit compute and ``B`` the pinned
@@ -178,8 +178,8 @@ def _best_arena(units: list[Unit], capacity_bytes: int, pick, most: Optional[int
     of that many bytes (ring and slot). Without room for the slot, the plain schedule."""
     compute = sum(u.flops for u in units) / ASSUMED_FLOPS_PER_S
     biggest = max(u.nbytes for u in units)
-    slots = slot_count() if slot_fraction > 0 else 0
-    slot = slot_bytes_for(biggest, slot_fraction, slots)
+    slot = slot_bytes_for(biggest, slot_fraction)
+    slots = slot_count() if slot else 0
     ratio = ESTIMATED_RATIO if slot else 1.0
     best: Optional[StreamSchedule] = None
     for m in ARENA_MULTIPLES:

@@ -29,6 +29,7 @@ import torch
 
 from .. import bridge
 from ..memory.engine import LeanEngine
+from ..memory.families import is_dit_family
 from .graph_runner import GraphRunner, default_runner
 from .loop import bound_run_ahead
 from .settings import Acceleration
@@ -51,6 +52,15 @@ def streams_weights(engine: LeanEngine) -> bool:
     return streamer is not None and bool(streamer.schedule.streamed)
 
 
+def eager_while_streaming(engine: LeanEngine, mode: str) -> str:
+    """``none`` (logged) for a DiT whose blocks stream at every step (module docstring), else ``mode``."""
+    if mode == Acceleration.NONE.value or not is_dit_family(engine.family) or not streams_weights(engine):
+        return mode
+    logger.info("acceleration=%r: the DiT's weights stream under the VRAM budget, so its steps are bound by the "
+                "copies; running them eagerly (the same result; a replayed graph measured slower)", mode)
+    return Acceleration.NONE.value
+
+
 def prepare_dit_steps(engine: LeanEngine, mode: str, key: Hashable, build: Callable[[Callable], Any],
                       prepare: Callable[[Any], None], eager_fn: Callable, compiled_fn: Callable[[], Callable],
                       runner: Optional[GraphRunner], timesteps: torch.Tensor,
@@ -59,10 +69,7 @@ def prepare_dit_steps(engine: LeanEngine, mode: str, key: Hashable, build: Calla
     runner's captured one for ``key`` (``compiled_fn()`` gives the compiled transformer call)."""
     runner = runner if runner is not None else default_runner()
     compiled = mode == Acceleration.COMPILE.value
-    if mode != Acceleration.NONE.value and streams_weights(engine):
-        logger.info("acceleration=%r: the DiT's weights stream under the VRAM budget, so its steps are bound by the "
-                    "copies; running them eagerly (the same result; a replayed graph measured slower)", mode)
-        mode = Acceleration.NONE.value
+    mode = eager_while_streaming(engine, mode)
     if mode != Acceleration.NONE.value and runner.was_released(engine, key, compiled):
         logger.info("acceleration=%r: a stage released this step's CUDA graph to fit the VRAM budget in an earlier "
                     "run, so each run would capture it again; running the DiT steps eagerly (the same result)", mode)

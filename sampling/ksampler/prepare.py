@@ -10,7 +10,7 @@ Invariants
   adapters and weight addresses); cfg lives in a buffer, so changing it never recaptures.
 - The model function is bound for this run only; ``release()`` unbinds it (a cached program must not keep its
   engine alive). A capture that runs out of GPU memory drops this model's graphs and runs eagerly. A DiT whose
-  blocks stream at every step runs eagerly (``dit_steps.streams_weights``: its step is bound by the copies).
+  blocks stream at every step runs eagerly (``dit_steps.eager_while_streaming``).
 """
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ import torch
 
 from ...memory.budget import ensure_room
 from ...memory.engine import LeanEngine
-from ...memory.families import is_dit_family
 from ..cfg import encode_conditioning, unet_calls
 from ..compile import compiled_unet_fn, eager_unet_fn
-from ..dit_steps import streams_weights
+from ..dit_steps import eager_while_streaming
 from ..flow.accel import compiled_dit_fn, eager_dit_fn
 from ..flow.captions import flow_captions
 from ..flow.dit_forward import ImageGrid, caption_capacity, caption_layout
@@ -92,10 +91,7 @@ def prepare_denoiser(engine: LeanEngine, s: KSamplerSettings, x: torch.Tensor, s
         program.set_call(x, sigmas[0])
 
     mode = resolve_acceleration(engine, s.acceleration, runner)
-    if mode != Acceleration.NONE.value and is_dit_family(engine.family) and streams_weights(engine):
-        logger.info("acceleration=%r: the DiT's weights stream under the VRAM budget, so its steps are bound by the "
-                    "copies; running them eagerly (the same result)", mode)
-        mode = Acceleration.NONE.value
+    mode = eager_while_streaming(engine, mode)
     program, advance = None, None
     fn = eager
     if mode != Acceleration.NONE.value:

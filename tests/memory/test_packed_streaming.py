@@ -84,7 +84,7 @@ def test_packed_streaming_gives_the_latent_of_plain_streaming(monkeypatch, slots
 def test_the_schedule_reserves_the_slot_after_the_ring_or_goes_plain(monkeypatch):
     monkeypatch.delenv("LEANDIFFUSION_PACKED_SLOTS", raising=False)
     units = [Unit(f"b{i}", 1024 * 512, 1e9) for i in range(8)]
-    slot = slot_bytes_for(1024 * 512, SLOT_FRACTION, slot_count())
+    slot = slot_bytes_for(1024 * 512, SLOT_FRACTION)
     sched = plan_schedule(units, 7 * 1024 * 512, SLOT_FRACTION)
     assert sched.slot_bytes == slot and sched.arena_bytes == sched.ring_bytes + slot
     assert all(off + 1024 * 512 <= sched.ring_bytes for off in sched.offsets)  # no unit lands in the slot
