@@ -26,6 +26,10 @@ Invariants
   other decodes; ``D`` forks and joins with ``C`` like ``S``. Units that do not pack smaller, or a host without the
   memory for the packed copies, keep plain copies. The plain pinned host copy stays either way: it is what
   ``host_copy`` returns and what ``remove`` restores.
+- Held units (``hold``): for one run, device copies of some streamed units sit in room the run does not need
+  (``memory/spare_room.py``); their per-forward copy runs device to device on ``S`` into the same ring slice, so
+  the forward computes on the same bytes. ``release_held`` drops them; a forward joins ``S`` before it returns, so
+  nothing reads a released copy.
 """
 from __future__ import annotations
 
@@ -84,6 +88,7 @@ class BlockStreamer:
         self._slots: list[torch.Tensor] = []  # the packed staging slots (views of the arena's end)
         self._slot_users: list[Optional[int]] = [None] * schedule.slots  # per slot, its last unit in this forward
         self._packed_issued = 0
+        self._held, self._held_src = None, {}  # ``hold``: one device buffer, and per unit index its view
         self.host = self.arena = self.resident = None
         self.copies_issued = 0
         self._cursor = 0
@@ -181,6 +186,35 @@ class BlockStreamer:
                     plain / 1e9)
         return packed
 
+    def hold(self, room_bytes: int) -> int:
+        """Copy as many streamed units as fit in ``room_bytes`` to the device, in schedule order, for the coming
+        forwards (module docstring); returns the bytes held (0 without a ring, or out of memory)."""
+        self.release_held()
+        if self.arena is None or room_bytes <= 0:
+            return 0
+        chosen, total = [], 0
+        for k, lay in enumerate(self._layouts):
+            size = -(-lay.nbytes // ALIGN) * ALIGN
+            if total + size <= room_bytes:
+                chosen.append((k, total))
+                total += size
+        if not chosen:
+            return 0
+        try:
+            held = torch.empty(total, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:
+            return 0
+        for k, offset in chosen:  # on the compute stream: the next forward forks after these copies
+            view = held[offset: offset + self._src[k].numel()]
+            view.copy_(self._src[k], non_blocking=True)
+            self._held_src[k] = view
+        self._held = held
+        return total
+
+    def release_held(self) -> None:
+        """Forget the held units: their forwards copy from the host again."""
+        self._held, self._held_src = None, {}
+
     @property
     def packed_units(self) -> int:
         """How many streamed units cross packed."""
@@ -215,6 +249,7 @@ class BlockStreamer:
         self._dst = []
         self._slots = []
         self.arena = None
+        self.release_held()
 
     # ----------------------------------------------------------------- hooks
     def _install_hooks(self, modules: dict) -> None:
@@ -231,7 +266,9 @@ class BlockStreamer:
             return
         for k in ks:
             packed = self._packed[k] if self._packed else None
-            if packed is not None and self._slots:
+            if k in self._held_src:
+                self.copier.copy(self._dst[k], self._held_src[k], k)
+            elif packed is not None and self._slots:
                 i = self._packed_issued % len(self._slots)
                 self.copier.copy_packed(self._dst[k], packed, self._slots[i], k, self._slot_users[i])
                 self._slot_users[i] = k
@@ -323,6 +360,7 @@ class BlockStreamer:
         self._src, self._dst = [], []
         self.arena = None
         self._slots = []
+        self.release_held()
         self.resident = None
         for packed in self._packed:
             if packed is not None:

@@ -13,6 +13,9 @@ Invariants
 - A DiT whose blocks stream at every step (``streams_weights``) steps eagerly whatever the acceleration, the same
   latent: its step is bound by the weight copies, and on Z-Image at 6 GB with packed copies the replayed graph
   took 1.6 s where the eager steps took 1.4 s (plain copies: equal).
+- A run whose DiT call has fewer rows (or a smaller latent) than the plan's working shape holds some streamed
+  blocks on the device in the activation room it leaves (``memory.spare_room``), eager steps only; the same
+  latent, fewer bytes over PCIe per step.
 - ``dit_fn`` is bound for the duration of a run only: a cached program must not keep its engine alive (the cache
   is weak in the model); a real CUDA graph replays without calling it.
 - ``bridge.check_interrupted()`` runs before every step, ``on_step(i)`` after step ``i`` was enqueued; on the GPU the
@@ -30,6 +33,7 @@ import torch
 from .. import bridge
 from ..memory.engine import LeanEngine
 from ..memory.families import is_dit_family
+from ..memory.spare_room import streamed_blocks_held
 from .graph_runner import GraphRunner, default_runner
 from .loop import bound_run_ahead
 from .settings import Acceleration
@@ -44,6 +48,8 @@ class PreparedDitSteps:
     dit_fn: Callable
     timesteps: torch.Tensor  # [steps] on the device: each step's timestep input
     coeffs: torch.Tensor  # [steps, k] float32 on the device: each step's coefficients
+    eager: bool = True  # the steps run eagerly (no captured graph)
+    working: Optional[tuple] = None  # (rows, latent_h, latent_w) of the DiT call, for ``streamed_blocks_held``
 
 
 def streams_weights(engine: LeanEngine) -> bool:
@@ -63,10 +69,11 @@ def eager_while_streaming(engine: LeanEngine, mode: str) -> str:
 
 def prepare_dit_steps(engine: LeanEngine, mode: str, key: Hashable, build: Callable[[Callable], Any],
                       prepare: Callable[[Any], None], eager_fn: Callable, compiled_fn: Callable[[], Callable],
-                      runner: Optional[GraphRunner], timesteps: torch.Tensor,
-                      coeffs: torch.Tensor) -> PreparedDitSteps:
+                      runner: Optional[GraphRunner], timesteps: torch.Tensor, coeffs: torch.Tensor,
+                      working: Optional[tuple] = None) -> PreparedDitSteps:
     """The program for ``mode`` (a resolved acceleration), loaded by ``prepare``: built and run eagerly, or the
-    runner's captured one for ``key`` (``compiled_fn()`` gives the compiled transformer call)."""
+    runner's captured one for ``key`` (``compiled_fn()`` gives the compiled transformer call). ``working``: the
+    DiT call's (rows, latent_h, latent_w) where the run may hold streamed blocks in its spare activation room."""
     runner = runner if runner is not None else default_runner()
     compiled = mode == Acceleration.COMPILE.value
     mode = eager_while_streaming(engine, mode)
@@ -77,10 +84,10 @@ def prepare_dit_steps(engine: LeanEngine, mode: str, key: Hashable, build: Calla
     if mode == Acceleration.NONE.value:
         program = build(eager_fn)
         prepare(program)
-        return PreparedDitSteps(program, program.step, eager_fn, timesteps, coeffs)
+        return PreparedDitSteps(program, program.step, eager_fn, timesteps, coeffs, True, working)
     fn = compiled_fn() if compiled else eager_fn
     captured = runner.step_for(engine, key, lambda: build(fn), prepare, compiled=compiled)
-    return PreparedDitSteps(captured.program, captured.replay, fn, timesteps, coeffs)
+    return PreparedDitSteps(captured.program, captured.replay, fn, timesteps, coeffs, False, working)
 
 
 def run_dit_steps(engine: LeanEngine, prepared: PreparedDitSteps, on_step: Callable[[int], None]) -> torch.Tensor:
@@ -90,13 +97,14 @@ def run_dit_steps(engine: LeanEngine, prepared: PreparedDitSteps, on_step: Calla
     in_flight: collections.deque = collections.deque()
     program.dit_fn = prepared.dit_fn
     try:
-        for i in range(prepared.timesteps.shape[0]):
-            bridge.check_interrupted()
-            program.set_step(prepared.timesteps[i], prepared.coeffs[i])
-            prepared.advance()
-            if cuda:
-                bound_run_ahead(in_flight)
-            on_step(i)
-        return program.sample.clone()
+        with streamed_blocks_held(engine, prepared.working if prepared.eager else None):
+            for i in range(prepared.timesteps.shape[0]):
+                bridge.check_interrupted()
+                program.set_step(prepared.timesteps[i], prepared.coeffs[i])
+                prepared.advance()
+                if cuda:
+                    bound_run_ahead(in_flight)
+                on_step(i)
+            return program.sample.clone()
     finally:
         program.dit_fn = None

@@ -108,7 +108,7 @@ def _prepare(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.
 
     key = ("flow", tuple(x.shape), engine.dtype, s.guided, capacity, str(layout.caption_freqs.dtype))
     return prepare_dit_steps(engine, mode, key, build, prepare, eager_dit_fn(dit), lambda: compiled_dit_fn(engine),
-                             runner, timesteps, coeffs)
+                             runner, timesteps, coeffs, working=(len(captions), *x.shape[2:]))
 
 
 def _denoise(engine: LeanEngine, captions: list, x: torch.Tensor, sigmas: torch.Tensor, grid: ImageGrid,

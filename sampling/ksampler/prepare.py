@@ -10,10 +10,12 @@ Invariants
   adapters and weight addresses); cfg lives in a buffer, so changing it never recaptures.
 - The model function is bound for this run only; ``release()`` unbinds it (a cached program must not keep its
   engine alive). A capture that runs out of GPU memory drops this model's graphs and runs eagerly. A DiT whose
-  blocks stream at every step runs eagerly (``dit_steps.eager_while_streaming``).
+  blocks stream at every step runs eagerly (``dit_steps.eager_while_streaming``) and, for the run, holds streamed
+  blocks in the activation room its rows leave unused (``memory.spare_room``), as the Fused Flow Sampler does.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Optional
 
@@ -21,6 +23,7 @@ import torch
 
 from ...memory.budget import ensure_room
 from ...memory.engine import LeanEngine
+from ...memory.spare_room import streamed_blocks_held
 from ..cfg import encode_conditioning, unet_calls
 from ..compile import compiled_unet_fn, eager_unet_fn
 from ..dit_steps import eager_while_streaming
@@ -106,15 +109,21 @@ def prepare_denoiser(engine: LeanEngine, s: KSamplerSettings, x: torch.Tensor, s
             logger.warning("capturing the %s denoiser ran out of GPU memory (%s); dropped this model's cached graphs "
                            "and running eagerly", mode, exc)
             fn = eager
-    if program is None:
+    eager_run = program is None
+    if eager_run:
         if engine.placement.budget.hard:  # cached graphs of other runs must not crowd out an eager run
             ensure_room(engine, engine.placement.budget.activation_bytes, "eager model run")
         program = build(fn)
         prepare(program)
         advance = program.step
     program.model.fn = fn
+    held = contextlib.ExitStack()
+    if flow and eager_run:
+        rows = x.shape[0] * (2 if s.guided else 1)
+        held.enter_context(streamed_blocks_held(engine, (rows, *x.shape[2:])))
 
     def release() -> None:
+        held.close()
         program.model.fn = None
 
     return Denoiser(program, advance), release

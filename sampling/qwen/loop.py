@@ -123,8 +123,10 @@ def _prepare(engine: LeanEngine, text_rows: list, x: torch.Tensor, sigmas: torch
     shapes = None if reference is None else (tuple(layout.reference.shape), reference.shapes)
     key = ("qwen_image", tuple(x.shape), dtype, s.guided, capacity, layout.text_lengths, shapes,
            layout.modulate_index is not None)
+    working = (len(text_rows), *size) if reference is None else None  # the scaled estimate leaves out references
     return prepare_dit_steps(engine, resolve_acceleration(engine, s.acceleration, runner), key, build, prepare,
-                             eager_forward_fn(dit), lambda: compiled_forward_fn(engine), runner, timesteps, coeffs)
+                             eager_forward_fn(dit), lambda: compiled_forward_fn(engine), runner, timesteps, coeffs,
+                             working=working)
 
 
 def denoise_qwen_batch(engine: LeanEngine, text_rows: list, x_init: torch.Tensor, sigmas: torch.Tensor,

@@ -120,3 +120,20 @@ def test_a_short_prompt_under_cuda_graph_steps_the_streamed_dit_eagerly(streamed
     assert torch.equal(first, second)
     peak = _peak_over_base(streamed)
     assert peak <= BUDGET_GB * GiB, f"peak reserved {peak / GiB:.3f} GiB over {BUDGET_GB} GiB"
+
+
+def test_a_one_row_run_holds_streamed_blocks_in_its_spare_room_with_the_same_latent(streamed, capped, monkeypatch):
+    """cfg 1 computes one row where the plan reserved activations for two: the run holds some streamed DiT blocks
+    in the room left (``memory.spare_room``), within the budget, and gives the latent of the same run holding
+    none, bit for bit."""
+    streamer = capped.placement.streamer
+    held, hold = [], streamer.hold
+    monkeypatch.setattr(streamer, "hold", lambda room: held.append(hold(room)) or held[-1])
+    settings = FlowSettings("a red fox in the snow", seed=3, steps=2, cfg=1.0, width=1024, height=1024,
+                            acceleration="none")
+    latent = sample_flow(capped, settings, quiet=True)["samples"]
+    assert held and held[-1] > 0
+    peak = _peak_over_base(streamed)
+    assert peak <= BUDGET_GB * GiB, f"peak reserved {peak / GiB:.3f} GiB over {BUDGET_GB} GiB"
+    monkeypatch.setattr(streamer, "hold", lambda room: 0)
+    assert torch.equal(sample_flow(capped, settings, quiet=True)["samples"], latent)

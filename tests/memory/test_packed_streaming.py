@@ -131,3 +131,27 @@ def test_packing_that_runs_out_of_memory_leaves_plain_copies_and_the_same_latent
     engine = _engine(monkeypatch, packed=True)
     assert engine.placement.schedule.slot_bytes > 0 and engine.placement.streamer.packed_units == 0
     assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], plain)
+
+
+def test_held_blocks_give_the_same_latent_and_really_replace_the_host_copies(monkeypatch):
+    engine = _engine(monkeypatch, packed=True, slots=2)
+    want = sample_flow(engine, SETTINGS, quiet=True)["samples"]
+    streamer = engine.placement.streamer
+    smallest = min(lay.nbytes for lay in streamer._layouts)
+    assert streamer.hold(0) == 0 and streamer.hold(smallest - 1) == 0  # nothing fits
+    held = streamer.hold(10 * 2 ** 30)
+    assert held >= sum(lay.nbytes for lay in streamer._layouts)
+    # the host copies (plain and packed) of every held unit are spoiled: only the held copies can give the latent
+    spoiled = [(src.clone(), src) for src in streamer._src]
+    packed = [(p.host.tensor.clone(), p.host.tensor) for p in streamer._packed if p is not None]
+    for _, src in spoiled + packed:
+        src.fill_(0x7f)
+    try:
+        assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)
+        streamer.release_held()
+        assert not torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)  # the spoil is real
+    finally:
+        for saved, src in spoiled + packed:
+            src.copy_(saved)
+    assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)
+    removed_to_plain(engine)
