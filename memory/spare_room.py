@@ -12,8 +12,8 @@ from every step.
 How much: ``need = WORKSPACE + (plan estimate - WORKSPACE) * rows / plan rows`` (the estimate is linear in the
 rows; tokens per row are at most the plan's when the run's latent is no larger than the plan's, the plan counting
 the longest caption bucket), and the blocks held fit in what the cap leaves beside the live tensors (the
-caching allocator gives cached blocks back before it would go over the cap) less ``need``: read from the
-allocator's counters, no device sync. A run larger than the plan's working shape in any dimension holds nothing. Only under a hard budget
+caching allocator gives cached blocks back before it would go over the cap) less ``need`` and ``MARGIN_BYTES``
+(what an estimate that runs short would use first): read from the allocator's counters, no device sync. A run larger than the plan's working shape in any dimension holds nothing. Only under a hard budget
 (``stream``) on CUDA, for runs that step eagerly (a captured graph would bake the held copies' addresses).
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ from .budget import cap_bytes
 from .plan import WORKSPACE_CUDA
 
 logger = logging.getLogger(__name__)
+
+MARGIN_BYTES = 256 * 2 ** 20
 
 
 def run_activation_bytes(plan_estimate: int, plan_shape: tuple, working: tuple) -> Optional[int]:
@@ -51,7 +53,7 @@ def streamed_blocks_held(engine, working: Optional[tuple]) -> Iterator[int]:
         return
     need = run_activation_bytes(budget.activation_bytes, placement.plan.working_shape, working)
     room = cap_bytes(placement) - budget.headroom_bytes - torch.cuda.memory_allocated(engine.device)
-    held = streamer.hold(room - need) if need is not None else 0
+    held = streamer.hold(room - need - MARGIN_BYTES) if need is not None else 0
     if held:
         logger.info("streamed DiT: %.2f GB of streamed blocks held on the device for this run (its %d rows leave "
                     "that much of the planned activation room free); their copies skip PCIe", held / 1e9,
