@@ -11,10 +11,11 @@ from every step.
 
 How much: ``need = WORKSPACE + (plan estimate - WORKSPACE) * rows / plan rows`` (the estimate is linear in the
 rows; tokens per row are at most the plan's when the run's latent is no larger than the plan's, the plan counting
-the longest caption bucket), and the blocks held fit in what the cap leaves beside the live tensors (the
-caching allocator gives cached blocks back before it would go over the cap) less ``need`` and ``MARGIN_BYTES``
-(what an estimate that runs short would use first): read from the allocator's counters, no device sync. A run larger than the plan's working shape in any dimension holds nothing. Only under a hard budget
-(``stream``) on CUDA, for runs that step eagerly (a captured graph would bake the held copies' addresses).
+the longest caption bucket), and the blocks held fit in what the cap leaves beside the live tensors (the caching
+allocator gives cached blocks back before it would go over the cap) less ``need`` and ``MARGIN_BYTES`` (what an
+estimate that runs short would use first), read from the allocator's counters: no device sync. A run larger than
+the plan's working shape in any dimension holds nothing. Only under a hard budget (``stream``) on CUDA, for runs
+that step eagerly (a captured graph would bake the held copies' addresses).
 """
 from __future__ import annotations
 

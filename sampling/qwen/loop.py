@@ -26,8 +26,8 @@ latents_mean`` per channel):
   ``denoise``; CONDITIONING (``positive_cond`` / ``negative_cond``, Qwen2.5-VL hidden states) replaces its side's
   prompt string: ``conditioning.qwen_text_rows``.
 
-Why hand-written rather than calling the pipeline (the tests' reference): batched CFG over static buffers, CUDA-graph replay, the VRAM policy's sessions
-and the pack's LATENT conventions do not fit its ``__call__``.
+Why hand-written rather than calling the pipeline (the tests' reference): batched CFG over static buffers, CUDA-graph
+replay, the VRAM policy's sessions and the pack's LATENT conventions do not fit its ``__call__``.
 """
 from __future__ import annotations
 
