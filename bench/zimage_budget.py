@@ -12,6 +12,9 @@ Invariants
   weights cross packed where the plan says so (``memory/packed_weights.py``).
 - The e2e row's notes split the time: the text stage alone (timed after the runs, same engine and cap) and the
   DiT steps' share, and the pinned host-to-device bandwidth of the machine (what a streamed run is bound by).
+- ``decode_gb_per_s``: the packed-weights decode kernel (``kernels/bf16_unpack.py``) alone on one DiT-block-sized
+  unit of bf16 Gaussian weights (bf16 bytes out per second, best of three), checked bit-exact: its SM time per
+  step competes with the streamed step's compute. GPU only.
 - Smoke mode (the CPU): the tiny Z-Image of the suite's resident part (same seed) through the same code; no cap.
 """
 from __future__ import annotations
@@ -77,6 +80,26 @@ def _ours(ctx: BenchContext, comps: dict, budget_gb: float, weight_dtype: str, s
     return ms, mem["reserved_gb"], latent, text_ms
 
 
+DECODE_WORDS = 170_000_000  # about one Z-Image DiT block in bf16
+
+
+def _decode_rate(device: torch.device) -> tuple[float, bool]:
+    """(GB/s of bf16 out, bit-exact) of the decode kernel on one block-sized packed unit (module docstring)."""
+    from ..memory.packed_weights import pack_words
+
+    gen = torch.Generator(device).manual_seed(0)
+    words = (torch.randn(DECODE_WORDS, device=device, generator=gen) * 0.02).to(torch.bfloat16).view(torch.int16)
+    unit = pack_words(words, device=device)
+    slot = unit.host.tensor.to(device)
+    out = torch.empty(2 * DECODE_WORDS, dtype=torch.uint8, device=device)
+    ms = min(time_ms(lambda: unit.unpack_into(slot, out), warmup=1, repeat=5, device=device) for _ in range(3))
+    exact = torch.equal(out.view(torch.int16), words)
+    unit.host.release()
+    del words, slot, out
+    free_device()
+    return 2 * DECODE_WORDS / ms / 1e6, exact
+
+
 def _host_to_device_gbps(device: torch.device) -> float:
     """Pinned host -> device copy rate of 1 GiB, GB/s (the best of three)."""
     src = torch.empty(GiB, dtype=torch.uint8).pin_memory()
@@ -125,6 +148,10 @@ def budget_case(ctx: BenchContext, case: str, budget_gb: float, weight_dtype: st
     ctx.record(case, "e2e_ms_vs_resident", ms, resident_ms, f"resident {weight_dtype} cuda_graph", target=0.8,
                target_kind="ratio>=", unit="ms",
                notes=f"target: <= 1.25x the fully resident time (ratio >= 0.8); {split}")
+    if on_gpu(ctx) and weight_dtype == "bf16":
+        rate, exact = _decode_rate(ctx.device)
+        ctx.record(case, "decode_gb_per_s", rate, unit="GB/s", lower_is_better=False,
+                   notes=f"packed-weights decode kernel alone, one block-sized unit; bit-exact: {exact}")
     if resident_latent is not None:
         rel = ((latent.double() - resident_latent.double()).norm() / resident_latent.double().norm()).item()
         ctx.record(case, "rel_vs_resident", rel, target=2e-2, target_kind="ours<=", unit="rel L2",
