@@ -25,6 +25,7 @@ import logging
 import torch
 
 from .harness import BenchContext, peak_memory, time_ms
+from .suite_device import pinned_host_to_device_gbps
 from ..sampling.flow.text import encode_prompts
 from .zimage_models import PROMPT, ours_run, peer_run
 
@@ -100,16 +101,6 @@ def _decode_rate(device: torch.device) -> tuple[float, bool]:
     return 2 * DECODE_WORDS / ms / 1e6, exact
 
 
-def _host_to_device_gbps(device: torch.device) -> float:
-    """Pinned host -> device copy rate of 1 GiB, GB/s (the best of three)."""
-    src = torch.empty(GiB, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(GiB, dtype=torch.uint8, device=device)
-    ms = min(time_ms(lambda: dst.copy_(src, non_blocking=True), warmup=1, repeat=1, device=device) for _ in range(3))
-    del src, dst
-    free_device()
-    return GiB / ms / 1e6
-
-
 def _peer(ctx: BenchContext, comps: dict, budget_gb: float, size: int, steps: int, repeat: int):
     from diffusers.hooks import apply_group_offloading
 
@@ -144,7 +135,8 @@ def budget_case(ctx: BenchContext, case: str, budget_gb: float, weight_dtype: st
                notes="allocator capped at the budget; every stage of the sampler node (text, DiT)")
     split = f"text stage {text_ms:.0f} ms, DiT steps ~{(ms - text_ms) / steps:.0f} ms each"
     if on_gpu(ctx):
-        split += f"; pinned host-to-device {_host_to_device_gbps(ctx.device):.0f} GB/s"
+        rate = pinned_host_to_device_gbps(ctx.device, 512 << 20, 10)
+        split += f"; pinned host-to-device {rate:.0f} GB/s"
     ctx.record(case, "e2e_ms_vs_resident", ms, resident_ms, f"resident {weight_dtype} cuda_graph", target=0.8,
                target_kind="ratio>=", unit="ms",
                notes=f"target: <= 1.25x the fully resident time (ratio >= 0.8); {split}")

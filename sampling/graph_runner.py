@@ -15,8 +15,8 @@ Invariants
   inductor initialisation must not happen during capture). Graphs are cached per ``ModelParts`` (weakly: a
   collected model drops its graphs), at most ``LEANDIFFUSION_MAX_GRAPHS`` (default 2) per model, least recently
   used evicted. A failed capture leaves nothing cached. Under a hard VRAM budget a text or VAE stage may drop a
-  model's graphs to make room (``memory/budget.py``); the next run captures again (a DiT's runs go eager instead:
-  ``loop.resolve_acceleration``).
+  model's graphs to make room (``memory/budget.py``); the next run captures again (a DiT's runs of that key go eager
+  instead: ``was_released``, read by ``dit_steps.prepare_dit_steps``).
 
 The capture mechanism is a small backend (``CudaGraphBackend``) so the key/cache logic is testable on the CPU with
 a stand-in backend; torch's ``torch.cuda.CUDAGraph`` does the real work.
