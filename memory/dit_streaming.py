@@ -39,6 +39,7 @@ class UnitBoundStreamer(BlockStreamer):
                 raise RuntimeError("the streamed model was entered twice without finishing (its first block ran "
                                    "inside one of its blocks: a re-entrant call)")
             if self._active:  # the previous forward stopped between two blocks: close it before this one opens
+                self._prefetched = set()  # nothing copied ahead by an unfinished forward is relied on
                 self._close()
             self._start()
         self._before(i)
@@ -48,6 +49,7 @@ class UnitBoundStreamer(BlockStreamer):
         if self._depth > 0 or not self._active:  # a refused nested call ended, or no forward is open
             return
         if output is None:  # the block raised, or its pre-hook refused it: close the forward
+            self._prefetched = set()
             self._close()
             return
         self._after(i)

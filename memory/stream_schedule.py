@@ -25,6 +25,12 @@ Packed slot
     plain copies (the decode would only take GPU time from it). ``arena_bytes`` counts the slots, so every budget
     sum stays right; a capacity too small for the ring and the slots gets the plain schedule instead of a refusal.
 
+Next-forward prefetch (eager forwards that follow one another)
+    A forward copies its ``head`` units (``wait_for == -1``) at its start, after the previous forward's compute:
+    the copy engine idles through the previous forward's last blocks and the step between. ``prefetch_points``
+    says where the previous forward can copy them instead: after the last unit that reads the head's slice in a
+    forward, and not before the forward's own last copy is issued (its own copies go first).
+
 Time model
     A step costs ~``max(sum_i c_i, S / B)`` when copies hide, where ``c_i`` is unit compute and ``B`` the pinned
     host-to-device bandwidth (``ASSUMED_H2D_BYTES_PER_S``); packed units cross as ``ESTIMATED_RATIO`` of their
@@ -143,6 +149,24 @@ def simulate(units: list[Unit], streamed: list[int], wait_for: list[int], bw: fl
         t = start + u.flops / rate
         compute_end[i] = t
     return t
+
+
+def prefetch_points(schedule: StreamSchedule) -> dict[int, list[int]]:
+    """Per index ``j`` of ``schedule.order``: the head units (positions in ``schedule.streamed``) the next forward
+    needs that a forward may copy once unit ``j`` has finished (module docstring, next-forward prefetch)."""
+    if not schedule.streamed:
+        return {}
+    sizes = [schedule.order[i].nbytes for i in schedule.streamed]
+    last_issue = max(schedule.wait_for)
+    points: dict[int, list[int]] = {}
+    for k, dep in enumerate(schedule.wait_for):
+        if dep != -1:
+            continue
+        lo, hi = schedule.offsets[k], schedule.offsets[k] + sizes[k]
+        last_user = max(i for u, i in enumerate(schedule.streamed)
+                        if schedule.offsets[u] < hi and lo < schedule.offsets[u] + sizes[u])
+        points.setdefault(max(last_user, last_issue), []).append(k)
+    return points
 
 
 def copy_bound(units: list[Unit]) -> bool:

@@ -30,6 +30,11 @@ Invariants
   (``memory/spare_room.py``); their per-forward copy runs device to device on ``S`` into the same ring slice, so
   the forward computes on the same bytes. ``release_held`` drops them; a forward joins ``S`` before it returns, so
   nothing reads a released copy.
+- Next-forward prefetch (``prefetch_next``, eager forwards only): while on, a forward also copies the next
+  forward's head units (those issued at ``begin``) into their slices at ``stream_schedule.prefetch_points`` (after
+  the last block that reads the slice), so the copy engine works through the boundary between forwards; the next
+  forward skips those copies. A captured forward neither prefetches nor relies on a prefetch; the prefetched set
+  is forgotten by ``drop_prefetched``, ``offload`` and a failed forward (the next forward then copies them again).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from .host_memory import HOST_SHARE, available_host_bytes
 from .hostmem import ALIGN, FlatLayout, PinnedBuffer
 from .packed_weights import PackedUnit, pack_words, packed_host_estimate
 from .stream_copies import CudaCopier, SyncCopier
-from .stream_schedule import StreamSchedule
+from .stream_schedule import StreamSchedule, prefetch_points
 from .unet_units import unit_params
 
 logger = logging.getLogger(__name__)
@@ -91,6 +96,7 @@ class BlockStreamer:
         self._held, self._held_src = None, {}  # ``hold``: one device buffer, and per unit index its view
         self.host = self.arena = self.resident = None
         self.copies_issued = 0
+        self._prefetch, self._prefetched = False, set()  # ``prefetch_next``; heads already copied for the next forward
         self._cursor = 0
         self._active = False
         self._depth = 0  # UNet forwards entered and not yet ended (> 1 only while a nested call is refused)
@@ -137,6 +143,7 @@ class BlockStreamer:
         self._issue_after: dict[int, list[int]] = {}
         for k, j in enumerate(schedule.wait_for):
             self._issue_after.setdefault(j, []).append(k)
+        self._prefetch_after = prefetch_points(schedule)
         self._kpos = {i: k for k, i in enumerate(schedule.streamed)}
         n = len(schedule.streamed)
         self.copier = CudaCopier(self.device, len(order), n) if self.device.type == "cuda" else SyncCopier()
@@ -249,6 +256,7 @@ class BlockStreamer:
         self._dst = []
         self._slots = []
         self.arena = None
+        self._prefetched = set()
         self.release_held()
 
     # ----------------------------------------------------------------- hooks
@@ -258,7 +266,7 @@ class BlockStreamer:
         for i, u in enumerate(self.schedule.order):
             mod = modules[u.name]
             self.handles[f"{u.name}.before"] = mod.register_forward_pre_hook(lambda m, a, i=i: self._before(i))
-            if i in self._issue_after:
+            if i in self._issue_after or i in self._prefetch_after:
                 self.handles[f"{u.name}.after"] = mod.register_forward_hook(lambda m, a, o, i=i: self._after(i))
 
     def _issue(self, ks: list[int]) -> None:
@@ -289,7 +297,11 @@ class BlockStreamer:
         self._packed_issued = 0  # forward-local: no wait on a previous forward's decodes (the fork orders them)
         self._slot_users = [None] * self.schedule.slots
         self.copier.begin()
-        self._issue(self._issue_after.get(-1, []))
+        heads = self._issue_after.get(-1, [])
+        if not self._capturing():
+            heads = [k for k in heads if k not in self._prefetched]
+        self._prefetched = set()
+        self._issue(heads)
 
     def _before(self, i: int) -> None:
         if not self._active:
@@ -304,10 +316,26 @@ class BlockStreamer:
             self.copier.before(k)
 
     def _after(self, i: int) -> None:
-        ks = self._issue_after.get(i)
-        if ks:
+        ks = self._issue_after.get(i, [])
+        ahead = self._prefetch_after.get(i, []) if self._prefetch and self.arena is not None else []
+        if ahead and self._capturing():
+            ahead = []
+        if ks or ahead:
             self.copier.after(i)
-            self._issue(ks)
+            self._issue(ks + ahead)
+            self._prefetched.update(ahead)
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def prefetch_next(self, on: bool) -> None:
+        """Whether the coming eager forwards copy the next forward's head units (module docstring); heads already
+        copied stay valid for the next forward either way."""
+        self._prefetch = bool(on)
+
+    def drop_prefetched(self) -> None:
+        """Stop prefetching and forget what was copied ahead: the next forward copies all of its own units."""
+        self._prefetch, self._prefetched = False, set()
 
     def _end(self, module, args, output) -> None:
         """Runs after every UNet forward, also one that raised (``output`` is then ``None``)."""
@@ -317,6 +345,8 @@ class BlockStreamer:
         was_active, self._active = self._active, False
         if not was_active:  # this forward failed before its schedule began: nothing to join
             return
+        if output is None:
+            self._prefetched = set()
         self.copier.end()  # a failed forward joins too: the next one orders after every copy it issued
         if output is not None and self._cursor != len(self.schedule.order):
             raise RuntimeError(f"UNet forward ran {self._cursor} of {len(self.schedule.order)} blocks")

@@ -15,7 +15,8 @@ Invariants
   took 1.6 s where the eager steps took 1.4 s (plain copies: equal).
 - A run whose DiT call has fewer rows (or a smaller latent) than the plan's working shape holds some streamed
   blocks on the device in the activation room it leaves (``memory.spare_room``), eager steps only; the same
-  latent, fewer bytes over PCIe per step.
+  latent, fewer bytes over PCIe per step. Eager streamed steps also copy the next step's first streamed blocks
+  while the current one ends (``memory.stream_prefetch``): the copy engine does not idle between steps.
 - ``dit_fn`` is bound for the duration of a run only: a cached program must not keep its engine alive (the cache
   is weak in the model); a real CUDA graph replays without calling it.
 - ``bridge.check_interrupted()`` runs before every step, ``on_step(i)`` after step ``i`` was enqueued; on the GPU the
@@ -34,6 +35,7 @@ from .. import bridge
 from ..memory.engine import LeanEngine
 from ..memory.families import is_dit_family
 from ..memory.spare_room import streamed_blocks_held
+from ..memory.stream_prefetch import next_forward_prefetch
 from .graph_runner import GraphRunner, default_runner
 from .loop import bound_run_ahead
 from .settings import Acceleration
@@ -97,9 +99,12 @@ def run_dit_steps(engine: LeanEngine, prepared: PreparedDitSteps, on_step: Calla
     in_flight: collections.deque = collections.deque()
     program.dit_fn = prepared.dit_fn
     try:
-        with streamed_blocks_held(engine, prepared.working if prepared.eager else None):
-            for i in range(prepared.timesteps.shape[0]):
+        with streamed_blocks_held(engine, prepared.working if prepared.eager else None), \
+                next_forward_prefetch(engine, prepared.eager) as another_follows:
+            steps = prepared.timesteps.shape[0]
+            for i in range(steps):
                 bridge.check_interrupted()
+                another_follows(i + 1 < steps)
                 program.set_step(prepared.timesteps[i], prepared.coeffs[i])
                 prepared.advance()
                 if cuda:

@@ -24,6 +24,7 @@ import torch
 from ...memory.budget import ensure_room
 from ...memory.engine import LeanEngine
 from ...memory.spare_room import streamed_blocks_held
+from ...memory.stream_prefetch import next_forward_prefetch
 from ..cfg import encode_conditioning, unet_calls
 from ..compile import compiled_unet_fn, eager_unet_fn
 from ..dit_steps import eager_while_streaming
@@ -121,6 +122,7 @@ def prepare_denoiser(engine: LeanEngine, s: KSamplerSettings, x: torch.Tensor, s
     if flow and eager_run:
         rows = x.shape[0] * (2 if s.guided else 1)
         held.enter_context(streamed_blocks_held(engine, (rows, *x.shape[2:])))
+        held.enter_context(next_forward_prefetch(engine, True))(True)  # the sampler's calls: one model, in turn
 
     def release() -> None:
         held.close()

@@ -137,3 +137,24 @@ def test_a_one_row_run_holds_streamed_blocks_in_its_spare_room_with_the_same_lat
     assert peak <= BUDGET_GB * GiB, f"peak reserved {peak / GiB:.3f} GiB over {BUDGET_GB} GiB"
     monkeypatch.setattr(streamer, "hold", lambda room: 0)
     assert torch.equal(sample_flow(capped, settings, quiet=True)["samples"], latent)
+
+
+def test_prefetching_the_next_step_s_blocks_gives_the_latent_of_the_steps_without_it(streamed, capped, monkeypatch):
+    """Eager streamed steps copy the next step's head blocks during the current step (``memory.stream_prefetch``):
+    on the GPU's copy and decode streams the latent equals the same run without the prefetch, bit for bit, with as
+    many copies (each block once a step), within the budget."""
+    streamer = capped.placement.streamer
+    settings = FlowSettings("a red fox in the snow", seed=3, steps=3, cfg=1.0, width=1024, height=1024,
+                            acceleration="none")
+    switched, switch = [], streamer.prefetch_next
+    monkeypatch.setattr(streamer, "prefetch_next", lambda on: (switched.append(on), switch(on))[1])
+    before = streamer.copies_issued
+    latent = sample_flow(capped, settings, quiet=True)["samples"]
+    copies = streamer.copies_issued - before
+    assert switched == [True, True, False]
+    peak = _peak_over_base(streamed)
+    assert peak <= BUDGET_GB * GiB, f"peak reserved {peak / GiB:.3f} GiB over {BUDGET_GB} GiB"
+    monkeypatch.setattr(streamer, "prefetch_next", lambda on: None)
+    before = streamer.copies_issued
+    assert torch.equal(sample_flow(capped, settings, quiet=True)["samples"], latent)
+    assert streamer.copies_issued - before == copies

@@ -5,7 +5,7 @@ every block has at least one block of prefetch lead with the minimum arena; copi
 """
 import pytest
 
-from leandiffusion.memory.stream_schedule import choose_streamed, plan_schedule, ring_layout, simulate
+from leandiffusion.memory.stream_schedule import choose_streamed, plan_schedule, prefetch_points, ring_layout, simulate
 from leandiffusion.memory.unet_units import Unit
 
 
@@ -167,3 +167,33 @@ def test_sdxl_plan_at_4gib_leaves_no_more_than_one_block_idle():
     assert plan.peaks["unet"] <= budget
     assert budget - plan.peaks["unet"] < max(u.nbytes for u in units)
     assert plan.unet_streamed_bytes < 2.0 * GiB
+
+
+def test_the_next_forward_s_heads_are_copied_after_the_last_block_that_reads_their_slice():
+    """Seven equal units through a ring of three: heads 0, 1, 2 (slices 0, 512, 1024) are last read by units 6, 4
+    and 5; the forward's own last copy is issued after unit 3. So head 1 may go after unit 4, head 2 after unit 5,
+    head 0 only after unit 6."""
+    units = _units([512] * 7)
+    sched = plan_schedule(units, 3 * 512)
+    assert sched.offsets == (0, 512, 1024, 0, 512, 1024, 0) and sched.wait_for == (-1, -1, -1, 0, 1, 2, 3)
+    assert prefetch_points(sched) == {6: [0], 4: [1], 5: [2]}
+
+
+@pytest.mark.parametrize("sizes", [[512] * 10, [512, 1024, 2048, 512, 4096, 1024, 512, 512, 3072, 2048]])
+def test_a_prefetched_head_never_overwrites_a_slice_a_later_block_reads(sizes):
+    units = _units(sizes)
+    sched = plan_schedule(units, 3 * max(sizes) + sizes[0])  # one unit resident, the rest through the ring
+    points = prefetch_points(sched)
+    heads = [k for k, dep in enumerate(sched.wait_for) if dep == -1]
+    assert sorted(k for ks in points.values() for k in ks) == heads
+    for j, ks in points.items():
+        assert j >= max(sched.wait_for)  # after the forward's own copies are issued
+        for k in ks:
+            lo, hi = sched.offsets[k], sched.offsets[k] + sizes[sched.streamed[k]]
+            later = [u for u, i in enumerate(sched.streamed) if i > j]
+            assert all(not (sched.offsets[u] < hi and lo < sched.offsets[u] + sizes[sched.streamed[u]])
+                       for u in later)
+
+
+def test_nothing_streamed_nothing_to_prefetch():
+    assert prefetch_points(plan_schedule(_units([512] * 3), 10 * 512)) == {}
