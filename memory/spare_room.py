@@ -1,8 +1,9 @@
 """Streamed DiT blocks held on the device for one run, in the activation room that run does not need.
 
 Invariant: inside ``streamed_blocks_held(engine, working)`` the streamed denoiser's forwards compute on the same
-bytes as without it (a held block's copy reaches the same ring slice, device to device instead of over PCIe), so
-the latent is bit-identical; on exit the held copies are dropped and the budget is as the plan left it.
+bytes as without it (a held block crosses once, in the run's first step, as it would into its ring slice, and is
+computed from its held copy after that: ``memory/held_units.py``), so the latent is bit-identical; on exit the held
+copies are dropped and the budget is as the plan left it.
 
 Why: the plan reserves activation room for its working shape (``memory.policies.default_working_shape``: two rows,
 guidance, at the family's native size). A run with fewer rows (Z-Image-Turbo at cfg 1 computes one) leaves part
@@ -57,7 +58,7 @@ def streamed_blocks_held(engine, working: Optional[tuple]) -> Iterator[int]:
     held = streamer.hold(room - need - MARGIN_BYTES) if need is not None else 0
     if held:
         logger.info("streamed DiT: %.2f GB of streamed blocks held on the device for this run (its %d rows leave "
-                    "that much of the planned activation room free); their copies skip PCIe", held / 1e9,
+                    "that much of the planned activation room free); they cross once, in the first step", held / 1e9,
                     int(working[0]))
     try:
         yield held

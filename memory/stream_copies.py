@@ -27,11 +27,11 @@ class SyncCopier:
     def after(self, j: int) -> None:
         return None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, k: int) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, k: int, gate: Optional[int]) -> None:
         dst.copy_(src)
 
     def copy_packed(self, dst: torch.Tensor, packed: PackedUnit, slot: torch.Tensor, k: int,
-                    slot_user: Optional[int]) -> None:
+                    slot_user: Optional[int], gate: Optional[int]) -> None:
         slot[: packed.nbytes].copy_(packed.host.tensor)
         packed.unpack_into(slot, dst)
 
@@ -78,16 +78,19 @@ class CudaCopier:
 
     def after(self, j: int) -> None:
         self.done[j].record(self.cur)
-        self.side.wait_event(self.done[j])
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, k: int) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, k: int, gate: Optional[int]) -> None:
+        """``gate``: the unit whose ``after`` must be reached before ``dst`` is written (None: the fork)."""
         with torch.cuda.stream(self.side):
+            if gate is not None:
+                self.side.wait_event(self.done[gate])
             dst.copy_(src, non_blocking=True)
             self.ready[k].record(self.side)
 
     def copy_packed(self, dst: torch.Tensor, packed: PackedUnit, slot: torch.Tensor, k: int,
-                    slot_user: Optional[int]) -> None:
-        """``slot_user``: the unit that last decoded from ``slot`` in this forward (None: its first use)."""
+                    slot_user: Optional[int], gate: Optional[int]) -> None:
+        """``slot_user``: the unit that last decoded from ``slot`` in this forward (None: its first use); ``gate``
+        as in :meth:`copy`, waited for by the decode only: the packed bytes cross before ``dst`` is free."""
         with torch.cuda.stream(self.side):
             if slot_user is not None:
                 self.side.wait_event(self.ready[slot_user])
@@ -95,6 +98,8 @@ class CudaCopier:
             self.copied[k].record(self.side)
         with torch.cuda.stream(self.decode):
             self.decode.wait_event(self.copied[k])
+            if gate is not None:
+                self.decode.wait_event(self.done[gate])
             packed.unpack_into(slot, dst)
             self.ready[k].record(self.decode)
 

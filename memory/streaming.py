@@ -11,8 +11,8 @@ Invariants
     begin:        record E0 on C; S waits E0 (fork: the previous forward is done with the arena);
                   S copies every unit with no ``p(k)`` (host pinned -> arena), records ``ready[k]``
     before k:     C waits ``ready[k]``
-    after unit j: record ``done[j]`` on C; S waits ``done[j]``; S copies every ``k`` with ``p(k) = j``,
-                  records ``ready[k]``
+    after unit j: record ``done[j]`` on C; for every ``k`` with ``p(k) = j``: S waits ``done[j]``, copies
+                  ``k``, records ``ready[k]``
     end:          record E1 on S; C waits E1 (join: nothing is left outstanding on S)
   Every copy is one ``cudaMemcpyAsync`` of ``s_k`` contiguous bytes. There are no host syncs, no allocations and
   no ``.item()``, so the whole forward, copies included, can be captured into a CUDA graph (fork/join through
@@ -22,14 +22,16 @@ Invariants
   them), each streamed unit is also packed at build (``packed_weights.py``, lossless) into its own pinned host
   buffer. Its copy is then: on ``S``, wait until the previous unit using the same slot (packed units alternate
   slots) has decoded, copy the packed bytes into the slot, record ``copied[k]``; on a second side stream ``D``,
-  wait ``copied[k]``, decode into its ring slice, record ``ready[k]``. So the copy engine fills one slot while the
-  other decodes; ``D`` forks and joins with ``C`` like ``S``. Units that do not pack smaller, or a host without the
+  wait ``copied[k]`` and ``done[p(k)]`` (its ring slice is free), decode into the slice, record ``ready[k]``. So
+  the copy engine fills one slot while the other decodes, and runs ahead of the compute by the slots as well as
+  the ring (a packed unit's bytes cross before its ring slice is free); ``D`` forks and joins with ``C`` like ``S``. Units that do not pack smaller, or a host without the
   memory for the packed copies, keep plain copies. The plain pinned host copy stays either way: it is what
   ``host_copy`` returns and what ``remove`` restores.
-- Held units (``hold``): for one run, device copies of some streamed units sit in room the run does not need
-  (``memory/spare_room.py``); their per-forward copy runs device to device on ``S`` into the same ring slice, so
-  the forward computes on the same bytes. ``release_held`` drops them; a forward joins ``S`` before it returns, so
-  nothing reads a released copy.
+- Held units (``hold``, ``held_units.py``): for one run, some streamed units' parameters point into a device
+  buffer in room the run does not need (``memory/spare_room.py``) instead of their ring slices; the run's first
+  forward copies them there as it would into the ring, later forwards copy nothing for them. ``release_held``
+  points them back at the ring; a forward joins its copy streams before it returns, so nothing reads a dropped
+  buffer.
 - Next-forward prefetch (``prefetch_next``, eager forwards only): while on, a forward also copies the next
   forward's head units (those issued at ``begin``) into their slices at ``stream_schedule.prefetch_points`` (after
   the last block that reads the slice), so the copy engine works through the boundary between forwards; the next
@@ -46,6 +48,7 @@ from typing import Optional
 import torch
 
 from .host_memory import HOST_SHARE, available_host_bytes
+from .held_units import HeldUnits
 from .hostmem import ALIGN, FlatLayout, PinnedBuffer
 from .packed_weights import PackedUnit, pack_words, packed_host_estimate
 from .stream_copies import CudaCopier, SyncCopier
@@ -93,7 +96,7 @@ class BlockStreamer:
         self._slots: list[torch.Tensor] = []  # the packed staging slots (views of the arena's end)
         self._slot_users: list[Optional[int]] = [None] * schedule.slots  # per slot, its last unit in this forward
         self._packed_issued = 0
-        self._held, self._held_src = None, {}  # ``hold``: one device buffer, and per unit index its view
+        self._held: Optional[HeldUnits] = None  # ``hold``: the units computed from a device buffer this run
         self.host = self.arena = self.resident = None
         self.copies_issued = 0
         self._prefetch, self._prefetched = False, set()  # ``prefetch_next``; heads already copied for the next forward
@@ -194,33 +197,28 @@ class BlockStreamer:
         return packed
 
     def hold(self, room_bytes: int) -> int:
-        """Copy as many streamed units as fit in ``room_bytes`` to the device, in schedule order, for the coming
-        forwards (module docstring); returns the bytes held (0 without a ring, or out of memory)."""
+        """Keep as many streamed units as fit in ``room_bytes`` on the device for the coming forwards, in schedule
+        order (module docstring); returns the bytes held (0 without a ring, or out of memory)."""
         self.release_held()
         if self.arena is None or room_bytes <= 0:
             return 0
-        chosen, total = [], 0
-        for k, lay in enumerate(self._layouts):
-            size = -(-lay.nbytes // ALIGN) * ALIGN
-            if total + size <= room_bytes:
-                chosen.append((k, total))
-                total += size
+        chosen, total = HeldUnits.choose(self._layouts, room_bytes)
         if not chosen:
             return 0
         try:
-            held = torch.empty(total, dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError:
             return 0
-        for k, offset in chosen:  # on the compute stream: the next forward forks after these copies
-            view = held[offset: offset + self._src[k].numel()]
-            view.copy_(self._src[k], non_blocking=True)
-            self._held_src[k] = view
-        self._held = held
+        self._held = HeldUnits(buffer, chosen, self._streamed, self._layouts)
+        self._prefetched = set()  # a head copied ahead went to its ring slice, not to its held slice
         return total
 
     def release_held(self) -> None:
-        """Forget the held units: their forwards copy from the host again."""
-        self._held, self._held_src = None, {}
+        """Forget the held units: their parameters are ring slices again and every forward copies them."""
+        if self._held is not None:
+            self._held.release(self.arena, self.schedule.offsets)
+            self._held = None
+            self._prefetched = set()  # a held unit's ring slice was not filled while it was held
 
     @property
     def packed_units(self) -> int:
@@ -253,10 +251,7 @@ class BlockStreamer:
         with torch.no_grad():
             for p, hv in self._host_param_views:
                 p.data = hv
-        self._dst = []
-        self._slots = []
-        self.arena = None
-        self._prefetched = set()
+        self._dst, self._slots, self.arena, self._prefetched = [], [], None, set()
         self.release_held()
 
     # ----------------------------------------------------------------- hooks
@@ -269,20 +264,25 @@ class BlockStreamer:
             if i in self._issue_after or i in self._prefetch_after:
                 self.handles[f"{u.name}.after"] = mod.register_forward_hook(lambda m, a, o, i=i: self._after(i))
 
-    def _issue(self, ks: list[int]) -> None:
+    def _issue(self, ks: list[int], gate: Optional[int]) -> None:
+        """Copy units ``ks`` (positions in the schedule's streamed units) into their ring slices once unit ``gate``
+        (an index into the order; None: the forward's fork) has finished computing."""
         if self.arena is None:  # no staging ring (outside the stage): streamed weights are their host copies
             return
         for k in ks:
+            dst, after = self._dst[k], gate
+            if self._held is not None and k in self._held:
+                dst, after = self._held.take_fill(k), None  # its own slice: no earlier unit reads it
+                if dst is None:  # filled by an earlier forward of the run: nothing crosses
+                    continue
             packed = self._packed[k] if self._packed else None
-            if k in self._held_src:
-                self.copier.copy(self._dst[k], self._held_src[k], k)
-            elif packed is not None and self._slots:
+            if packed is not None and self._slots:
                 i = self._packed_issued % len(self._slots)
-                self.copier.copy_packed(self._dst[k], packed, self._slots[i], k, self._slot_users[i])
+                self.copier.copy_packed(dst, packed, self._slots[i], k, self._slot_users[i], after)
                 self._slot_users[i] = k
                 self._packed_issued += 1
             else:
-                self.copier.copy(self._dst[k], self._src[k], k)
+                self.copier.copy(dst, self._src[k], k, after)
             self.copies_issued += 1
 
     def _begin(self, module, args) -> None:
@@ -301,7 +301,7 @@ class BlockStreamer:
         if not self._capturing():
             heads = [k for k in heads if k not in self._prefetched]
         self._prefetched = set()
-        self._issue(heads)
+        self._issue(heads, None)
 
     def _before(self, i: int) -> None:
         if not self._active:
@@ -322,7 +322,7 @@ class BlockStreamer:
             ahead = []
         if ks or ahead:
             self.copier.after(i)
-            self._issue(ks + ahead)
+            self._issue(ks + ahead, i)
             self._prefetched.update(ahead)
 
     def _capturing(self) -> bool:
@@ -387,9 +387,7 @@ class BlockStreamer:
                     if buf is not None:
                         setattr(mod, name, buf.cpu())
         self._host_param_views = []
-        self._src, self._dst = [], []
-        self.arena = None
-        self._slots = []
+        self._src, self._dst, self._slots, self.arena = [], [], [], None
         self.release_held()
         self.resident = None
         for packed in self._packed:

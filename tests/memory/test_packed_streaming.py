@@ -134,6 +134,8 @@ def test_packing_that_runs_out_of_memory_leaves_plain_copies_and_the_same_latent
 
 
 def test_held_blocks_give_the_same_latent_and_really_replace_the_host_copies(monkeypatch):
+    """Held units cross once, in the first forward after ``hold`` (packed, into their held slices), and are computed
+    from there: spoiling every host copy after that first run leaves the latent unchanged until they are released."""
     engine = _engine(monkeypatch, packed=True, slots=2)
     want = sample_flow(engine, SETTINGS, quiet=True)["samples"]
     streamer = engine.placement.streamer
@@ -141,17 +143,40 @@ def test_held_blocks_give_the_same_latent_and_really_replace_the_host_copies(mon
     assert streamer.hold(0) == 0 and streamer.hold(smallest - 1) == 0  # nothing fits
     held = streamer.hold(10 * 2 ** 30)
     assert held >= sum(lay.nbytes for lay in streamer._layouts)
+    issued = streamer.copies_issued
+    assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)  # the fill: each unit once
+    assert streamer.copies_issued - issued == len(streamer._layouts)
     # the host copies (plain and packed) of every held unit are spoiled: only the held copies can give the latent
     spoiled = [(src.clone(), src) for src in streamer._src]
     packed = [(p.host.tensor.clone(), p.host.tensor) for p in streamer._packed if p is not None]
+    assert packed
     for _, src in spoiled + packed:
         src.fill_(0x7f)
     try:
+        issued = streamer.copies_issued
         assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)
+        assert streamer.copies_issued == issued  # nothing crossed
         streamer.release_held()
         assert not torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)  # the spoil is real
     finally:
         for saved, src in spoiled + packed:
             src.copy_(saved)
     assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)
+    removed_to_plain(engine)
+
+
+def test_a_hold_released_midway_points_its_units_back_at_the_ring(monkeypatch):
+    """Holding some units, running, releasing, holding again: every run gives the latent (the parameters of a
+    released unit are its ring slice again, a new hold fills its slices again)."""
+    engine = _engine(monkeypatch, packed=True, slots=2)
+    want = sample_flow(engine, SETTINGS, quiet=True)["samples"]
+    streamer = engine.placement.streamer
+    first = streamer._layouts[0].nbytes
+    for room in (first, 10 * 2 ** 30, first):
+        assert streamer.hold(room) > 0
+        assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)
+        streamer.release_held()
+        ring = streamer.arena.untyped_storage().data_ptr()
+        assert all(p.untyped_storage().data_ptr() == ring for params in streamer._streamed for p in params)
+        assert torch.equal(sample_flow(engine, SETTINGS, quiet=True)["samples"], want)
     removed_to_plain(engine)

@@ -51,7 +51,8 @@ def test_each_step_copies_the_next_step_s_heads_once_and_the_last_copies_none(mo
     forwards: list[list[int]] = []
     start, copy = streamer._start, streamer.copier.copy
     monkeypatch.setattr(streamer, "_start", lambda: (forwards.append([]), start())[1])
-    monkeypatch.setattr(streamer.copier, "copy", lambda dst, src, k: (forwards[-1].append(k), copy(dst, src, k))[1])
+    monkeypatch.setattr(streamer.copier, "copy",
+                        lambda dst, src, k, gate: (forwards[-1].append(k), copy(dst, src, k, gate))[1])
     sample_flow(engine, _settings(3), quiet=True)
     heads, every = _heads(streamer), list(range(len(engine.placement.schedule.streamed)))
     rest = [k for k in every if k not in heads]
@@ -91,3 +92,20 @@ def test_prefetch_gives_the_latent_of_the_same_engine_without_it(monkeypatch):
     got = sample_flow(engine, _settings(3), quiet=True)["samples"]
     _no_prefetch(monkeypatch)
     assert torch.equal(sample_flow(engine, _settings(3), quiet=True)["samples"], got)
+
+
+def test_every_copy_waits_for_the_unit_that_frees_its_ring_slice(monkeypatch):
+    """The gate each copy is issued with is the unit its ring slice's last earlier reader is (``wait_for``), or the
+    forward's fork for a head copied at the start; a head copied ahead waits for its prefetch point."""
+    from leandiffusion.memory.stream_schedule import prefetch_points
+
+    engine, streamer = _engine()
+    gates: dict[int, set] = {}
+    copy = streamer.copier.copy
+    monkeypatch.setattr(streamer.copier, "copy",
+                        lambda dst, src, k, gate: (gates.setdefault(k, set()).add(gate), copy(dst, src, k, gate))[1])
+    sample_flow(engine, _settings(2), quiet=True)
+    schedule = engine.placement.schedule
+    ahead = {k: j for j, ks in prefetch_points(schedule).items() for k in ks}
+    for k, dep in enumerate(schedule.wait_for):
+        assert gates[k] == ({None, ahead[k]} if dep == -1 else {dep}), k
