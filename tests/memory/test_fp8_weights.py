@@ -179,6 +179,12 @@ def test_every_policy_equals_full_with_fp8_storage(fp8_full, policy):
         storage = [m.weight_fp8 for m in streamed.modules() if fp8.is_fp8_layer(m)]
         lo, hi = streamer.arena.data_ptr(), streamer.arena.data_ptr() + streamer.arena.numel()
         assert storage and all(lo <= s.data_ptr() < hi and s.dtype == torch.uint8 for s in storage)
+        assert streamer.hold(10 * 2 ** 30) > 0  # held units: filled by the next forward, then computed in place
+        assert torch.equal(_engine_call(engine), ref) and torch.equal(_engine_call(engine), ref)
+        held = streamer._held.buffer
+        assert all(held.data_ptr() <= s.data_ptr() < held.data_ptr() + held.numel() for s in storage)
+        streamer.release_held()
+        assert torch.equal(_engine_call(engine), ref) and all(lo <= s.data_ptr() < hi for s in storage)
 
 
 def test_the_plan_counts_one_byte_per_fp8_weight_and_names_the_storage():
