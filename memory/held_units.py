@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .hostmem import ALIGN, FlatLayout
+from .hostmem import FlatLayout, align
 
 
 class HeldUnits:
@@ -43,7 +43,7 @@ class HeldUnits:
         buffer's bytes)."""
         chosen, total = {}, 0
         for k, lay in enumerate(layouts):
-            size = -(-lay.nbytes // ALIGN) * ALIGN
+            size = align(lay.nbytes)
             if total + size <= room_bytes:
                 chosen[k] = total
                 total += size
@@ -51,10 +51,6 @@ class HeldUnits:
 
     def __contains__(self, k: int) -> bool:
         return k in self.offsets
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
 
     def take_fill(self, k: int) -> Optional[torch.Tensor]:
         """The slice unit ``k``'s copy must fill now, or None when an earlier forward already issued its fill."""
