@@ -20,13 +20,16 @@ Invariants
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from ..memory.packed_weights import ENV as PACKED_ENV
 from .harness import BenchContext, peak_memory, time_ms
 from .qwen_models import Workload
 from .zimage_budget import free_device
@@ -185,18 +188,37 @@ def ours_resident(ctx: BenchContext, weights: SharedWeights, w: Workload, storag
 
 
 def ours_stream(ctx: BenchContext, weights: SharedWeights, w: Workload, budget_gb: float, storage: str,
-                acceleration: str, warmup: int, repeat: int, dit: Optional[torch.nn.Module] = None) -> Run:
-    """Our ``stream`` policy at ``budget_gb`` (every module starts on the host; allocator capped at the budget)."""
+                acceleration: str, warmup: int, repeat: int, dit: Optional[torch.nn.Module] = None,
+                packed: bool = True) -> Run:
+    """Our ``stream`` policy at ``budget_gb`` (every module starts on the host; allocator capped at the budget);
+    ``packed=False`` loads it with packed copies off (``LEANDIFFUSION_PACKED_STREAMING=off``: plain copies)."""
     weights.all_to_host()
-    engine = _engine(weights, weights.for_ours(w, dit), "stream", storage, budget_gb)
+    with _packed_streaming(packed):
+        engine = _engine(weights, weights.for_ours(w, dit), "stream", storage, budget_gb)
     try:
         logger.info("%s", engine.placement.report())
         ms, peak, latent = _timed(ctx, w.ours_run(engine, acceleration), warmup, repeat, cap_gb=budget_gb)
         _check_accelerated(ctx, engine, acceleration)
-        return Run(ms, peak, latent.float().cpu(), notes=f"stream {budget_gb:g} GB, {storage}, {acceleration}")
+        copies = "" if packed else ", plain copies"
+        return Run(ms, peak, latent.float().cpu(), notes=f"stream {budget_gb:g} GB, {storage}, {acceleration}{copies}")
     finally:
         _release(engine, remove=True)
         del engine
+
+
+@contextlib.contextmanager
+def _packed_streaming(on: bool):
+    """Packed copies as the loader decides (``on``) or off, for the load inside; the setting is restored after."""
+    saved = os.environ.get(PACKED_ENV)
+    if not on:
+        os.environ[PACKED_ENV] = "off"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(PACKED_ENV, None)
+        else:
+            os.environ[PACKED_ENV] = saved
 
 
 def peer_offload(ctx: BenchContext, weights: SharedWeights, w: Workload, budget_gb: float, warmup: int,

@@ -21,8 +21,9 @@ from .harness import BenchContext
 from .qwen_cases import Run
 
 STREAM_BF16, STREAM_FP8, PEER_OFFLOAD = "stream_12gb/bf16", "stream_8gb/fp8_e4m3fn", "peer_offload_12gb"
+STREAM_PLAIN = "stream_12gb/bf16_plain"  # the same stream with packed copies off
 STREAM_EDIT, STREAM_EDIT_ONE_BY_ONE = "stream_edit_8/stream", "stream_edit_8/one_by_one"
-BUDGETS_GB = {STREAM_BF16: 12.0, STREAM_FP8: 8.0, PEER_OFFLOAD: 12.0}
+BUDGETS_GB = {STREAM_BF16: 12.0, STREAM_FP8: 8.0, PEER_OFFLOAD: 12.0, STREAM_PLAIN: 12.0}
 SAME_WEIGHTS_REL = 2e-2  # the same weights through another path (graph vs eager, streamed vs resident)
 SMOKE_REL = 1e-4  # CPU fp32, tiny model: ours against the pipeline
 
@@ -48,6 +49,8 @@ COMPARES = (
     _time("fp8_e4m3fn/cuda_graph", "peer", "peer"),
     _time(STREAM_BF16, "bf16/cuda_graph", "resident", 1 / 1.1, "issue 44: 12 GB bf16 <= 1.1x our resident time"),
     _time(STREAM_FP8, "fp8_e4m3fn/cuda_graph", "resident", 1 / 1.1, "issue 44: 8 GB fp8 <= 1.1x resident fp8"),
+    _time(STREAM_PLAIN, "bf16/cuda_graph", "resident", notes="the 12 GB stream with plain copies (packing off)"),
+    _time(STREAM_BF16, STREAM_PLAIN, "plain_copies", notes="what packed copies gain (< 1: what they cost)"),
     _time(STREAM_BF16, PEER_OFFLOAD, "group_offload", 1.15, "issue 44: under the same 12 GiB cap >= 1.15x the peer"),
     Compare("bf16/compile+cuda_graph", "peer", "peak_reserved_gb_vs_peer",
             notes="issue 44: the resident peak well below the peer's"),
@@ -61,6 +64,7 @@ COMPARES = (
             notes="fp8-stored DiT against our bf16 latent (same weights before quantization, same noise)"),
     Compare(STREAM_BF16, "bf16/cuda_graph", "rel_vs_resident", SAME_WEIGHTS_REL),
     Compare(STREAM_FP8, "fp8_e4m3fn/cuda_graph", "rel_vs_resident", SAME_WEIGHTS_REL),
+    Compare(STREAM_PLAIN, "bf16/cuda_graph", "rel_vs_resident", SAME_WEIGHTS_REL),
     Compare(STREAM_EDIT, STREAM_EDIT_ONE_BY_ONE, "throughput_vs_one_by_one", 1.3,
             "issue 44: Stream Edit Sampler, 8 images >= 1.3x the one-by-one Fused Edit Sampler; times are for all 8 "
             "edits with their untiled decodes, so the ratio is the throughput ratio"),

@@ -18,7 +18,7 @@ a comma list of ``ALL_PARTS``; default all; a part pulls in the case its ratio n
   ``fp8_e4m3fn``, ``cuda_graph`` (what the 8 GB stream compares with);
 - ``stream_fp8``: ours ``stream`` at 8 GB with ``fp8_e4m3fn``; ``stream``: ours ``stream`` at 12 GB, bf16 (both
   ``cuda_graph`` unless ``LEANDIFFUSION_BENCH_QWEN_STREAM_ACCELERATION`` says otherwise; allocator capped at the
-  budget);
+  budget); ``stream_plain``: the 12 GB bf16 stream with packed copies off (what packing gains or costs there);
 - ``peer_offload``: the pipeline with diffusers' leaf-level group offload and streams on the transformer and text
   encoder under a 12 GiB cap (last: it leaves its hooks on the modules).
 Rows (``qwen_targets``): each case's peak; issue 44's ratios, each with its target, from cases of this process
@@ -49,7 +49,8 @@ from .qwen_cases import SharedWeights, ours_resident, ours_stream, peer_offload,
     unavailable_reason
 from .qwen_models import DEFAULT_WORKLOAD, WORKLOADS
 from .qwen_stream_edit import stream_edit
-from .qwen_targets import PEER_OFFLOAD, STREAM_BF16, STREAM_EDIT, STREAM_EDIT_ONE_BY_ONE, STREAM_FP8, Rows
+from .qwen_targets import PEER_OFFLOAD, STREAM_BF16, STREAM_EDIT, STREAM_EDIT_ONE_BY_ONE, STREAM_FP8, STREAM_PLAIN, \
+    Rows
 from .zimage_budget import free_device
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,9 @@ QUICK_BUDGET_S = 480  # the 57 GB build, two regional compiles and the pinned ho
 FULL_BUDGET_S = 540
 
 ALL_PARTS = ("peer", "none", "cuda_graph", "compile+cuda_graph", "stream_edit", "fp8_fast", "fp8", "stream_fp8",
-             "stream", "peer_offload")
+             "stream", "stream_plain", "peer_offload")
 REQUIRES = {"stream_edit": ("peer",), "stream": ("cuda_graph",), "stream_fp8": ("fp8",),
-            "peer_offload": ("stream",)}
+            "stream_plain": ("stream",), "peer_offload": ("stream",)}
 ENV_CASES, ENV_WORKLOAD = "LEANDIFFUSION_BENCH_QWEN_CASES", "LEANDIFFUSION_BENCH_QWEN_WORKLOAD"
 ENV_STEPS, ENV_STREAM_ACCELERATION = "LEANDIFFUSION_BENCH_QWEN_STEPS", "LEANDIFFUSION_BENCH_QWEN_STREAM_ACCELERATION"
 QUICK_STEPS = 4
@@ -72,9 +73,9 @@ STREAM_ACCELERATION = "cuda_graph"  # the default; ENV_STREAM_ACCELERATION picks
 # seconds a part needs beyond its runs (capture, compile, quantization, pinned host copies), and its runs' cost
 # relative to one resident peer run
 FIXED_S = {"peer": 0, "none": 0, "cuda_graph": 20, "compile+cuda_graph": 150, "stream_edit": 30, "fp8_fast": 180,
-           "fp8": 30, "stream_fp8": 60, "stream": 90, "peer_offload": 120}
+           "fp8": 30, "stream_fp8": 60, "stream": 90, "stream_plain": 60, "peer_offload": 120}
 # stream_edit: 16 edits + a 2-step warm-up of each side over the suite's (warm-up + 1) runs with --quick
-RUN_FACTOR = {"stream_edit": 8.0, "stream": 1.5, "stream_fp8": 1.5, "peer_offload": 4.0}
+RUN_FACTOR = {"stream_edit": 8.0, "stream": 1.5, "stream_fp8": 1.5, "stream_plain": 2.0, "peer_offload": 4.0}
 
 
 def selected_parts() -> tuple:
@@ -195,6 +196,9 @@ def run(ctx: BenchContext) -> None:
     if "stream" in parts:
         r.guarded("stream", [STREAM_BF16], lambda: {STREAM_BF16: ours_stream(
             ctx, weights, w, 12.0, dtype, stream_acceleration(), warmup, repeat)})
+    if "stream_plain" in parts:
+        r.guarded("stream_plain", [STREAM_PLAIN], lambda: {STREAM_PLAIN: ours_stream(
+            ctx, weights, w, 12.0, dtype, stream_acceleration(), warmup, repeat, packed=False)})
     if "peer_offload" in parts:
         r.guarded("peer_offload", [PEER_OFFLOAD], lambda: {PEER_OFFLOAD: peer_offload(
             ctx, weights, w, 12.0, warmup, repeat)})

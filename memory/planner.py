@@ -140,7 +140,7 @@ def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name:
         text_mode, vae, resident = StageMode.CPU, StageMode.WHILE_USED, U
         peaks = {"text": U, "unet": U + act, "vae": U + V}
     else:
-        planned = _plan_stream(config, units, act, sizes, text, _slot_fractions(parts, config))
+        planned = _plan_stream(config, units, act, sizes, text, _slot_fractions(parts, config, units, text))
         text_mode, vae, resident, peaks = planned.text, StageMode.WHILE_USED, planned.resident, planned.peaks
     stream = pol == VramPolicy.STREAM
     text_dtype = torch.float32 if text_mode is StageMode.CPU else config.dtype
@@ -167,14 +167,20 @@ def plan_policy(parts, config: PolicyConfig, units, act: int, sizes: dict, name:
     return PolicyPlan(config, plan, budget, schedule, text_schedule, vision_schedule)
 
 
-def _slot_fractions(parts, config: PolicyConfig) -> dict:
+def _slot_fractions(parts, config: PolicyConfig, units, text: Optional[TextStream]) -> dict:
     """Per streamed stage, the packed staging slot per byte of its largest unit (``packed_weights.slot_fraction``);
-    0 for a stage whose weights are stored in fp8 (one byte a weight already: nothing to pack)."""
+    0 for a stage whose weights are stored in fp8 (one byte a weight already: nothing to pack) or whose copies hide
+    behind its compute (``copy_bound``; the denoiser at the rows its family's samplers run by default,
+    ``default_rows`` in ``families.json``, else the working shape's: the working shape's batch is sized for the
+    activations, not the usual run)."""
     modules = {"unet": [getattr(parts, "unet", None)], "text": [getattr(parts, "text_encoder", None),
                                                                  getattr(parts, "text_encoder_2", None)]}
     dtypes = {"unet": config.dtype, "text": config.text_dtype}
-    return {stage: 0.0 if any(storage_name(m) for m in mods) else slot_fraction(config.device, dtypes[stage])
-            for stage, mods in modules.items()}
+    batch = int(config.working_shape[0])
+    rows = int(family_defaults(parts.family).get("default_rows", batch))
+    stage_units = {"unet": (list(units), rows / batch), "text": (list(text.units) if text is not None else [], 1.0)}
+    return {stage: 0.0 if any(storage_name(m) for m in mods) or not copy_bound(*stage_units[stage])
+            else slot_fraction(config.device, dtypes[stage]) for stage, mods in modules.items()}
 
 
 def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optional[TextStream],
@@ -182,9 +188,6 @@ def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optio
     """The ``stream`` plan (module docstring): the UNet's schedule, where the text encoders go, the peaks;
     ``fractions``: the packed slot per stage (``_slot_fractions``; none when not given)."""
     fractions = dict(fractions or {})
-    for stage, stage_units in (("unet", units), ("text", text.units if text is not None else ())):
-        if not copy_bound(list(stage_units)):  # copies hide behind its compute: the decode would only cost time
-            fractions[stage] = 0.0
     unet_slot = fractions.get("unet", 0.0)
     T, U, V = sizes["text"], sizes["unet"], sizes["vae"]
     budget = config.budget_bytes

@@ -8,8 +8,16 @@ latent has the output's token count), and ``TEXT_TOKENS`` prompt tokens (the pip
 condition pictures' vision tokens: its ``dit_text_tokens``); its joint attention spans all of them. The
 working shape's batch counts the rows of one call: a guided step runs the prompt's and the negative's rows in one
 batched call (2 per image), so the default batch 2 is one guided image. The embedders, the text norm and the output
-layers are always resident. Sizes come from the config and the blocks' parameters, so planning needs neither a
-trace nor a ``meta`` copy, as for Z-Image (``dit_units.py``).
+layers are always resident.
+
+FLOPs per row of a block (``dual_stream_block_unit``): the block is two streams that meet only in attention, so an
+image token passes through the image stream's weights (``to_q/k/v``, ``to_out``, ``img_mlp``), a text token through
+the text stream's (``add_*_proj``, ``to_add_out``, ``txt_mlp``), each ``2 x tokens x weights``; the two modulation
+linears (``img_mod``, ``txt_mod``: a third of the block's bytes) see one timestep vector per row; the joint attention
+adds ``4 x N^2 x width``. Counting every weight against every token would make the step look over twice as heavy
+per streamed byte as it is, and ``stream_schedule.copy_bound`` would take a copy-bound step for a compute-bound one.
+Sizes come from the config and the blocks' parameters, so planning needs neither a trace nor a ``meta`` copy, as for
+Z-Image (``dit_units.py``).
 
 Why the largest row counts: the activation estimate (``plan.TRANSIENT_FACTOR["dit"]`` x a block's output) must
 hold for every call the sampler makes, and a block's transients grow with the tokens of its widest call.
@@ -20,10 +28,12 @@ from typing import Optional
 
 import torch
 
-from .dit_units import token_block_unit
-from .unet_units import Unit
+from .hostmem import FlatLayout
+from .unet_units import Unit, unit_params
 
 TEXT_TOKENS = 512  # QwenImagePipeline's default max_sequence_length
+MODULATION = ("img_mod.", "txt_mod.")  # parameter-name prefixes of a block's per-row modulation linears
+TEXT_STREAM = ("txt_", "attn.add_", "attn.to_add_", "attn.norm_added_")  # ... of its text stream
 
 
 def is_qwen_image_transformer(module: torch.nn.Module) -> bool:
@@ -47,6 +57,28 @@ def trace_qwen_image_units(dit: torch.nn.Module, working_shape: tuple[int, int, 
     """Units in execution order with flat sizes and FLOP estimates at ``working_shape`` (module docstring)."""
     batch, h, w = (int(v) for v in working_shape)
     tokens = qwen_image_tokens(dit, h, w, reference_images, text_tokens)
+    text = TEXT_TOKENS if text_tokens is None else int(text_tokens)
     width = int(dit.config.num_attention_heads) * int(dit.config.attention_head_dim)
-    return [token_block_unit(f"transformer_blocks.{index}", block, dtype, batch, tokens, width, width, "dit")
+    return [dual_stream_block_unit(f"transformer_blocks.{index}", block, dtype, batch, tokens - text, text, width)
             for index, block in enumerate(dit.transformer_blocks)]
+
+
+def stream_weights(block: torch.nn.Module) -> dict:
+    """``{"image", "text", "modulation": weights}`` of one joint block, by parameter name (module docstring)."""
+    counts = {"image": 0, "text": 0, "modulation": 0}
+    for name, param in block.named_parameters():
+        part = "modulation" if name.startswith(MODULATION) else "text" if name.startswith(TEXT_STREAM) else "image"
+        counts[part] += param.numel()
+    return counts
+
+
+def dual_stream_block_unit(name: str, block: torch.nn.Module, dtype: torch.dtype, batch: int, image_tokens: int,
+                           text_tokens: int, width: int) -> Unit:
+    """One joint block as a unit: its flat size in ``dtype``; FLOPs ``batch x (2 x (image_tokens x image weights +
+    text_tokens x text weights + modulation weights) + 4 x tokens^2 x width)``; output ``batch x tokens x width``."""
+    params = unit_params(block)
+    weights = stream_weights(block)
+    tokens = image_tokens + text_tokens
+    flops = batch * (2.0 * (image_tokens * weights["image"] + text_tokens * weights["text"] + weights["modulation"])
+                     + 4.0 * tokens ** 2 * width)
+    return Unit(name, FlatLayout.of(params, dtype).nbytes if params else 0, flops, batch * tokens * width, "dit")

@@ -51,10 +51,12 @@ ASSUMED_H2D_BYTES_PER_S = 50e9
 ASSUMED_FLOPS_PER_S = 200e12
 COPY_OVERHEAD_S = 5e-6
 ARENA_MULTIPLES = (3, 4, 6, 8, 12)
-# compute per streamed weight byte (at the working shape) below which a step waits on its copies on an H200-class
-# GPU (~55 GB/s host-to-device against several hundred TFLOP/s): measured copy-bound under ``stream`` at
-# ~10k (Z-Image at 6 GB, Qwen-Image text-to-image at 12 GB), compute-bound at ~24k (Qwen-Image-Edit at 12 GB)
-PACK_BELOW_FLOPS_PER_BYTE = 15_000
+# compute per streamed weight byte below which packed copies shorten a step: copies and compute balance at the
+# achieved rate over the host link (H200: ~450-560 TFLOP/s of bf16 blocks over ~52 GB/s pinned, ~9-11k), and near
+# the balance the decode (~7% of the plain copy time in GPU work) eats what packing saves. Measured under ``stream``
+# at the samplers' default rows: Z-Image at 6 GB ~5k (packed 1.21x resident, plain 1.61x), Qwen-Image-Edit at
+# 12 GB ~10k (plain 1.06x, packed 1.09x)
+PACK_BELOW_FLOPS_PER_BYTE = 8_000
 
 
 @dataclass(frozen=True)
@@ -169,10 +171,11 @@ def prefetch_points(schedule: StreamSchedule) -> dict[int, list[int]]:
     return points
 
 
-def copy_bound(units: list[Unit]) -> bool:
-    """Whether streaming ``units`` is expected to wait on the copies (``PACK_BELOW_FLOPS_PER_BYTE``)."""
+def copy_bound(units: list[Unit], rows_scale: float = 1.0) -> bool:
+    """Whether streaming ``units`` waits on the copies enough for packing to pay (``PACK_BELOW_FLOPS_PER_BYTE``);
+    ``rows_scale``: the rows a run computes per row of the units' working shape (FLOPs scale with the rows)."""
     nbytes = sum(u.nbytes for u in units)
-    return nbytes > 0 and sum(u.flops for u in units) / nbytes < PACK_BELOW_FLOPS_PER_BYTE
+    return nbytes > 0 and rows_scale * sum(u.flops for u in units) / nbytes < PACK_BELOW_FLOPS_PER_BYTE
 
 
 def plan_schedule(units: list[Unit], capacity_bytes: int, slot_fraction: float = 0.0) -> StreamSchedule:

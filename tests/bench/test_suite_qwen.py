@@ -53,7 +53,7 @@ def test_resident_cases_run_and_ours_equals_the_pipeline(smoke):
 
 def test_capped_cases_run_or_fail_their_targets_with_the_reason(smoke):
     rows = _rows(smoke)
-    for key, budget in (("stream_12gb/bf16", 12.0), ("stream_8gb/fp8_e4m3fn", 8.0)):
+    for key, budget in (("stream_12gb/bf16", 12.0), ("stream_8gb/fp8_e4m3fn", 8.0), ("stream_12gb/bf16_plain", 12.0)):
         peak = rows[(key, "peak_reserved_gb")]
         assert peak["target"] == f"<= {budget:g} GB"
         ratio = rows[(key, "e2e_ms_vs_resident")]
@@ -62,6 +62,9 @@ def test_capped_cases_run_or_fail_their_targets_with_the_reason(smoke):
             assert ratio["passed"] is False and ratio["ours"] is None and "not supported yet" in ratio["notes"]
         else:
             assert peak["passed"] is True and ratio["ours"] > 0
+    packed = rows[("stream_12gb/bf16", "e2e_ms_vs_plain_copies")]
+    assert packed["ours"] > 0 and packed["peer"] > 0 and packed["target"] in (None, "")
+    assert rows[("stream_12gb/bf16_plain", "rel_vs_resident")]["passed"] is True
     offload = rows[("stream_12gb/bf16", "e2e_ms_vs_group_offload")]
     assert offload["peer"] > 0 and "group offload" in offload["peer_name"]
 
@@ -113,9 +116,29 @@ class _RowsStub:
         pass
 
 
+def test_the_plain_copies_case_loads_with_packing_off_and_restores_the_setting(monkeypatch):
+    """``stream_plain`` differs from ``stream`` only in the loader's packing switch, and only during its load."""
+    from leandiffusion.memory.packed_weights import ENV, slot_fraction
+
+    cuda = torch.device("cuda", 0)
+    for before in (None, "auto"):
+        if before is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, before)
+        with qwen_cases._packed_streaming(False):
+            assert slot_fraction(cuda, torch.bfloat16) == 0.0
+        assert qwen_cases.os.environ.get(ENV) == before
+        with qwen_cases._packed_streaming(True):
+            assert slot_fraction(cuda, torch.bfloat16) > 0.0
+        assert qwen_cases.os.environ.get(ENV) == before
+
+
 def test_parts_pull_in_what_their_ratios_need(monkeypatch):
     monkeypatch.setenv(suite_qwen.ENV_CASES, "peer_offload,stream_fp8")
     assert suite_qwen.selected_parts() == ("cuda_graph", "fp8", "stream_fp8", "stream", "peer_offload")
+    monkeypatch.setenv(suite_qwen.ENV_CASES, "stream_plain")
+    assert suite_qwen.selected_parts() == ("cuda_graph", "stream", "stream_plain")
     monkeypatch.setenv(suite_qwen.ENV_CASES, "stream_edit")
     assert suite_qwen.selected_parts() == ("peer", "stream_edit")  # the time guard needs the peer's run time
     monkeypatch.setenv(suite_qwen.ENV_CASES, "cuda_graph,stream_gpu")

@@ -116,6 +116,7 @@ def test_only_stages_that_wait_on_their_copies_pack():
     light = [Unit("a", 1000, 0.5 * PACK_BELOW_FLOPS_PER_BYTE * 1000)]
     heavy = [Unit("a", 1000, 2 * PACK_BELOW_FLOPS_PER_BYTE * 1000)]
     assert copy_bound(light) and not copy_bound(heavy) and not copy_bound([])
+    assert copy_bound(heavy, rows_scale=0.25) and not copy_bound(light, rows_scale=4.0)  # FLOPs scale with the rows
 
 
 def test_packing_that_runs_out_of_memory_leaves_plain_copies_and_the_same_latent(monkeypatch):

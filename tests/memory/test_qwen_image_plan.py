@@ -135,3 +135,34 @@ def test_the_plans_token_counts_are_the_samplers_limits():
 
     assert family_defaults("qwen_image")["text_tokens"] == TEMPLATE_TOKENS + MAX_TOKENS
     assert TEXT_TOKENS == MAX_SEQUENCE_LENGTH
+
+
+def test_a_blocks_flops_count_each_stream_against_its_own_tokens(parts):
+    """By hand, one joint block (dim 3072, MLP 12288): an image token meets the image stream's q/k/v/out and MLP,
+    a text token the text stream's, each modulation linear (3072 -> 6 x 3072) one vector a row, and the joint
+    attention 4 x N^2 x 3072. Counting all 339.8M weights against every token overstates the step ~2.6x here."""
+    from leandiffusion.memory.qwen_units import dual_stream_block_unit
+
+    dim, mlp = 3072, 12288
+    stream = 4 * (dim * dim + dim) + 2 * 128 + (dim * mlp + mlp) + (mlp * dim + dim)
+    modulation = 2 * (6 * dim * dim + 6 * dim)
+    assert 2 * stream + modulation == 339_831_296
+    image, text = 4096, 512
+    unit = dual_stream_block_unit("b", parts.unet.transformer_blocks[0], torch.bfloat16, 2, image, text, dim)
+    assert unit.flops == 2 * (2 * (image + text) * stream + 2 * modulation + 4 * (image + text) ** 2 * dim)
+    assert unit.nbytes >= 339_831_296 * 2 and unit.out_numel == 2 * (image + text) * dim
+
+
+def test_the_dit_crosses_packed_at_the_native_size_and_the_edit_stays_plain(parts):
+    """The loader plans at the family's native 1328 px (two rows): a text-to-image step is ~6.9k FLOPs per streamed
+    byte, copy-bound on an H200's ~52 GB/s, so its DiT crosses packed; the edit's step (reference tokens too, ~10k)
+    hides its copies and keeps them plain (stream_schedule.PACK_BELOW_FLOPS_PER_BYTE)."""
+    from leandiffusion.tests.kit.qwen_image_full import meta_qwen_image_edit_parts
+
+    native = _plan(parts, "stream", shape=(2, 166, 166))
+    assert native.plan.packed_slot_bytes == native.schedule.slot_bytes >= 1.5 * max(
+        u.nbytes for u in native.schedule.order)
+    config = PolicyConfig(VramPolicy.STREAM, VramPolicy.STREAM, CUDA, torch.bfloat16, torch.bfloat16, torch.bfloat16,
+                          12 * GiB, SHAPE)
+    edit = plan_placement(meta_qwen_image_edit_parts(), config, None, "qwen-image-edit")
+    assert edit.plan.packed_slot_bytes == 0 and edit.plan.text_packed_slot_bytes > 0

@@ -170,3 +170,17 @@ def test_the_plans_token_counts_are_the_samplers_limits():
     from leandiffusion.sampling.flow.text import MAX_TOKENS
 
     assert CAPTION_TOKENS == CAPTION_BUCKETS[-1] and TEXT_TOKENS == MAX_TOKENS
+
+
+def test_the_dit_packs_at_the_rows_its_sampler_runs(parts, monkeypatch):
+    """Z-Image-Turbo samples at cfg 1, one row a call (families.json ``default_rows``): ~5k FLOPs per streamed byte,
+    copy-bound, so its DiT crosses packed; counted at the working shape's two rows (~10k) it would stay plain."""
+    from leandiffusion.memory import planner
+
+    assert planner.family_defaults("zimage")["default_rows"] == 1
+    assert _plan(parts, "stream").plan.packed_slot_bytes > 0
+    row = planner.family_defaults("zimage")
+    del row["default_rows"]
+    monkeypatch.setattr(planner, "family_defaults", lambda family: dict(row))
+    two_rows = _plan(parts, "stream").plan
+    assert two_rows.packed_slot_bytes == 0 and two_rows.text_packed_slot_bytes > 0
