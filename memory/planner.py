@@ -178,9 +178,10 @@ def _slot_fractions(parts, config: PolicyConfig, units, text: Optional[TextStrea
     dtypes = {"unet": config.dtype, "text": config.text_dtype}
     batch = int(config.working_shape[0])
     rows = int(family_defaults(parts.family).get("default_rows", batch))
-    stage_units = {"unet": (list(units), rows / batch), "text": (list(text.units) if text is not None else [], 1.0)}
-    return {stage: 0.0 if any(storage_name(m) for m in mods) or not copy_bound(*stage_units[stage])
-            else slot_fraction(config.device, dtypes[stage]) for stage, mods in modules.items()}
+    waits = {"unet": copy_bound(list(units), rows_scale=rows / batch),
+             "text": text is not None and copy_bound(list(text.units))}
+    return {stage: slot_fraction(config.device, dtypes[stage])
+            if waits[stage] and not any(storage_name(m) for m in mods) else 0.0 for stage, mods in modules.items()}
 
 
 def _plan_stream(config: PolicyConfig, units, act: int, sizes: dict, text: Optional[TextStream],
