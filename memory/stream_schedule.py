@@ -54,8 +54,8 @@ ARENA_MULTIPLES = (3, 4, 6, 8, 12)
 # compute per streamed weight byte below which packed copies shorten a step: copies and compute balance at the
 # achieved rate over the host link (H200: ~450-560 TFLOP/s of bf16 blocks over ~52 GB/s pinned, ~9-11k), and near
 # the balance the decode (~7% of the plain copy time in GPU work) eats what packing saves. Measured under ``stream``
-# at the samplers' default rows: Z-Image at 6 GB ~5k (packed 1.21x resident, plain 1.61x), Qwen-Image-Edit at
-# 12 GB ~10k (plain 1.06x, packed 1.09x)
+# at the samplers' default rows: Z-Image at 6 GB ~5k (packed 1.18-1.21x resident, plain 1.61x), Qwen-Image
+# text-to-image at 12 GB ~7k (packed 1.37x, plain 1.90x), Qwen-Image-Edit at 12 GB ~10k (plain 1.06x, packed 1.09x)
 PACK_BELOW_FLOPS_PER_BYTE = 8_000
 
 
