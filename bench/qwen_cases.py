@@ -26,6 +26,7 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
+from unittest import mock
 
 import torch
 
@@ -206,19 +207,9 @@ def ours_stream(ctx: BenchContext, weights: SharedWeights, w: Workload, budget_g
         del engine
 
 
-@contextlib.contextmanager
 def _packed_streaming(on: bool):
-    """Packed copies as the loader decides (``on``) or off, for the load inside; the setting is restored after."""
-    saved = os.environ.get(PACKED_ENV)
-    if not on:
-        os.environ[PACKED_ENV] = "off"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(PACKED_ENV, None)
-        else:
-            os.environ[PACKED_ENV] = saved
+    """Packed copies as the loader decides (``on``) or off, for the load inside; the environment is restored after."""
+    return contextlib.nullcontext() if on else mock.patch.dict(os.environ, {PACKED_ENV: "off"})
 
 
 def peer_offload(ctx: BenchContext, weights: SharedWeights, w: Workload, budget_gb: float, warmup: int,

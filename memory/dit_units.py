@@ -13,6 +13,8 @@ Sizes come from the config, so planning needs neither a trace nor a ``meta`` cop
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .hostmem import FlatLayout
@@ -44,11 +46,14 @@ def trace_dit_units(dit: torch.nn.Module, working_shape: tuple[int, int, int], d
 
 
 def token_block_unit(name: str, block: torch.nn.Module, dtype: torch.dtype, batch: int, tokens: int,
-                     attention_width: int, out_width: int, kind: str) -> Unit:
+                     attention_width: int, out_width: int, kind: str, weight_macs: Optional[float] = None) -> Unit:
     """A transformer block over ``tokens`` tokens per row as a unit: its flat size in ``dtype``; FLOPs
-    ``batch x (2 x tokens x weights + 4 x tokens^2 x attention_width)``; output ``batch x tokens x out_width``."""
+    ``batch x (2 x weight_macs + 4 x tokens^2 x attention_width)``; output ``batch x tokens x out_width``.
+    ``weight_macs``: multiply-adds per row through the block's weights (default ``tokens x weights``: every weight
+    meets every token)."""
     params = unit_params(block)
     nbytes = FlatLayout.of(params, dtype).nbytes if params else 0
-    weights = sum(p.numel() for p in params)
-    flops = batch * (2.0 * tokens * weights + 4.0 * tokens ** 2 * attention_width)
+    if weight_macs is None:
+        weight_macs = tokens * sum(p.numel() for p in params)
+    flops = batch * (2.0 * weight_macs + 4.0 * tokens ** 2 * attention_width)
     return Unit(name, nbytes, flops, batch * tokens * out_width, kind)

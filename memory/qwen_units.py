@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from .hostmem import FlatLayout
-from .unet_units import Unit, unit_params
+from .dit_units import token_block_unit
+from .unet_units import Unit
 
 TEXT_TOKENS = 512  # QwenImagePipeline's default max_sequence_length
 MODULATION = ("img_mod.", "txt_mod.")  # parameter-name prefixes of a block's per-row modulation linears
@@ -74,11 +74,8 @@ def stream_weights(block: torch.nn.Module) -> dict:
 
 def dual_stream_block_unit(name: str, block: torch.nn.Module, dtype: torch.dtype, batch: int, image_tokens: int,
                            text_tokens: int, width: int) -> Unit:
-    """One joint block as a unit: its flat size in ``dtype``; FLOPs ``batch x (2 x (image_tokens x image weights +
-    text_tokens x text weights + modulation weights) + 4 x tokens^2 x width)``; output ``batch x tokens x width``."""
-    params = unit_params(block)
+    """One joint block as a unit (``dit_units.token_block_unit`` over both streams' tokens), its weights' multiply-adds
+    per row ``image_tokens x image weights + text_tokens x text weights + modulation weights``."""
     weights = stream_weights(block)
-    tokens = image_tokens + text_tokens
-    flops = batch * (2.0 * (image_tokens * weights["image"] + text_tokens * weights["text"] + weights["modulation"])
-                     + 4.0 * tokens ** 2 * width)
-    return Unit(name, FlatLayout.of(params, dtype).nbytes if params else 0, flops, batch * tokens * width, "dit")
+    macs = image_tokens * weights["image"] + text_tokens * weights["text"] + weights["modulation"]
+    return token_block_unit(name, block, dtype, batch, image_tokens + text_tokens, width, width, "dit", macs)
