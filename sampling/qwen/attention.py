@@ -3,14 +3,21 @@
 Invariant: with :class:`RowGroupAttnProcessor` installed, a transformer call on rows whose text is zero-padded to a
 common length gives every row what diffusers' ``QwenDoubleStreamAttnProcessor2_0`` gives that row alone, unpadded.
 Rows are grouped by their real text length (``RowGroup``: a contiguous range of rows and their length ``L``); each
-group attends over its joint sequence ``[its first L text tokens, every image token]`` with unmasked SDPA. Text
+group attends over its joint sequence ``[every image token, its first L text tokens]`` with unmasked SDPA. Text
 slots past a row's length get zeros: no real token ever reads them (attention reads only the first ``L`` keys, the
 rest of the block acts per token) and the model's output is the image tokens alone. Projections, q/k norms and the
 rotary embedding run on the whole padded batch through the modules' own ``__call__`` (LoRA terms and fp8 weight
 storage apply); the first ``L`` text positions get the rotary angles the unpadded call gives them.
 
+Why the image tokens come first (diffusers orders ``[text, image]``): the projections are joined once per block as
+``[image, all text slots]``, so each group's sequence is a prefix of every row, a view SDPA reads in place; under
+``torch.compile`` the join is written by the kernel that applies the norm and rotary embedding, so no copy of q or k
+is left. Softmax attention does not depend on the order of its keys; only the summation's rounding moves. The rotary
+embedding is written in real arithmetic (``_rotary``): complex multiplication falls out of inductor's fused kernels
+into three passes over a float32 copy of q and k.
+
 Why not SDPA with a key-padding mask (what the diffusers processor does with ``encoder_hidden_states_mask``): on
-Hopper that runs cuDNN's attention with a bias, measurably slower than the unmasked flash kernel at the sizes
+Hopper that runs cuDNN's attention with a bias, measurably slower than the unmasked kernel at the sizes
 Qwen-Image runs (thousands of image tokens), and batching the guided rows (so streamed weights cross once a step)
 must not cost more than the two separate calls the pipeline makes. One processor object serves a model for
 good (``row_groups_installed`` swaps its groups), and the per-group attention, the only code that reads them, is left
@@ -52,27 +59,41 @@ def row_groups(lengths: Sequence[int]) -> tuple[RowGroup, ...]:
 
 def _rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """diffusers' ``apply_rotary_emb_qwen(x, freqs, use_real=False)`` on ``[B, S, H, D]`` with ``freqs`` ``[S, D/2]``
-    complex: each pair of ``x`` times its angle in float32, back to ``x``'s dtype (written here so importing the
-    pack does not import diffusers' model modules)."""
-    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(z * freqs.unsqueeze(1)).flatten(3).type_as(x)
+    complex: each pair ``(a, b)`` of ``x`` times its angle ``(c, s)`` in float32, ``(a c - b s, a s + b c)``, back
+    to ``x``'s dtype. Eagerly as a complex product (three passes); under ``torch.compile`` in real arithmetic, which
+    inductor fuses into the kernel that writes q or k (module docstring)."""
+    if not torch.compiler.is_compiling():
+        z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(z * freqs.unsqueeze(1)).flatten(3).type_as(x)
+    cs = torch.view_as_real(freqs).unsqueeze(1)  # [S, 1, D/2, 2]: over the heads
+    cos = cs[..., 0].repeat_interleave(2, dim=-1)  # c c per pair
+    sin = torch.stack([-cs[..., 1], cs[..., 1]], dim=-1).flatten(-2)  # -s s per pair
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (b, a) per pair
+    return (xf * cos + swapped * sin).type_as(x)
 
 
-def _grouped_attention(q_txt, k_txt, v_txt, q_img, k_img, v_img, processor: "RowGroupAttnProcessor"):
-    """``(text out [B, T, H*D], image out [B, N, H*D])`` from [B, *, H, D] projections (module docstring)."""
-    groups, batch, seq_txt = processor.groups, q_txt.shape[0], q_txt.shape[1]
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int,
+                       processor: "RowGroupAttnProcessor") -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Per group, in row order: ``(text outs [rows, T, H*D], image outs [rows, N, H*D])`` from joint
+    ``[B, N + T, H, D]`` projections laid out as ``[image, text slots]`` (module docstring). The caller joins the
+    groups, so that under ``torch.compile`` the join is written by the next projection's input kernel."""
+    groups, batch, seq_txt = processor.groups, q.shape[0], q.shape[1] - image_tokens
     if not groups or groups[0].start != 0 or groups[-1].stop != batch or any(
             a.stop != b.start for a, b in zip(groups, groups[1:])):
         raise ValueError(f"row groups {groups} do not cover the call's {batch} rows in order")
     txt_parts, img_parts = [], []
     for g in groups:
-        rows = slice(g.start, g.stop)
-        q, k, v = (torch.cat([t[rows, :g.length], i[rows]], dim=1).transpose(1, 2)
-                   for t, i in ((q_txt, q_img), (k_txt, k_img), (v_txt, v_img)))
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2, 3).to(q.dtype)
-        txt_parts.append(F.pad(out[:, :g.length], (0, 0, 0, seq_txt - g.length)))
-        img_parts.append(out[:, g.length:])
-    return torch.cat(txt_parts), torch.cat(img_parts)
+        end = image_tokens + g.length
+        out = F.scaled_dot_product_attention(*(t[g.start:g.stop, :end].transpose(1, 2) for t in (q, k, v)))
+        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+        img_parts.append(out[:, :image_tokens])
+        txt_parts.append(F.pad(out[:, image_tokens:], (0, 0, 0, seq_txt - g.length)))
+    return tuple(txt_parts), tuple(img_parts)
+
+
+def _joined(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
 
 
 class RowGroupAttnProcessor:
@@ -100,11 +121,12 @@ class RowGroupAttnProcessor:
             img_freqs, txt_freqs = image_rotary_emb
             img[:2] = [_rotary(t, img_freqs) for t in img[:2]]
             txt[:2] = [_rotary(t, txt_freqs) for t in txt[:2]]
-        txt_out, img_out = self._attend(*txt, *img, self)
-        img_out = attn.to_out[0](img_out.contiguous())
+        joint = [torch.cat([i, t], dim=1) for i, t in zip(img, txt)]  # [image, text slots]: module docstring
+        txt_parts, img_parts = self._attend(*joint, hidden_states.shape[1], self)
+        img_out = attn.to_out[0](_joined(img_parts))
         if len(attn.to_out) > 1:
             img_out = attn.to_out[1](img_out)
-        return img_out, attn.to_add_out(txt_out.contiguous())
+        return img_out, attn.to_add_out(_joined(txt_parts))
 
 
 _PROCESSORS: "weakref.WeakKeyDictionary[torch.nn.Module, RowGroupAttnProcessor]" = weakref.WeakKeyDictionary()

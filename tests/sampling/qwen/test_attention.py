@@ -67,3 +67,21 @@ def test_row_groups_runs():
         row_groups([])
     with pytest.raises(ValueError, match=r"lengths\[1\]=0"):
         row_groups([2, 0])
+
+
+def test_rotary_under_compile_equals_the_complex_product():
+    """The real-arithmetic rotary form ``torch.compile`` traces equals the eager complex product and diffusers'
+    ``apply_rotary_emb_qwen`` (float32 rounding only; a wrong sign or pair order is O(1) away)."""
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    from leandiffusion.sampling.qwen.attention import _rotary
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 7, 3, 8, generator=g)
+    freqs = torch.polar(torch.ones(7, 4), torch.randn(7, 4, generator=g) * 3)
+    reference = apply_rotary_emb_qwen(x, freqs, use_real=False)
+    eager = _rotary(x, freqs)
+    traced = torch.compile(_rotary, backend="eager", fullgraph=True)(x, freqs)
+    assert (eager - reference).abs().max().item() < 1e-6
+    assert (traced - reference).abs().max().item() < 1e-6
+    assert (x - reference).abs().max().item() > 0.5  # the angles rotate

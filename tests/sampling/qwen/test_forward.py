@@ -93,7 +93,8 @@ def test_zero_cond_t_transformer_equals_its_module():
 
 
 def test_buckets_and_bad_inputs():
-    assert [text_capacity([n]) for n in (1, 64, 65, 200, 512, 700, 2048)] == [64, 64, 128, 256, 512, 1024, 2048]
+    lengths = (1, 64, 65, 200, 263, 512, 700, 2048)
+    assert [text_capacity([n]) for n in lengths] == [64, 64, 128, 256, 320, 512, 768, 2048]
     with pytest.raises(ValueError, match="2049 tokens exceeds the longest supported"):
         text_capacity([3, 2049])
     with pytest.raises(ValueError, match=r"reference tokens of shape \(3, 6, 64\) do not match"):
