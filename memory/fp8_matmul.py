@@ -9,7 +9,7 @@ after that rounding; at least ``MIN_ACT_SCALE``, so an all-zero input never divi
 ``y = _scaled_mm(X, Q^T, s_x, s, bias=b, out_dtype=bf16, use_fast_accum=True)``: fp8 products, accumulated in the
 tensor cores' own precision (``FAST_ACCUMULATE``), one rounding to bf16. Against the dequantizing path
 (``x @ (Q s)^T`` in bf16) the new error is the activation's fp8 rounding (about 2^-5 relative, rms, per element);
-the accumulation adds far less (the GPU test bounds the GEMM against the same formula in fp32).
+the GPU test bounds the GEMM against the same formula in fp32.
 
 Invariants: no host sync (``.item()``), no data-dependent shape, no host->device copy: a forward through it is
 CUDA-graph capturable. ``fp8_matmul_supported`` (CUDA compute capability >= 8.9, not ROCm, a torch with
@@ -34,8 +34,8 @@ MIN_ACT_SCALE = 1e-12
 ACT_SCALE_FACTOR = (1 + 2 ** -7) / FP8_MAX  # amax -> s_x, with the margin ``quantize_activation`` explains
 # Hopper's fp8 tensor cores accumulate in fewer than fp32's bits; without fast accumulation cuBLAS promotes partial
 # sums to fp32 every few K steps. Fast accumulation (torchao's default for fp8 inference) cut a compiled Qwen-Image
-# block on an H200 from 8.50 to 8.17 ms (its GEMMs ~12% faster); the latent moved far less than the activation's own
-# fp8 rounding moves it.
+# block on an H200 from 8.50 to 8.17 ms (its GEMMs ~12% faster) and left its output's distance from bf16 as it was
+# (0.0614 vs 0.0615 rel L2 after four blocks: the activation's fp8 rounding dominates it).
 FAST_ACCUMULATE = True
 
 

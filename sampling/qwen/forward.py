@@ -9,7 +9,7 @@ image stream. RoPE: image token ``(f, r, c)`` of image ``k`` in ``img_shapes`` g
 the largest half side over the image shapes. Neither depends on the text length or on padding, so a row whose text
 is zero-padded at its end predicts what its unpadded call predicts when its attention reads only its real text
 slots: every block attends through ``attention.RowGroupAttnProcessor`` (rows grouped by text length, no padding
-mask; it keeps SDPA on the flash kernel), and rows of different prompts (``[cond x B, uncond x B]`` for true CFG)
+mask; it keeps SDPA on its unmasked kernel), and rows of different prompts (``[cond x B, uncond x B]`` for true CFG)
 share one call.
 
 Static shapes: every text row is laid out in ``capacity`` slots (a bucket of ``TEXT_BUCKETS``), and the RoPE tables
