@@ -25,8 +25,8 @@ Invariants
   wait ``copied[k]`` and ``done[p(k)]`` (its ring slice is free), decode into the slice, record ``ready[k]``. So
   the copy engine fills one slot while the other decodes, and runs ahead of the compute by the slots as well as
   the ring (a packed unit's bytes cross before its ring slice is free); ``D`` forks and joins with ``C`` like
-  ``S``. Units that do not pack smaller, or a host without the memory for the packed copies, keep plain copies. The plain pinned host copy stays either way: it is what
-  ``host_copy`` returns and what ``remove`` restores.
+  ``S``. Units that do not pack smaller, or a host without the memory for the packed copies, keep plain copies.
+  The plain pinned host copy stays either way: it is what ``host_copy`` returns and what ``remove`` restores.
 - Held units (``hold``, ``held_units.py``): for one run, some streamed units' parameters point into a device
   buffer in room the run does not need (``memory/spare_room.py``) instead of their ring slices; the run's first
   forward copies them there as it would into the ring, later forwards copy nothing for them. ``release_held``
