@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional, Protocol
 import torch
 
 from .families import is_dit_family
+from .unet_norms import fused_norms
 from .unet_patches import fused_geglus
 from .vram_budget import UNBUDGETED, VramBudget
 
@@ -235,10 +236,11 @@ class LeanEngine:
             raise ValueError(f"stage={stage!r}: expected one of {STAGES}")
         self.placement.enter(self, stage, text_shape)
         attached = []
-        fast = contextlib.ExitStack()  # the one-pass GEGLUs: entered before the adapters, closed after them
+        fast = contextlib.ExitStack()  # the one-pass GEGLUs and norms: entered before the adapters, closed after them
         try:
             if stage == "unet":
                 fast.enter_context(fused_geglus(self.parts.unet))
+                fast.enter_context(fused_norms(self.parts.unet))
             for adapter in self.adapters:
                 _attach_adapter(adapter, self.parts, stage)
                 attached.append(adapter)
