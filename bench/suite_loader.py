@@ -5,7 +5,9 @@ one UNet call per step, all in one process on one GPU. Measured per configuratio
 timed calls after warm-up) and ``max_memory_reserved`` from placing the weights through the timed calls (the CUDA
 context is not allocator memory, so it is excluded by construction).
 
-Configurations: ``full`` eager and ``full`` CUDA graph (the references), ``stream`` at 4 GB and 1.5 GB budgets
+Configurations: ``full`` eager and ``full`` CUDA graph (the references, diffusers' own UNet), the ``full`` CUDA graph
+with the engine's UNet patches in place (one-pass GEGLU, GroupNorm kernels: what every UNet session of the samplers
+runs; recorded with its distance from the plain graph), ``stream`` at 4 GB and 1.5 GB budgets
 (eager and CUDA graph), diffusers group offload (leaf_level, use_stream=True, record_stream=True) and
 ``accelerate.cpu_offload`` (sequential offload).
 
@@ -95,10 +97,27 @@ def _measure_full(parts, call, dev, repeat: int, results: dict) -> torch.Tensor:
     results["full eager"] = (full_ms, peak["reserved_gb"])
     replay, _ = graph_replay(call(parts.unet), dev)
     results["full cuda graph"] = (time_ms(replay, warmup=2, repeat=repeat, device=dev), None)
-    placement.remove()
     del replay
+    results["pack kernels"] = _measure_pack_kernels(parts.unet, call, ref, dev, repeat)
+    placement.remove()
     _free()
     return ref
+
+
+def _measure_pack_kernels(unet, call, ref, dev, repeat: int) -> tuple:
+    """The CUDA-graph step inside the engine's UNet patches: (ms, max-abs distance of its output from ``ref``, the
+    plain eager step, relative to ``ref``'s largest value)."""
+    from ..memory.unet_norms import fused_norms
+    from ..memory.unet_patches import fused_geglus
+
+    with fused_geglus(unet), fused_norms(unet):
+        replay, out = graph_replay(call(unet), dev)
+        ms = time_ms(replay, warmup=2, repeat=repeat, device=dev)
+        replay()
+        torch.cuda.synchronize(dev)
+        rel = _rel(out, ref)
+    del replay
+    return ms, rel
 
 
 def _measure_stream(ctx, parts, call, ref, budget: float, repeat: int, results: dict) -> None:
@@ -165,7 +184,12 @@ def _record_results(ctx, results: dict) -> None:
     full_ms = results["full eager"][0]
     go_ms = results["diffusers group offload"][0]
     for name, (ms, gb) in results.items():
-        if name == "stream 4GB":
+        if name == "pack kernels":
+            ctx.record(CASE, "step_ms_full_cuda_graph_pack_kernels", ms, results["full cuda graph"][0],
+                       "full cuda graph (diffusers' UNet as is)", unit="ms",
+                       notes=f"inside the engine's UNet patches (one-pass GEGLU, GroupNorm kernels with each resnet's "
+                             f"add and SiLU); output max|d|/max|plain eager| {gb:.2g}")
+        elif name == "stream 4GB":
             ctx.record(CASE, "step_ms_stream_4GB", ms, full_ms, "full eager", target=1 / 1.25, target_kind="ratio>=",
                        unit="ms", notes="target: <= 1.25x the full eager step")
             ctx.record(CASE, "peak_reserved_gb_stream_4GB", gb, target=4.0, target_kind="ours<=", unit="GB",

@@ -1,12 +1,18 @@
-"""The one owner of the engine's patches to UNet modules: one override object per diffusers GEGLU, with its terms.
+"""The engine's GEGLU patches: one override object per diffusers GEGLU, with its terms (``unet_norms`` owns the
+GroupNorm and resnet patches).
 
 Invariants
 - Each diffusers ``GEGLU`` with the exact gelu (that class itself, not a subclass) has one override object
   (``geglu_override``) for as long as anything holds it: the UNet's sessions (``fused_geglus``, keyed weakly by the
   UNet, holding only submodules) and the LoRA bindings with a term on its ``proj``. A ``torch.compile``d UNet so
   sees the same ``forward`` object in every session, with or without LoRA terms.
-- The override is the module's instance ``forward`` (in ``module.__dict__``) while a UNet session holds it or it
-  carries a term, and leaves the ``__dict__`` when neither does: outside ``engine.session("unet")`` and without a
+- The override's ``forward`` is ``overridden_forward`` bound to the module (one bound method per override, kept for
+  its life), which finds the override under ``STATE`` in the module's ``__dict__``: every GEGLU runs the same
+  function, so dynamo guards on its code, not on a per-module object, and a regionally compiled UNet reuses one
+  graph for all blocks of a shape (a per-module callable gave each block its own graph: SDXL's 70 transformer
+  blocks ran past dynamo's recompile limit).
+- The override is the module's instance ``forward`` (in ``module.__dict__``, with ``STATE`` beside it) while a UNet
+  session holds it or it carries a term, and leaves the ``__dict__`` when neither does: outside ``engine.session("unet")`` and without a
   term the module is as it was, and a diffusers pipeline sharing it runs diffusers' own forward. A ``forward`` that
   another library put in the ``__dict__`` is never replaced nor removed: the session leaves that GEGLU alone and
   ``add`` answers False (the caller then hooks the ``proj``).
@@ -32,6 +38,7 @@ writing the projection back.
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 from typing import Iterator, Optional, Protocol
 
@@ -57,6 +64,9 @@ class GegluTerm(Protocol):
         """``out + term(x)`` out of place, for any placement of ``x`` and ``out``."""
 
 
+STATE = "_leandiffusion_geglu"  # the override's key in its module's ``__dict__`` while installed
+
+
 def _no_grad_needed(*tensors: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
 
@@ -65,26 +75,33 @@ class GegluOverride:
     """The instance-level ``forward`` of one diffusers ``GEGLU`` (module docstring): the fused GEGLU, with the
     LoRA terms attached to its ``proj`` fused into the gating."""
 
-    __slots__ = ("module", "terms", "attrs", "sessions", "__weakref__")
+    __slots__ = ("module", "terms", "attrs", "sessions", "forward", "__weakref__")
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.terms: list[GegluTerm] = []  # in ``add`` order; read-only outside this class
         self.attrs = module.__dict__  # the module's instance dict
         self.sessions = 0  # UNet sessions holding the override in place
+        self.forward = types.MethodType(overridden_forward, module)  # the module's forward while installed
 
     # ------------------------------------------------------------------ install / remove
     def _install(self) -> bool:
         """Put the override in the module's ``__dict__``; False when another ``forward`` sits there."""
         current = self.attrs.get("forward")
         if current is None:
-            self.attrs["forward"] = self
+            self.attrs[STATE] = self
+            try:
+                self.attrs["forward"] = self.forward
+            except BaseException:
+                self.attrs.pop(STATE, None)
+                raise
             return True
-        return current is self
+        return current is self.forward
 
     def _remove_when_idle(self) -> None:
-        if len(self.terms) == 0 and self.sessions == 0 and self.attrs.get("forward") is self:
+        if len(self.terms) == 0 and self.sessions == 0 and self.attrs.get("forward") is self.forward:
             del self.attrs["forward"]
+            self.attrs.pop(STATE, None)
 
     def _enter_session(self) -> None:
         self._install()
@@ -114,32 +131,42 @@ class GegluOverride:
 
     # ------------------------------------------------------------------ the forward
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        m = self.module
-        p = m.proj(hidden_states)  # the proj carries none of these terms; hooks of hook-path bindings included
-        terms = self.terms
-        if len(terms) == 0:  # ``len``: dynamo refuses ``bool(list)`` on some versions
-            if p.requires_grad:  # autograd: diffusers' own ops (the kernel has no backward)
-                a, gate = p.chunk(2, dim=-1)
-                return a * m.gelu(gate)
-            return geglu(p)
-        return self._with_terms(hidden_states, p, terms)
+        """What the installed ``forward`` computes (``overridden_forward``), callable without installing."""
+        return _forward(self.module, self.terms, hidden_states)
 
-    def _with_terms(self, x: torch.Tensor, p: torch.Tensor, terms: list) -> torch.Tensor:
-        fast = (p.dtype == x.dtype and p.device == x.device and all(t.fits(x) for t in terms)
-                and p.is_contiguous() and _no_grad_needed(x, p))
-        if not fast:
-            for t in terms:
-                p = t.added(x, p)
+
+def overridden_forward(module: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The instance ``forward`` of every overridden GEGLU (bound to it; module docstring): the fused GEGLU, with
+    the LoRA terms attached to its ``proj`` fused into the gating."""
+    return _forward(module, module.__dict__[STATE].terms, hidden_states)
+
+
+def _forward(m: torch.nn.Module, terms: list, hidden_states: torch.Tensor) -> torch.Tensor:
+    p = m.proj(hidden_states)  # the proj carries none of these terms; hooks of hook-path bindings included
+    if len(terms) == 0:  # ``len``: dynamo refuses ``bool(list)`` on some versions
+        if p.requires_grad:  # autograd: diffusers' own ops (the kernel has no backward)
             a, gate = p.chunk(2, dim=-1)
-            return a * self.module.gelu(gate)
-        hs = [t.hidden(x) for t in terms]
-        hs = [h.reshape(-1, h.shape[-1]) for h in hs]
-        if len(terms) == 1:
-            h, up = hs[0], terms[0].up_s
-        else:  # stacked terms: one rank-(sum r_i) term
-            h, up = torch.cat(hs, dim=1), torch.cat([t.up_s for t in terms], dim=1)
-        out = geglu_lora(p.reshape(-1, p.shape[-1]), h, up)
-        return out.view(*p.shape[:-1], out.shape[-1])
+            return a * m.gelu(gate)
+        return geglu(p)
+    return _with_terms(m, hidden_states, p, terms)
+
+
+def _with_terms(m: torch.nn.Module, x: torch.Tensor, p: torch.Tensor, terms: list) -> torch.Tensor:
+    fast = (p.dtype == x.dtype and p.device == x.device and all(t.fits(x) for t in terms)
+            and p.is_contiguous() and _no_grad_needed(x, p))
+    if not fast:
+        for t in terms:
+            p = t.added(x, p)
+        a, gate = p.chunk(2, dim=-1)
+        return a * m.gelu(gate)
+    hs = [t.hidden(x) for t in terms]
+    hs = [h.reshape(-1, h.shape[-1]) for h in hs]
+    if len(terms) == 1:
+        h, up = hs[0], terms[0].up_s
+    else:  # stacked terms: one rank-(sum r_i) term
+        h, up = torch.cat(hs, dim=1), torch.cat([t.up_s for t in terms], dim=1)
+    out = geglu_lora(p.reshape(-1, p.shape[-1]), h, up)
+    return out.view(*p.shape[:-1], out.shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------- registries

@@ -206,12 +206,15 @@ def _hooks(m: torch.nn.Module) -> dict:
 
 def injected(root: torch.nn.Module, own: dict | None = None) -> int:
     """How many LoRA terms are injected under ``root`` now: forward hooks (minus ``own[id(module)]``, hooks the
-    model keeps itself) plus the terms of instance-level ``forward`` overrides."""
+    model keeps itself) plus the terms of instance-level overrides (a GEGLU's override sits beside its bound
+    ``forward`` under ``unet_patches.STATE``)."""
+    from leandiffusion.memory.unet_patches import STATE
+
     own = own or {}
     n = 0
     for sub in root.modules():
         n += len(sub._forward_hooks) - own.get(id(sub), 0)
-        n += len(getattr(sub.__dict__.get("forward"), "terms", ()))
+        n += len(getattr(sub.__dict__.get(STATE, sub.__dict__.get("forward")), "terms", ()))
     return n
 
 

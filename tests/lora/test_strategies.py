@@ -16,6 +16,7 @@ from diffusers.models.attention import BasicTransformerBlock
 from leandiffusion.lora.formats import LoraLayer
 from leandiffusion.lora.keymap import Target
 from leandiffusion.lora.unmerged import STRATEGIES, UnmergedBinding
+from leandiffusion.memory.unet_patches import STATE as GEGLU_STATE
 from leandiffusion.tests.lora import lorafiles as lf
 
 TOL = 1e-5
@@ -76,7 +77,7 @@ def test_placement_of_terms(strategy):
     geglu_proj = "ff.net.0.proj"
     assert type(block.ff.net[0]) is GEGLU
     assert geglu_proj in where
-    on_geglu = block.ff.net[0].__dict__.get("forward")
+    on_geglu = block.ff.net[0].__dict__.get(GEGLU_STATE)  # the override, while installed
     if strategy == "hook":
         assert set(where.values()) == {"hook"} and on_geglu is None
     else:  # the proj term lives in the GEGLU only (no double count); every other layer hooks
@@ -121,7 +122,7 @@ def test_stacking_on_one_module_and_exact_restore(first, second):
     a, b = _binding(block, first, seed=1, key="a"), _binding(block, second, seed=2, key="b")
     a.attach({"unet": 0.7})
     b.attach({"unet": -1.1})
-    ov = block.ff.net[0].__dict__.get("forward")
+    ov = block.ff.net[0].__dict__.get(GEGLU_STATE)
     n_geglu = [first, second].count("geglu")
     assert len(getattr(ov, "terms", ())) == n_geglu  # one override on the GEGLU, shared
     if n_geglu == 2:

@@ -10,6 +10,7 @@ the order; autograd inputs take diffusers' ops; the other stages install nothing
 """
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -36,7 +37,7 @@ def test_inside_the_unet_session_every_geglu_runs_one_pass_and_outside_none(fami
     inputs = lf.unet_inputs(family)
     plain = lf.run_unet(unet, inputs)
     with engine.session("unet"):
-        assert all(m.__dict__.get("forward") is geglu_override(m) for m in geglus)
+        assert all(m.__dict__.get("forward") is geglu_override(m).forward for m in geglus)
         assert all(not geglu_override(m).terms for m in geglus)
         fused = lf.run_unet(unet, inputs)
     assert all("forward" not in m.__dict__ for m in geglus)
@@ -99,15 +100,15 @@ def test_an_unmerged_lora_adds_its_term_to_the_same_override(tmp_path, monkeypat
     m = _geglus(unet)[0]
     override = geglu_override(m)
     with engine.session("unet"):
-        assert m.__dict__["forward"] is override and not override.terms
+        assert m.__dict__["forward"] is override.forward and not override.terms
         with view.session("unet"):
-            assert m.__dict__["forward"] is override
+            assert m.__dict__["forward"] is override.forward
             # the hook path hooks the proj and leaves the GEGLU's forward without terms
             assert len(override.terms) == (1 if strategy == "geglu" else 0)
-        assert m.__dict__["forward"] is override and not override.terms
+        assert m.__dict__["forward"] is override.forward and not override.terms
     assert "forward" not in m.__dict__
     with view.session("unet"):  # not nested: the view's own session installs, the LoRA adds its term, both go
-        assert m.__dict__["forward"] is override
+        assert m.__dict__["forward"] is override.forward
         assert len(override.terms) == (1 if strategy == "geglu" else 0)
     assert "forward" not in m.__dict__ and not override.terms
 
@@ -117,12 +118,12 @@ def test_the_override_stays_while_a_session_or_a_term_holds_it():
     unet = torch.nn.Sequential(GEGLU(8, 6))
     m = unet[0]
     override, term = geglu_override(m), object()
-    assert override.add(term) and m.__dict__["forward"] is override  # a term alone installs it
+    assert override.add(term) and m.__dict__["forward"] is override.forward  # a term alone installs it
     with fused_geglus(unet):
         override.remove(term)
-        assert m.__dict__["forward"] is override  # the session still holds it
+        assert m.__dict__["forward"] is override.forward  # the session still holds it
         assert override.add(term)
-    assert m.__dict__["forward"] is override  # the term still holds it
+    assert m.__dict__["forward"] is override.forward  # the term still holds it
     override.remove(term)
     assert "forward" not in m.__dict__
     with fused_geglus(unet), fused_geglus(unet):  # sessions nest
@@ -159,7 +160,7 @@ def test_torch_compile_follows_the_session_and_the_terms_through_one_forward_obj
             if attach:
                 binding.attach({"unet": 0.8})
             try:
-                assert block.ff.net[0].__dict__["forward"] is override
+                assert block.ff.net[0].__dict__["forward"] is override.forward
                 eager = block(x, encoder_hidden_states=ctx)
                 assert torch.allclose(compiled(x, encoder_hidden_states=ctx), eager, atol=1e-5)
                 outs.append(eager)
@@ -168,6 +169,38 @@ def test_torch_compile_follows_the_session_and_the_terms_through_one_forward_obj
                     binding.detach({"unet": 0.8})
     assert (outs[1] - outs[0]).abs().max() > 1e-2 and torch.equal(outs[2], outs[0])
     torch._dynamo.reset()
+
+
+@torch.no_grad()
+def test_regional_compile_reuses_one_graph_per_block_shape_with_the_patches_in_place():
+    """Every GEGLU shares one bound ``forward`` function (and every resnet one override class), so dynamo compiles
+    no more graphs for the patched UNet than for the plain one: one per distinct block shape, whatever the number of
+    blocks (a per-module callable made each transformer block a graph of its own)."""
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
+        pytest.skip("PyTorch 2.4's dynamo breaks the graph at the GEGLU override (result still correct)")
+    from torch._dynamo.utils import counters
+
+    from leandiffusion.memory.unet_norms import fused_norms
+    from leandiffusion.sampling.compile import compiled_regions, regions_installed
+
+    engine = tiny_engine("sdxl")
+    unet = engine.parts.unet
+    inputs = lf.unet_inputs("sdxl")
+    graphs, outs = [], []
+    for patched in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        regions = compiled_regions(unet, ("BasicTransformerBlock", "ResnetBlock2D"), backend="eager")
+        with contextlib.ExitStack() as stack:
+            if patched:
+                stack.enter_context(fused_geglus(unet))
+                stack.enter_context(fused_norms(unet))
+            with regions_installed(regions):
+                outs.append(lf.run_unet(unet, inputs))
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert len(_geglus(unet)) > 2 and graphs[1] <= graphs[0]
+    assert torch.equal(outs[1], outs[0])
 
 
 def test_gradients_take_diffusers_ops():
