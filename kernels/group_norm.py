@@ -45,6 +45,7 @@ IMPL = dispatch.KernelChoice("LEANDIFFUSION_GROUP_NORM")
 BLOCK = 4096  # elements per vector step of a program
 MAX_TILES = 64  # tiles per row: a longer row gives each program several blocks (its tile spans ``iters`` blocks)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_ROW = 2 ** 31 - 1  # elements per (sample, group) row: the kernels index within a row in int32
 
 try:  # Triton is optional: without it every call takes the reference path
     import triton
@@ -194,14 +195,22 @@ def group_norm_triton(x: torch.Tensor, groups: int, weight: Optional[torch.Tenso
     if add is not None and add.dtype != x.dtype:
         raise ValueError(f"add is {add.dtype}, x is {x.dtype}: group_norm_triton adds in x's dtype; use "
                          f"group_norm_reference for mixed dtypes")
+    if _row_length(x, groups) > MAX_ROW:
+        raise ValueError(f"x {tuple(x.shape)} has {_row_length(x, groups)} elements per (sample, group) row, over "
+                         f"the kernels' {MAX_ROW}; use group_norm_reference")
     if x.numel() == 0:
         return torch.empty_like(x)
     return _launch(x, groups, weight, bias, float(eps), None if add is None else add.contiguous(), silu)
 
 
+def _row_length(x: torch.Tensor, groups: int) -> int:
+    return x.numel() // max(x.shape[0] * groups, 1)
+
+
 def _triton_usable(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                   add: Optional[torch.Tensor]) -> bool:
+                   add: Optional[torch.Tensor], groups: int) -> bool:
     return (triton is not None and x.is_cuda and x.is_contiguous() and x.dtype in DTYPES and x.dim() >= 2
+            and _row_length(x, groups) <= MAX_ROW
             and all(p is None or p.device == x.device for p in (weight, bias, add))
             and (add is None or add.dtype == x.dtype)
             and dispatch.triton_unusable_reason(x.device) is None)
@@ -214,6 +223,6 @@ def group_norm(x: torch.Tensor, groups: int, weight: Optional[torch.Tensor] = No
     reference elsewhere and while ``torch.compile`` traces."""
     if impl == "auto" and torch.compiler.is_compiling():
         return group_norm_reference(x, groups, weight, bias, eps, add=add, silu=silu)
-    if IMPL.pick(impl, lambda: _triton_usable(x, weight, bias, add)) == "triton":
+    if IMPL.pick(impl, lambda: _triton_usable(x, weight, bias, add, groups)) == "triton":
         return group_norm_triton(x, groups, weight, bias, eps, add=add, silu=silu)
     return group_norm_reference(x, groups, weight, bias, eps, add=add, silu=silu)

@@ -137,6 +137,13 @@ def test_environment_override_is_checked(monkeypatch):
         group_norm(x, 4, w, b)
 
 
+def test_a_row_longer_than_the_kernels_index_is_refused(monkeypatch):
+    monkeypatch.setattr(gn, "MAX_ROW", 69)
+    x, w, b, _ = _inputs((2, 8, 5, 7), torch.float32)
+    with pytest.raises(ValueError, match="70 elements per"):
+        group_norm_triton(x, 4, w, b)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(groups=3), "divisible by groups=3"),
     (dict(weight=torch.ones(5)), "weight has 5 elements"),
