@@ -195,9 +195,10 @@ def group_norm_triton(x: torch.Tensor, groups: int, weight: Optional[torch.Tenso
     if add is not None and add.dtype != x.dtype:
         raise ValueError(f"add is {add.dtype}, x is {x.dtype}: group_norm_triton adds in x's dtype; use "
                          f"group_norm_reference for mixed dtypes")
-    if _row_length(x, groups) > MAX_ROW:
-        raise ValueError(f"x {tuple(x.shape)} has {_row_length(x, groups)} elements per (sample, group) row, over "
-                         f"the kernels' {MAX_ROW}; use group_norm_reference")
+    row = _row_length(x, groups)
+    if row > MAX_ROW:
+        raise ValueError(f"x {tuple(x.shape)} has {row} elements per (sample, group) row, over the kernels' "
+                         f"{MAX_ROW}; use group_norm_reference")
     if x.numel() == 0:
         return torch.empty_like(x)
     return _launch(x, groups, weight, bias, float(eps), None if add is None else add.contiguous(), silu)

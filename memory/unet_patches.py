@@ -12,10 +12,10 @@ Invariants
   graph for all blocks of a shape (a per-module callable gave each block its own graph: SDXL's 70 transformer
   blocks ran past dynamo's recompile limit).
 - The override is the module's instance ``forward`` (in ``module.__dict__``, with ``STATE`` beside it) while a UNet
-  session holds it or it carries a term, and leaves the ``__dict__`` when neither does: outside ``engine.session("unet")`` and without a
-  term the module is as it was, and a diffusers pipeline sharing it runs diffusers' own forward. A ``forward`` that
-  another library put in the ``__dict__`` is never replaced nor removed: the session leaves that GEGLU alone and
-  ``add`` answers False (the caller then hooks the ``proj``).
+  session holds it or it carries a term, and leaves the ``__dict__`` when neither does: outside
+  ``engine.session("unet")`` and without a term the module is as it was, and a diffusers pipeline sharing it runs
+  diffusers' own forward. A ``forward`` that another library put in the ``__dict__`` is never replaced nor removed:
+  the session leaves that GEGLU alone and ``add`` answers False (the caller then hooks the ``proj``).
 - Its forward is ``p = proj(x)`` (hooks on ``proj`` included), then
   - no term: ``kernels.geglu(p)``, the one-pass ``a * gelu(g)`` (``p = [a | g]``). Same operations and rounding
     points as diffusers' forward: bit-identical on the CPU (the reference path); on the GPU the kernel's ``erf``
@@ -72,8 +72,8 @@ def _no_grad_needed(*tensors: torch.Tensor) -> bool:
 
 
 class GegluOverride:
-    """The instance-level ``forward`` of one diffusers ``GEGLU`` (module docstring): the fused GEGLU, with the
-    LoRA terms attached to its ``proj`` fused into the gating."""
+    """The override of one diffusers ``GEGLU`` (module docstring): its LoRA terms, its sessions and the bound
+    ``forward`` it installs (the fused GEGLU, with the terms fused into the gating)."""
 
     __slots__ = ("module", "terms", "attrs", "sessions", "forward", "__weakref__")
 
