@@ -65,13 +65,16 @@ def run(ctx: BenchContext) -> None:
     if ctx.smoke:
         _smoke(ctx)
         return
+    from ..memory.unet_layout import unet_input
     from .models import unet_inputs
 
     dev = ctx.device
     repeat = 3 if ctx.quick else 7
     inputs = unet_inputs("sdxl", batch=2, latent_hw=128, device=dev, dtype=torch.float16)
 
-    def call(unet):
+    def call(unet, engine_layout: bool = False):
+        if engine_layout:  # LeanEngine.unet's call: the input in the layout unet_layout picks, the output contiguous
+            return lambda: unet(**dict(inputs, sample=unet_input(unet, inputs["sample"]))).sample.contiguous()
         return lambda: unet(**inputs).sample
 
     results = {}
@@ -105,13 +108,14 @@ def _measure_full(parts, call, dev, repeat: int, results: dict) -> torch.Tensor:
 
 
 def _measure_pack_kernels(unet, call, ref, dev, repeat: int) -> tuple:
-    """The CUDA-graph step inside the engine's UNet patches: (ms, max-abs distance of its output from ``ref``, the
+    """The CUDA-graph step inside the engine's UNet patches and layout: (ms, max-abs distance of its output from ``ref``, the
     plain eager step, relative to ``ref``'s largest value)."""
+    from ..memory.unet_layout import layout_following_transformers
     from ..memory.unet_norms import fused_norms
     from ..memory.unet_patches import fused_geglus
 
-    with fused_geglus(unet), fused_norms(unet):
-        replay, out = graph_replay(call(unet), dev)
+    with fused_geglus(unet), fused_norms(unet), layout_following_transformers(unet):
+        replay, out = graph_replay(call(unet, engine_layout=True), dev)
         ms = time_ms(replay, warmup=2, repeat=repeat, device=dev)
         replay()
         torch.cuda.synchronize(dev)
@@ -188,7 +192,8 @@ def _record_results(ctx, results: dict) -> None:
             ctx.record(CASE, "step_ms_full_cuda_graph_pack_kernels", ms, results["full cuda graph"][0],
                        "full cuda graph (diffusers' UNet as is)", unit="ms",
                        notes=f"inside the engine's UNet patches (one-pass GEGLU, GroupNorm kernels with each resnet's "
-                             f"add and SiLU); output max|d|/max|plain eager| {gb:.2g}")
+                             f"add and SiLU, unet_layout's activation layout); output max|d|/max|plain eager| "
+                             f"{gb:.2g}")
         elif name == "stream 4GB":
             ctx.record(CASE, "step_ms_stream_4GB", ms, full_ms, "full eager", target=1 / 1.25, target_kind="ratio>=",
                        unit="ms", notes="target: <= 1.25x the full eager step")

@@ -1,8 +1,8 @@
 """GroupNorm (optionally after a per-channel add, optionally followed by SiLU) in two launches: tile statistics,
 then one fused pass that merges them and normalises.
 
-Math (``x`` [N, C, *] contiguous; row ``(n, g)`` is the ``C/G`` channels of group ``g`` of sample ``n``, one
-contiguous run of ``L = C/G * spatial`` elements; ``add`` [N, C] optional):
+Math (``x`` [N, C, *]; row ``(n, g)`` is the ``C/G`` channels of group ``g`` of sample ``n``, ``L = C/G * spatial``
+elements, one contiguous run for a contiguous ``x``; ``add`` [N, C] optional):
 
     x' = round(x + add[n, c])                               (diffusers' ``hidden_states + temb``)
     mean, var = biased moments of row (n, g) of x' (fp32);  rstd = 1 / sqrt(var + eps)
@@ -21,11 +21,11 @@ add and SiLU as passes of their own: 4.1 ms of GroupNorm alone in an SDXL 1024 p
 block's mean and centred sum of squares in registers, merged by Chan's formula: no cancellation); the apply
 programs merge their row's tiles the same way and write the result in one pass. Neither diffusers nor ComfyUI ship
 a faster GroupNorm (both call ``F.group_norm``); ``vae.group_norm`` handles the VAE's few and very long rows with
-torch ops.
+torch ops. A 4-D channels-last ``x`` takes ``group_norm_nhwc``'s kernels (same arithmetic, channel-major blocks).
 
 Three implementations with one signature ``(x, groups, weight, bias, eps, add=None, silu=False)``:
 ``group_norm_triton`` (the kernels), ``group_norm_reference`` (plain torch: diffusers' ops) and ``group_norm``
-(dispatcher: the kernels for contiguous CUDA inputs with everything on one device and ``add`` in ``x``'s dtype,
+(dispatcher: the kernels for contiguous or channels-last CUDA inputs with everything on one device and ``add`` in ``x``'s dtype,
 when Triton runs there and ``torch.compile`` is not tracing -- inductor fuses the reference itself -- the reference
 elsewhere; ``LEANDIFFUSION_GROUP_NORM`` = ``reference`` | ``triton`` | ``auto`` overrides, and ``impl=`` overrides
 both). Nothing reads a device value on the host, so every path is CUDA-graph capturable.
@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import dispatch
+from . import dispatch, group_norm_nhwc
 
 IMPL = dispatch.KernelChoice("LEANDIFFUSION_GROUP_NORM")
 BLOCK = 4096  # elements per vector step of a program
@@ -137,21 +137,29 @@ def _launch_shape(shape: tuple, groups: int) -> tuple:
     return rows, L, spatial, shape[1] // groups, tiles, iters, triton.next_power_of_2(tiles)
 
 
+def _stats_rounding(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]):
+    """The half dtype PyTorch stores ``mean`` and ``rstd`` in (``x``'s, unless the parameters are fp32), or None."""
+    mixed = (weight is not None and weight.dtype != x.dtype) or (bias is not None and bias.dtype != x.dtype)
+    return None if mixed or x.dtype == torch.float32 else x.dtype
+
+
 def _launch(x: torch.Tensor, groups: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
             add: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
-    """The two launches, on checked arguments (``x`` contiguous and non-empty, ``add`` contiguous)."""
+    """The launches, on checked arguments (``x`` non-empty, contiguous or 4-D channels-last, ``add`` contiguous)."""
+    rounding = _stats_rounding(x, weight, bias)
+    if not x.is_contiguous():  # checked: 4-D channels-last
+        return group_norm_nhwc.launch_channels_last(x, groups, weight, bias, eps, add, silu, rounding)
     rows, L, spatial, per_group, tiles, iters, padded = _launch_shape(tuple(x.shape), groups)
     y = torch.empty_like(x)
     partial = torch.empty(2, rows, tiles, dtype=torch.float32, device=x.device)
     add_arg = x if add is None else add
     _tile_moments_kernel[(rows, tiles)](x, add_arg, partial[0], partial[1], L, tiles, spatial, per_group,
                                         HAS_ADD=add is not None, BLOCK=BLOCK, ITERS=iters, num_warps=8)
-    mixed = (weight is not None and weight.dtype != x.dtype) or (bias is not None and bias.dtype != x.dtype)
     _apply_kernel[(rows, tiles)](x, add_arg, y, x if weight is None else weight, x if bias is None else bias,
                                  partial[0], partial[1], L, tiles, spatial, per_group, x.shape[1], eps,
                                  HAS_ADD=add is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                                 SILU=silu, ROUND_HALF=not mixed and x.dtype == torch.float16,
-                                 ROUND_BF16=not mixed and x.dtype == torch.bfloat16, BLOCK=BLOCK, ITERS=iters,
+                                 SILU=silu, ROUND_HALF=rounding == torch.float16,
+                                 ROUND_BF16=rounding == torch.bfloat16, BLOCK=BLOCK, ITERS=iters,
                                  TILES=padded, num_warps=8)
     return y
 
@@ -184,33 +192,42 @@ def group_norm_reference(x: torch.Tensor, groups: int, weight: Optional[torch.Te
 def group_norm_triton(x: torch.Tensor, groups: int, weight: Optional[torch.Tensor] = None,
                       bias: Optional[torch.Tensor] = None, eps: float = 1e-5, add: Optional[torch.Tensor] = None,
                       silu: bool = False) -> torch.Tensor:
-    """The Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); ``x`` contiguous, ``add``
+    """The Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); ``x`` contiguous or 4-D
+    channels-last, ``add``
     in ``x``'s dtype."""
     if triton is None:
         raise RuntimeError("group_norm_triton needs the 'triton' package; install triton or use group_norm_reference")
     _check(x, groups, weight, bias, add)
-    if x.dtype not in DTYPES or not x.is_contiguous():
-        raise ValueError(f"group_norm_triton takes contiguous {DTYPES} inputs, got {x.dtype} with strides "
-                         f"{x.stride()}; use group_norm_reference")
+    if x.dtype not in DTYPES or not _kernel_layout(x):
+        raise ValueError(f"group_norm_triton takes contiguous or 4-D channels-last {DTYPES} inputs, got {x.dtype} "
+                         f"with strides {x.stride()}; use group_norm_reference")
     if add is not None and add.dtype != x.dtype:
         raise ValueError(f"add is {add.dtype}, x is {x.dtype}: group_norm_triton adds in x's dtype; use "
                          f"group_norm_reference for mixed dtypes")
     row = _row_length(x, groups)
     if row > MAX_ROW:
-        raise ValueError(f"x {tuple(x.shape)} has {row} elements per (sample, group) row, over the kernels' "
-                         f"{MAX_ROW}; use group_norm_reference")
+        raise ValueError(f"x {tuple(x.shape)} has {row} elements per (sample, group) row (channels-last: per "
+                         f"sample), over the kernels' {MAX_ROW}; use group_norm_reference")
     if x.numel() == 0:
         return torch.empty_like(x)
     return _launch(x, groups, weight, bias, float(eps), None if add is None else add.contiguous(), silu)
 
 
+def _kernel_layout(x: torch.Tensor) -> bool:
+    """Contiguous (one run per row), or 4-D channels-last (``group_norm_nhwc``)."""
+    return x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+
+
 def _row_length(x: torch.Tensor, groups: int) -> int:
+    """Elements the kernels index in int32: a (sample, group) row, or a whole sample for channels-last inputs."""
+    if not x.is_contiguous():
+        return x.numel() // max(x.shape[0], 1)
     return x.numel() // max(x.shape[0] * groups, 1)
 
 
 def _triton_usable(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                    add: Optional[torch.Tensor], groups: int) -> bool:
-    return (triton is not None and x.is_cuda and x.is_contiguous() and x.dtype in DTYPES and x.dim() >= 2
+    return (triton is not None and x.is_cuda and _kernel_layout(x) and x.dtype in DTYPES and x.dim() >= 2
             and _row_length(x, groups) <= MAX_ROW
             and all(p is None or p.device == x.device for p in (weight, bias, add))
             and (add is None or add.dtype == x.dtype)
@@ -220,7 +237,7 @@ def _triton_usable(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Option
 def group_norm(x: torch.Tensor, groups: int, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5, add: Optional[torch.Tensor] = None,
                silu: bool = False, impl: str = "auto") -> torch.Tensor:
-    """Dispatcher (module docstring): the kernels for contiguous CUDA inputs with everything on one device, the
+    """Dispatcher (module docstring): the kernels for contiguous or channels-last CUDA inputs with everything on one device, the
     reference elsewhere and while ``torch.compile`` traces."""
     if impl == "auto" and torch.compiler.is_compiling():
         return group_norm_reference(x, groups, weight, bias, eps, add=add, silu=silu)

@@ -6,9 +6,10 @@ Invariants
   node outputs, GUIDE convention 2).
 - Every model call of every node runs inside ``with engine.session(stage):`` (the text encoders through
   ``sampling/prompt_encoder.py``, the VAE through ``vae/``; ``unet`` here). The session is where the VRAM
-  policy places weights (``placement``), where the UNet's GEGLUs run in one pass (``unet_patches``) and where the
-  view's adapters (unmerged LoRAs) are attached to the shared modules; all are undone on exit, so a view's LoRA
-  never leaks into another view's run.
+  policy places weights (``placement``), where the UNet's GEGLUs run in one pass (``unet_patches``), its norms on
+  the GroupNorm kernels (``unet_norms``) in the layout ``unet_layout`` picks, and where the view's adapters
+  (unmerged LoRAs) are attached to the shared modules; all are undone on exit, so a view's LoRA never leaks into
+  another view's run.
 - Latents handed to ``unet`` are in the model's *scaled* latent space (``raw * scaling_factor``); a LATENT is raw
   (ComfyUI's convention).
 - ``placement.budget`` (``memory/vram_budget.py``) says where the weights live and which hard limit holds; callers
@@ -25,6 +26,7 @@ from typing import Any, Iterator, Optional, Protocol
 import torch
 
 from .families import is_dit_family
+from .unet_layout import layout_following_transformers, unet_input
 from .unet_norms import fused_norms
 from .unet_patches import fused_geglus
 from .vram_budget import UNBUDGETED, VramBudget
@@ -241,6 +243,7 @@ class LeanEngine:
             if stage == "unet":
                 fast.enter_context(fused_geglus(self.parts.unet))
                 fast.enter_context(fused_norms(self.parts.unet))
+                fast.enter_context(layout_following_transformers(self.parts.unet))
             for adapter in self.adapters:
                 _attach_adapter(adapter, self.parts, stage)
                 attached.append(adapter)
@@ -262,9 +265,12 @@ class LeanEngine:
 
     def unet(self, latents: torch.Tensor, timestep, context: torch.Tensor,
              added_cond_kwargs: Optional[dict] = None) -> torch.Tensor:
-        """The UNet's raw prediction (epsilon or v). Call inside ``session("unet")``."""
+        """The UNet's raw prediction (epsilon or v), contiguous; the UNet runs in ``unet_layout``'s layout. Call
+        inside ``session("unet")``."""
         kwargs = {"added_cond_kwargs": added_cond_kwargs} if added_cond_kwargs else {}
-        return self.parts.unet(latents, timestep, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
+        unet = self.parts.unet
+        out = unet(unet_input(unet, latents), timestep, encoder_hidden_states=context, return_dict=False, **kwargs)[0]
+        return out.contiguous()
 
     def time_ids(self, height: int, width: int, batch: int) -> torch.Tensor:
         """SDXL added time ids: original size, crop top-left (0, 0), target size, as diffusers' pipeline does

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from leandiffusion.kernels import group_norm as gn
 from leandiffusion.kernels.group_norm import BLOCK, MAX_TILES, group_norm, group_norm_reference, group_norm_triton
+from leandiffusion.tests.kit.group_norm_truth import ULPS, assert_near, inputs, truth
 
 interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or gn.triton is None,
                                reason="runs the Triton kernels on the CPU only under TRITON_INTERPRET=1")
@@ -25,48 +26,10 @@ interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or gn.t
 # channels per group with spatial tails; a 1-D spatial input; one channel per group
 CASES = [((2, 8, 5, 7), 4), ((1, 2, 3 * BLOCK + 40), 1), ((3, 12, 33, 31), 3), ((2, 6, 11), 6)]
 LONG_ROW = 2 * BLOCK * MAX_TILES + 40  # tiles of several blocks each (merged inside the program), a tail block
-ULPS = {torch.float32: 2 ** -20, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6}  # 2-4 ulp, relative
-# The interpreter truncates fp32 -> bf16 (see tests/kernels/test_geglu_lora.py) at each of the five rounding points
-# (sum, mean, rstd, normalised value, SiLU): up to ~4 bf16 ulps there. A wrong channel, sample or tile is O(1) off.
-INTERPRETER_ULPS = {**ULPS, torch.bfloat16: 2 ** -5}
-
-
-def _inputs(shape, dtype, device="cpu", offset=0.0, spread=3.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    c = shape[1]
-    x = (torch.randn(shape, generator=g) * spread + offset).to(device, dtype)
-    w = (1 + 0.5 * torch.randn(c, generator=g)).to(device, dtype)
-    b = torch.randn(c, generator=g).to(device, dtype)
-    add = (2 * torch.randn(shape[0], c, generator=g)).to(device, dtype)
-    return x, w, b, add
-
-
-def _truth(x, groups, w, b, eps, add=None, silu=False):
-    """Float64 GroupNorm by its definition (biased variance per (sample, group)), from the rounded input."""
-    x = x.double()
-    if add is not None:
-        x = (x + add.double().reshape(x.shape[:2] + (1,) * (x.dim() - 2))).to(add.dtype).double()
-    n, c = x.shape[:2]
-    rows = x.reshape(n, groups, -1)
-    mean, var = rows.mean(-1, keepdim=True), rows.var(-1, unbiased=False, keepdim=True)
-    y = ((rows - mean) / torch.sqrt(var + eps)).reshape(x.shape)
-    shape = (1, c) + (1,) * (x.dim() - 2)
-    if w is not None:
-        y = y * w.double().reshape(shape)
-    if b is not None:
-        y = y + b.double().reshape(shape)
-    return y * torch.sigmoid(y) if silu else y
-
-
-def _assert_near(got, want, dtype, ulps=INTERPRETER_ULPS):
-    scale = float(want.abs().max())
-    assert torch.isfinite(got).all()
-    err = float((got.double() - want).abs().max())
-    assert err <= ulps[dtype] * max(scale, 1.0), f"max error {err:.3g} at output scale {scale:.3g}"
 
 
 def test_reference_with_add_and_silu_is_diffusers_resnet_ops():
-    x, w, b, add = _inputs((2, 8, 5, 7), torch.float32)
+    x, w, b, add = inputs((2, 8, 5, 7), torch.float32)
     norm = torch.nn.GroupNorm(4, 8, eps=1e-6)
     with torch.no_grad():
         norm.weight.copy_(w)
@@ -81,18 +44,18 @@ def test_reference_with_add_and_silu_is_diffusers_resnet_ops():
 @pytest.mark.parametrize("shape,groups", CASES)
 @pytest.mark.parametrize("add,silu", [(False, False), (True, True), (False, True)])
 def test_triton_matches_the_definition(shape, groups, dtype, add, silu):
-    x, w, b, extra = _inputs(shape, dtype)
+    x, w, b, extra = inputs(shape, dtype)
     extra = extra if add else None
     got = group_norm_triton(x, groups, w, b, 1e-5, add=extra, silu=silu)
     assert got.shape == x.shape and got.dtype == dtype
-    _assert_near(got, _truth(x, groups, w, b, 1e-5, extra, silu), dtype)
+    assert_near(got, truth(x, groups, w, b, 1e-5, extra, silu), dtype)
 
 
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_row_of_several_blocks_per_tile(dtype):
-    x, w, b, add = _inputs((1, 3, LONG_ROW), dtype)
-    _assert_near(group_norm_triton(x, 3, w, b, 1e-5, add=add, silu=True), _truth(x, 3, w, b, 1e-5, add, True), dtype)
+    x, w, b, add = inputs((1, 3, LONG_ROW), dtype)
+    assert_near(group_norm_triton(x, 3, w, b, 1e-5, add=add, silu=True), truth(x, 3, w, b, 1e-5, add, True), dtype)
 
 
 @interpret
@@ -100,24 +63,24 @@ def test_a_large_mean_against_a_small_spread_keeps_its_digits():
     # fp32 sums of squares about zero would cancel here (mean^2 / var = 1e8: the variance O(1) off, so the output
     # too); the tiles centre their sums. PyTorch's affine form x * (rstd w) + (b - mean rstd w) itself rounds at
     # |mean| rstd |w| ~ 2.5e4, a few 1e-3 absolute: the bound is 1e-3 of the output scale.
-    x, w, b, _ = _inputs((1, 2, LONG_ROW), torch.float32, offset=1000.0, spread=0.1)
-    want = _truth(x, 2, w, b, 1e-5)
+    x, w, b, _ = inputs((1, 2, LONG_ROW), torch.float32, offset=1000.0, spread=0.1)
+    want = truth(x, 2, w, b, 1e-5)
     err = float((group_norm_triton(x, 2, w, b, 1e-5).double() - want).abs().max())
     assert err <= 1e-3 * float(want.abs().max())
 
 
 @interpret
 def test_no_affine_parameters_and_fp32_parameters_with_a_half_input():
-    x, w, b, _ = _inputs((2, 8, 9, 9), torch.float16)
-    _assert_near(group_norm_triton(x, 4), _truth(x, 4, None, None, 1e-5), torch.float16)
-    _assert_near(group_norm_triton(x, 4, w.float(), b.float()), _truth(x, 4, w.float(), b.float(), 1e-5),
+    x, w, b, _ = inputs((2, 8, 9, 9), torch.float16)
+    assert_near(group_norm_triton(x, 4), truth(x, 4, None, None, 1e-5), torch.float16)
+    assert_near(group_norm_triton(x, 4, w.float(), b.float()), truth(x, 4, w.float(), b.float(), 1e-5),
                  torch.float16)
 
 
-def test_dispatcher_takes_the_reference_on_the_cpu_and_for_strided_inputs(monkeypatch):
+def test_dispatcher_takes_the_reference_on_the_cpu_and_for_stridedinputs(monkeypatch):
     calls = []
     monkeypatch.setattr(gn, "group_norm_triton", lambda *a, **k: calls.append(1))
-    x, w, b, _ = _inputs((2, 8, 5, 7), torch.float32)
+    x, w, b, _ = inputs((2, 8, 5, 7), torch.float32)
     assert torch.equal(group_norm(x, 4, w, b), F.group_norm(x, 4, w, b))
     assert torch.equal(group_norm(x.transpose(2, 3), 4, w, b), F.group_norm(x.transpose(2, 3), 4, w, b))
     assert calls == []
@@ -126,20 +89,20 @@ def test_dispatcher_takes_the_reference_on_the_cpu_and_for_strided_inputs(monkey
 def test_dispatcher_takes_the_reference_while_compiling(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     monkeypatch.setattr(gn, "group_norm_triton", lambda *a, **k: pytest.fail("kernel called while compiling"))
-    x, w, b, _ = _inputs((2, 8, 5, 7), torch.float32)
+    x, w, b, _ = inputs((2, 8, 5, 7), torch.float32)
     assert torch.equal(group_norm(x, 4, w, b), F.group_norm(x, 4, w, b))
 
 
 def test_environment_override_is_checked(monkeypatch):
     monkeypatch.setenv("LEANDIFFUSION_GROUP_NORM", "fastest")
-    x, w, b, _ = _inputs((2, 8, 5, 7), torch.float32)
+    x, w, b, _ = inputs((2, 8, 5, 7), torch.float32)
     with pytest.raises(ValueError, match="LEANDIFFUSION_GROUP_NORM"):
         group_norm(x, 4, w, b)
 
 
 def test_a_row_longer_than_the_kernels_index_is_refused(monkeypatch):
     monkeypatch.setattr(gn, "MAX_ROW", 69)
-    x, w, b, _ = _inputs((2, 8, 5, 7), torch.float32)
+    x, w, b, _ = inputs((2, 8, 5, 7), torch.float32)
     with pytest.raises(ValueError, match="70 elements per"):
         group_norm_triton(x, 4, w, b)
 
@@ -150,7 +113,7 @@ def test_a_row_longer_than_the_kernels_index_is_refused(monkeypatch):
     (dict(add=torch.ones(2, 5)), "add has shape"),
 ])
 def test_bad_arguments_are_named(bad, match):
-    x, w, b, _ = _inputs((2, 8, 5, 7), torch.float32)
+    x, w, b, _ = inputs((2, 8, 5, 7), torch.float32)
     kw = dict(groups=4, weight=w, bias=b)
     kw.update(bad)
     with pytest.raises(ValueError, match=match):
@@ -163,11 +126,11 @@ def test_bad_arguments_are_named(bad, match):
 @pytest.mark.parametrize("shape,groups", [((2, 320, 128, 128), 32), ((2, 1920, 32, 32), 32), ((1, 6, 70, 9), 3)]
                          + CASES)
 def test_gpu_triton_matches_torch_group_norm(shape, groups, dtype):
-    x, w, b, add = _inputs(shape, dtype, device="cuda", offset=1.0)
+    x, w, b, add = inputs(shape, dtype, device="cuda", offset=1.0)
     for extra, silu in ((None, False), (add, True)):
         want = group_norm_reference(x, groups, w, b, 1e-5, add=extra, silu=silu)
         got = group_norm(x, groups, w, b, 1e-5, add=extra, silu=silu)
-        _assert_near(got, want.double(), dtype, ULPS)
+        assert_near(got, want.double(), dtype, ULPS)
 
 
 @pytest.mark.gpu
@@ -176,7 +139,7 @@ def test_gpu_kernels_are_taken_and_replay_from_a_cuda_graph(monkeypatch):
     taken = []
     real = gn.group_norm_triton
     monkeypatch.setattr(gn, "group_norm_triton", lambda *a, **k: taken.append(1) or real(*a, **k))
-    x, w, b, add = _inputs((2, 64, 40, 40), torch.float16, device="cuda")
+    x, w, b, add = inputs((2, 64, 40, 40), torch.float16, device="cuda")
     static = x.clone()
     y = group_norm(static, 32, w, b, add=add, silu=True)  # compiles the kernels before capture
     graph = torch.cuda.CUDAGraph()
