@@ -6,10 +6,8 @@ Math (k-diffusion / Karras et al. 2022): ``denoiser(x, sigma[B]) -> x0``, the OD
 each sampler advances ``x`` from ``sigmas[i]`` to ``sigmas[i + 1]`` and ends on the denoiser's estimate where the next
 sigma is 0.
 Invariant: for the same denoiser, sigmas and noise sampler the result equals ComfyUI 0.3.64's sampler of the same
-name; every per-step scalar is a 0-d tensor in the sigmas' dtype, computed with the same operations in the same
-order, so the updates round as ComfyUI's do. Where the latent is on the GPU, euler, euler_ancestral (discrete) and
-res_multistep compute those scalars from a host copy of the sigmas and apply the update in one pass
-(``kernels.sampler_update``, ComfyUI's elementwise ops in one kernel); elsewhere on the sigmas' device with plain ops.
+name; every per-step scalar is a 0-d tensor in the sigmas' dtype on their device, computed with the same operations
+in the same order, so the updates round as ComfyUI's do.
 Why the host copy of the sigmas: branch decisions (``next sigma == 0``, the ancestral step reaching 0) read Python
 floats taken once per run, so no step waits on the device; ``callback(i, x, denoised)`` runs once per step, before
 the update, and may raise to interrupt.
@@ -21,8 +19,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-
-from ...kernels import sampler_update
 
 
 @dataclass(frozen=True)
@@ -49,13 +45,6 @@ def ancestral_step(sigma_from, sigma_to, eta=1.0):
 
 def _ones(x):
     return x.new_ones([x.shape[0]])
-
-
-def scalar_sigmas(sigmas: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The sigmas the per-step scalars are computed from: a host copy when ``x``'s updates take the fused kernel
-    (``kernels.sampler_update``: the scalars then never touch the device), else ``sigmas`` themselves (the plain ops
-    compute them where ComfyUI does). The model is always called with ``sigmas`` as given."""
-    return sigmas.cpu() if sampler_update.fused_for(x) else sigmas
 
 
 def _report(callback, i, x, denoised):
@@ -98,11 +87,13 @@ def sample_euler(denoiser, x, sigmas, *, sampling, noise_sampler=None, callback=
     """Euler steps on the probability-flow ODE (Karras et al. 2022, Algorithm 2 without churn)."""
     _check_run("euler", denoiser, x, sigmas)
     _no_churn("euler", s_churn)
-    s_in, sig = _ones(x), scalar_sigmas(sigmas, x)
+    s_in = _ones(x)
     for i in range(len(sigmas) - 1):
-        denoised = denoiser(x, sigmas[i] * s_in)
+        sigma = sigmas[i]
+        denoised = denoiser(x, sigma * s_in)
+        slope = to_d(x, sigma, denoised)
         _report(callback, i, x, denoised)
-        x = sampler_update.euler(x, denoised, sig[i], sig[i + 1] - sig[i])
+        x = x + slope * (sigmas[i + 1] - sigma)
     return x
 
 
@@ -148,19 +139,19 @@ def sample_euler_ancestral(denoiser, x, sigmas, *, sampling, noise_sampler=None,
         return _euler_ancestral_flow(denoiser, x, sigmas, host, noise_sampler, callback, eta, s_noise)
     if len(host) < 2:
         return x
-    sig = scalar_sigmas(sigmas, x)
-    downs, ups = ancestral_step(sig[:-1], sig[1:], eta)  # elementwise: the same bits as step by step
+    downs, ups = ancestral_step(sigmas[:-1], sigmas[1:], eta)  # elementwise: the same bits as step by step
     downs_host = downs.tolist()
     s_in = _ones(x)
     for i in range(len(host) - 1):
-        denoised = denoiser(x, sigmas[i] * s_in)
+        sigma = sigmas[i]
+        denoised = denoiser(x, sigma * s_in)
         _report(callback, i, x, denoised)
         if downs_host[i] == 0:
             x = denoised
             continue
-        # at eta 0 ComfyUI adds noise * 0, which leaves x unchanged
-        noise = noise_sampler(sigmas[i], sigmas[i + 1]) if eta > 0 else None
-        x = sampler_update.euler(x, denoised, sig[i], downs[i] - sig[i], noise, s_noise, ups[i] if eta > 0 else 0.0)
+        x = x + to_d(x, sigma, denoised) * (downs[i] - sigma)
+        if eta > 0:  # at eta 0 ComfyUI adds noise * 0, which leaves x unchanged
+            x = x + noise_sampler(sigma, sigmas[i + 1]) * s_noise * ups[i]
     return x
 
 
@@ -264,8 +255,7 @@ def sample_lcm(denoiser, x, sigmas, *, sampling, noise_sampler=None, callback=No
 
 
 def _res_second_order(x, sigmas, i, denoised, old_denoised):
-    """The RES two-step exponential-integrator update (Zhang et al., arXiv 2308.02157) in ``t = -log sigma``:
-    ``exp(-h) x + h (b1 denoised + b2 old_denoised)``."""
+    """The RES two-step exponential-integrator update (Zhang et al., arXiv 2308.02157) in ``t = -log sigma``."""
     t, t_prev, t_next = sigmas[i].log().neg(), sigmas[i - 1].log().neg(), sigmas[i + 1].log().neg()
     h = t_next - t
     c2 = (t_prev - t) / h
@@ -273,21 +263,21 @@ def _res_second_order(x, sigmas, i, denoised, old_denoised):
     phi2 = (phi1 - 1.0) / -h
     b1 = torch.nan_to_num(phi1 - phi2 / c2, nan=0.0)
     b2 = torch.nan_to_num(phi2 / c2, nan=0.0)
-    return sampler_update.multistep(x, denoised, h.neg().exp(), h, b1, b2, old_denoised)
+    return h.neg().exp() * x + h * (b1 * denoised + b2 * old_denoised)
 
 
 def sample_res_multistep(denoiser, x, sigmas, *, sampling, noise_sampler=None, callback=None, s_noise=1.0):
     """ComfyUI's res_multistep (its eta is 0, so no noise is added): Euler on the first step and into a zero sigma,
     the second-order RES multistep update in between."""
     host = _check_run("res_multistep", denoiser, x, sigmas)
-    s_in, old_denoised, sig = _ones(x), None, scalar_sigmas(sigmas, x)
+    s_in, old_denoised = _ones(x), None
     for i in range(len(host) - 1):
         denoised = denoiser(x, sigmas[i] * s_in)
         _report(callback, i, x, denoised)
         if host[i + 1] == 0 or old_denoised is None:
-            x = sampler_update.euler(x, denoised, sig[i], sig[i + 1] - sig[i])
+            x = x + to_d(x, sigmas[i], denoised) * (sigmas[i + 1] - sigmas[i])
         else:
-            x = _res_second_order(x, sig, i, denoised, old_denoised)
+            x = _res_second_order(x, sigmas, i, denoised, old_denoised)
         old_denoised = denoised
     return x
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels import sampler_update
-from .samplers_basic import SamplerSpec, _ones, _report, ancestral_step, check_sigmas, scalar_sigmas
+from .samplers_basic import SamplerSpec, _ones, _report, ancestral_step, check_sigmas
 
 
 def _lambda(sigma, sampling):
@@ -47,24 +46,21 @@ def _offset_first(sigmas, sampling):
 
 
 def sample_dpmpp_2m(denoiser, x, sigmas, *, sampling=None, noise_sampler=None, callback=None):
-    """Deterministic; ``-log sigma`` time on every model, as ComfyUI's (it has no flow branch). On the GPU the
-    scalars come from a host copy of the sigmas and the update is one pass (``samplers_basic.scalar_sigmas``)."""
+    """Deterministic; ``-log sigma`` time on every model, as ComfyUI's (it has no flow branch)."""
     check_sigmas("dpmpp_2m", sigmas)
-    s_in, values, sig = _ones(x), sigmas.tolist(), scalar_sigmas(sigmas, x)
+    s_in, values = _ones(x), sigmas.tolist()
     old_denoised = None
     for i in range(len(sigmas) - 1):
         denoised = denoiser(x, sigmas[i] * s_in)
         _report(callback, i, x, denoised)
-        t, t_next = sig[i].log().neg(), sig[i + 1].log().neg()
+        t, t_next = sigmas[i].log().neg(), sigmas[i + 1].log().neg()
         h = t_next - t
-        # x = ratio x - expm1(-h) denoised_d, denoised_d = (1 + 1/(2r)) denoised - 1/(2r) old, written as sums of
-        # negated products (exact: the same bits)
-        ratio, step = t_next.neg().exp() / t.neg().exp(), (-h).expm1().neg()
         if old_denoised is not None and values[i + 1] != 0:
-            r = (t - sig[i - 1].log().neg()) / h
-            x = sampler_update.multistep(x, denoised, ratio, step, 1 + 1 / (2 * r), (1 / (2 * r)).neg(), old_denoised)
+            r = (t - sigmas[i - 1].log().neg()) / h
+            denoised_d = (1 + 1 / (2 * r)) * denoised - (1 / (2 * r)) * old_denoised
         else:
-            x = sampler_update.multistep(x, denoised, ratio, step)
+            denoised_d = denoised
+        x = (t_next.neg().exp() / t.neg().exp()) * x - (-h).expm1() * denoised_d
         old_denoised = denoised
     return x
 
