@@ -108,8 +108,8 @@ def _measure_full(parts, call, dev, repeat: int, results: dict) -> torch.Tensor:
 
 
 def _measure_pack_kernels(unet, call, ref, dev, repeat: int) -> tuple:
-    """The CUDA-graph step inside the engine's UNet patches and layout: (ms, max-abs distance of its output from ``ref``, the
-    plain eager step, relative to ``ref``'s largest value)."""
+    """The CUDA-graph step inside the engine's UNet patches and layout: (ms, max-abs distance of its output from
+    ``ref``, the plain eager step, relative to ``ref``'s largest value)."""
     from ..memory.unet_layout import layout_following_transformers
     from ..memory.unet_norms import fused_norms
     from ..memory.unet_patches import fused_geglus

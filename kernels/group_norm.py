@@ -25,10 +25,10 @@ torch ops. A 4-D channels-last ``x`` takes ``group_norm_nhwc``'s kernels (same a
 
 Three implementations with one signature ``(x, groups, weight, bias, eps, add=None, silu=False)``:
 ``group_norm_triton`` (the kernels), ``group_norm_reference`` (plain torch: diffusers' ops) and ``group_norm``
-(dispatcher: the kernels for contiguous or channels-last CUDA inputs with everything on one device and ``add`` in ``x``'s dtype,
-when Triton runs there and ``torch.compile`` is not tracing -- inductor fuses the reference itself -- the reference
-elsewhere; ``LEANDIFFUSION_GROUP_NORM`` = ``reference`` | ``triton`` | ``auto`` overrides, and ``impl=`` overrides
-both). Nothing reads a device value on the host, so every path is CUDA-graph capturable.
+(dispatcher: the kernels for contiguous or channels-last CUDA inputs with everything on one device and ``add`` in
+``x``'s dtype, when Triton runs there and ``torch.compile`` is not tracing -- inductor fuses the reference itself --
+the reference elsewhere; ``LEANDIFFUSION_GROUP_NORM`` = ``reference`` | ``triton`` | ``auto`` overrides, and
+``impl=`` overrides both). Nothing reads a device value on the host, so every path is CUDA-graph capturable.
 """
 # No ``from __future__ import annotations``: see kernels/geglu_lora.py (the Triton 3.0-3.2 interpreter reads a
 # ``tl.constexpr`` parameter's annotation evaluated).
@@ -193,8 +193,7 @@ def group_norm_triton(x: torch.Tensor, groups: int, weight: Optional[torch.Tenso
                       bias: Optional[torch.Tensor] = None, eps: float = 1e-5, add: Optional[torch.Tensor] = None,
                       silu: bool = False) -> torch.Tensor:
     """The Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); ``x`` contiguous or 4-D
-    channels-last, ``add``
-    in ``x``'s dtype."""
+    channels-last, ``add`` in ``x``'s dtype."""
     if triton is None:
         raise RuntimeError("group_norm_triton needs the 'triton' package; install triton or use group_norm_reference")
     _check(x, groups, weight, bias, add)
@@ -237,8 +236,8 @@ def _triton_usable(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Option
 def group_norm(x: torch.Tensor, groups: int, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5, add: Optional[torch.Tensor] = None,
                silu: bool = False, impl: str = "auto") -> torch.Tensor:
-    """Dispatcher (module docstring): the kernels for contiguous or channels-last CUDA inputs with everything on one device, the
-    reference elsewhere and while ``torch.compile`` traces."""
+    """Dispatcher (module docstring): the kernels for contiguous or channels-last CUDA inputs with everything on one
+    device, the reference elsewhere and while ``torch.compile`` traces."""
     if impl == "auto" and torch.compiler.is_compiling():
         return group_norm_reference(x, groups, weight, bias, eps, add=add, silu=silu)
     if IMPL.pick(impl, lambda: _triton_usable(x, weight, bias, add, groups)) == "triton":

@@ -8,8 +8,9 @@ round(x * a + b)``, SiLU on the rounded value). Here ``x`` [N, C, H, W] is store
 
 Three launches: (1) per (sample, spatial tile, channel block) each channel's tile mean and centred sum of squares
 (blocks of [BLOCK_S, BLOCK_C], loads along the contiguous channel axis; a Welford update per (row lane, channel)
-across the tile's blocks, the lanes merged once by Chan's formula: no cross-thread reduction inside the loop); (2) per (sample, group) the exact merge of its channels' tile statistics into ``mean`` and ``rstd``;
-(3) per (sample, spatial tile, channel block) the normalise pass.
+across the tile's blocks, the lanes merged once by Chan's formula: no cross-thread reduction inside the loop);
+(2) per (sample, group) the exact merge of its channels' tile statistics into ``mean`` and ``rstd``; (3) per
+(sample, spatial tile, channel block) the normalise pass.
 
 Why hand-written: a channels-last UNet lets cuDNN run its convolutions without transposing activations to NHWC and
 back (``memory.unet_layout``); PyTorch's own channels-last GroupNorm costs more than the transposes saved (an SDXL
