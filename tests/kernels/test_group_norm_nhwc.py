@@ -17,7 +17,7 @@ import torch
 from leandiffusion.kernels import group_norm as gn
 from leandiffusion.kernels import group_norm_nhwc as nhwc
 from leandiffusion.kernels.group_norm import group_norm, group_norm_reference, group_norm_triton
-from leandiffusion.tests.kit.group_norm_truth import ULPS, assert_near, inputs, truth
+from leandiffusion.tests.kit.group_norm_truth import ULPS, assert_near, inputs, replay_error, truth
 
 interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or gn.triton is None,
                                reason="runs the Triton kernels on the CPU only under TRITON_INTERPRET=1")
@@ -95,15 +95,8 @@ def test_gpu_channels_last_matches_torch_group_norm(shape, groups, dtype, monkey
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_channels_last_replays_from_a_cuda_graph():
-    x, w, b, add = inputs((2, 640, 40, 40), torch.float16, device="cuda")
-    static = x.contiguous(memory_format=CL)
-    y = group_norm(static, 32, w, b, add=add, silu=True)  # compiles the kernels before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = group_norm(static, 32, w, b, add=add, silu=True)
-    static.copy_(x * 2 - 1)
-    graph.replay()
-    torch.cuda.synchronize()
-    want = group_norm_reference(x * 2 - 1, 32, w, b, add=add, silu=True)
-    assert float((y.float() - want.float()).abs().max()) <= ULPS[torch.float16] * float(want.abs().max())
+def test_gpu_channels_last_replays_from_a_cuda_graph(monkeypatch):
+    taken = []
+    real = nhwc.launch_channels_last
+    monkeypatch.setattr(nhwc, "launch_channels_last", lambda *a: taken.append(1) or real(*a))
+    assert replay_error(group_norm, group_norm_reference, CL) <= ULPS[torch.float16] and taken

@@ -42,3 +42,20 @@ def assert_near(got, want, dtype, ulps=INTERPRETER_ULPS):
     assert torch.isfinite(got).all()
     err = float((got.double() - want).abs().max())
     assert err <= ulps[dtype] * max(scale, 1.0), f"max error {err:.3g} at output scale {scale:.3g}"
+
+
+def replay_error(group_norm, reference, memory_format=torch.contiguous_format) -> float:
+    """A [2, 640, 40, 40] fp16 CUDA GroupNorm (+ add, SiLU) captured in a CUDA graph, its input overwritten, replayed:
+    the largest error against ``reference`` on the new input, relative to the output's largest value (the kernels
+    must read the static input at replay, not what they saw at capture)."""
+    x, w, b, add = inputs((2, 640, 40, 40), torch.float16, device="cuda")
+    static = x.clone(memory_format=memory_format)
+    y = group_norm(static, 32, w, b, add=add, silu=True)  # compiles the kernels before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = group_norm(static, 32, w, b, add=add, silu=True)
+    static.copy_(x * 2 - 1)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = reference(x * 2 - 1, 32, w, b, add=add, silu=True)
+    return float((y.float() - want.float()).abs().max()) / float(want.abs().max())

@@ -150,15 +150,16 @@ def diffusers_pipeline(components: dict):
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
-def unet_inputs(family: str, batch: int = 2, seed: int = 1) -> dict:
-    """Random inputs for one tiny UNet call (SDXL adds the text_time conditioning)."""
+def unet_inputs(family: str, batch: int = 2, seed: int = 1, device="cpu", dtype=torch.float32) -> dict:
+    """Random inputs for one tiny UNet call (SDXL adds the text_time conditioning), drawn on the CPU and then moved
+    to ``device`` / ``dtype`` (the same values everywhere)."""
     g = torch.Generator().manual_seed(seed)
     ctx = 64 + 128 if family == "sdxl" else (128 if family.startswith("sd2") else 64)
-    out = {"latents": torch.randn(batch, 4, 8, 8, generator=g), "timestep": 10,
-           "context": torch.randn(batch, 77, ctx, generator=g)}
+    out = {"latents": torch.randn(batch, 4, 8, 8, generator=g).to(device, dtype), "timestep": 10,
+           "context": torch.randn(batch, 77, ctx, generator=g).to(device, dtype)}
     if family == "sdxl":
-        out["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, 128, generator=g),
-                                    "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * batch)}
+        out["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, 128, generator=g).to(device, dtype),
+                                    "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]] * batch).to(device, dtype)}
     return out
 
 

@@ -113,11 +113,7 @@ def test_gpu_channels_last_unet_takes_the_nhwc_kernels_and_stays_within_rounding
     monkeypatch.setenv(unet_layout.ENV_LAYOUT, "channels_last")
     engine = tiny_engine(family, device="cuda", dtype=torch.float16)
     unet = engine.parts.unet
-    inputs = {k: (v.to("cuda", torch.float16) if isinstance(v, torch.Tensor) else v)
-              for k, v in lf.unet_inputs(family).items()}
-    if "added_cond_kwargs" in inputs:
-        inputs["added_cond_kwargs"] = {k: v.to("cuda", torch.float16)
-                                       for k, v in inputs["added_cond_kwargs"].items()}
+    inputs = lf.unet_inputs(family, device="cuda", dtype=torch.float16)
     plain = lf.run_unet(unet, inputs).float()
     with engine.session("unet"), torch.no_grad():
         out = engine.unet(inputs["latents"], inputs["timestep"], inputs["context"], inputs.get("added_cond_kwargs"))

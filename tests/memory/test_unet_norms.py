@@ -126,11 +126,7 @@ def test_gpu_fused_unet_takes_the_kernels_and_stays_within_rounding(family, monk
     monkeypatch.setattr(gn, "group_norm_triton", lambda *a, **k: taken.append(k.get("silu", False)) or real(*a, **k))
     engine = tiny_engine(family)
     unet = engine.parts.unet.to("cuda", torch.float16)
-    inputs = {k: (v.to("cuda", torch.float16) if isinstance(v, torch.Tensor) else v)
-              for k, v in lf.unet_inputs(family).items()}
-    if "added_cond_kwargs" in inputs:
-        inputs["added_cond_kwargs"] = {k: v.to("cuda", torch.float16)
-                                       for k, v in inputs["added_cond_kwargs"].items()}
+    inputs = lf.unet_inputs(family, device="cuda", dtype=torch.float16)
     plain = lf.run_unet(unet, inputs).float()
     with fused_norms(unet):
         fused = lf.run_unet(unet, inputs).float()
