@@ -9,29 +9,31 @@ after that rounding; at least ``MIN_ACT_SCALE``, so an all-zero input never divi
 ``y = _scaled_mm(X, Q^T, s_x, s, bias=b, out_dtype=bf16, use_fast_accum=True)``: fp8 products, accumulated in the
 tensor cores' own precision (``FAST_ACCUMULATE``), one rounding to bf16. Against the dequantizing path
 (``x @ (Q s)^T`` in bf16) the new error is the activation's fp8 rounding (about 2^-5 relative, rms, per element);
-the GPU test bounds the GEMM against the same formula in fp32.
+the GPU test bounds the GEMM against the same formula in fp32. ``fp8_linear_rows`` takes an activation already
+quantized with one scale per row (``kernels.fp8_rows``, which owns the scale rule): the feed-forwards of
+``memory/fp8_feedforward.py`` quantize their GELU output so, in one pass.
 
 Invariants: no host sync (``.item()``), no data-dependent shape, no host->device copy: a forward through it is
 CUDA-graph capturable. ``fp8_matmul_supported`` (CUDA compute capability >= 8.9, not ROCm, a torch with
-``_scaled_mm``) is the only capability test; ``fast_shape_ok`` the only shape rule (``K`` and ``N`` multiples of
-16; ``M`` is free). Callers check both before calling ``fp8_linear_fast``.
+``_scaled_mm``) decides ``fp8_linear_fast``, ``rows_supported`` (that, and a per-row-scaled GEMM runs there)
+``fp8_linear_rows``; ``fast_shape_ok`` is the only shape rule (``K`` and ``N`` multiples of 16; ``M`` is free).
+Callers check them before calling.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional
 
 import torch
 
+from ..kernels.fp8_rows import ACT_SCALE_FACTOR, FP8_DTYPE, FP8_MAX, MIN_ACT_SCALE  # noqa: F401  (re-exported)
+
 logger = logging.getLogger(__name__)
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FAST_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
 FAST_OUT_DTYPE = torch.bfloat16
 FAST_DIM_MULTIPLE = 16  # torch._scaled_mm: K and N multiples of 16
-MIN_ACT_SCALE = 1e-12
-ACT_SCALE_FACTOR = (1 + 2 ** -7) / FP8_MAX  # amax -> s_x, with the margin ``quantize_activation`` explains
 # Hopper's fp8 tensor cores accumulate in fewer than fp32's bits; without fast accumulation cuBLAS promotes partial
 # sums to fp32 every few K steps. Fast accumulation (torchao's default for fp8 inference) cut a compiled Qwen-Image
 # block on an H200 from 8.50 to 8.17 ms (its GEMMs ~12% faster) and left its output's distance from bf16 as it was
@@ -103,3 +105,43 @@ def fp8_linear_fast(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     if bias is not None and not fused_bias:
         out = out + bias.to(out_dtype)
     return out.view(*shape[:-1], out.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_run(index: int) -> bool:
+    device = torch.device("cuda", index)
+    a = torch.zeros(16, 16, device=device).to(FP8_DTYPE)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t().contiguous(), out_dtype=FAST_OUT_DTYPE,
+                         use_fast_accum=FAST_ACCUMULATE)
+    except (RuntimeError, NotImplementedError) as exc:
+        logger.info("fp8 matmuls with per-row scales are not available on %s (%s); per-tensor scales only",
+                    device, str(exc).splitlines()[0][:200])
+        return False
+    return True
+
+
+def rows_supported(device) -> bool:
+    """Whether ``fp8_linear_rows`` runs on ``device``: ``fp8_matmul_supported`` and a first per-row-scaled
+    ``_scaled_mm`` there succeeds (cuBLAS / CUTLASS build per-row scaling for Hopper and newer only; tried once
+    per device, outside any capture)."""
+    if not fp8_matmul_supported(device):
+        return False
+    device = torch.device(device)
+    return _rows_run(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def fp8_linear_rows(xq: torch.Tensor, s_x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = FAST_OUT_DTYPE) -> torch.Tensor:
+    """``(X s_x) (Q s)^T + b`` as one fp8 GEMM with per-row activation scales: ``xq`` [M, K] float8_e4m3fn and
+    ``s_x`` [M, 1] float32 (``kernels.fp8_rows``), ``w_fp8`` [N, K] and its float32 0-d scale ``w_scale`` (spread
+    over the N columns, as ``_scaled_mm`` takes per-row scales on both sides or on neither). Check
+    ``rows_supported`` first."""
+    scale_b = w_scale.reshape(1, 1).expand(1, w_fp8.shape[0]).contiguous()
+    fused_bias = bias is not None and bias.dtype == out_dtype
+    out = torch._scaled_mm(xq, w_fp8.t(), scale_a=s_x, scale_b=scale_b, bias=bias if fused_bias else None,
+                           out_dtype=out_dtype, use_fast_accum=FAST_ACCUMULATE)
+    if isinstance(out, tuple):  # torch 2.4 returns (out, amax)
+        out = out[0]
+    return out if bias is None or fused_bias else out + bias.to(out_dtype)

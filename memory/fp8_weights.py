@@ -15,7 +15,8 @@ Math
   fp8 tensor-core GEMM (``torch._scaled_mm``, fp32 accumulation, bf16 out; ``memory/fp8_matmul.py``, capturable).
   Needs CUDA compute capability >= (8, 9) (``fp8_matmul_supported``, the one capability decision), bf16
   activations and ``K``, ``N`` multiples of 16 (``fast_shape_ok``, decided per layer at quantization); any layer
-  or call outside that takes the dequantizing path.
+  or call outside that takes the dequantizing path. The output layer of a tanh-GELU feed-forward may instead take
+  its input quantized per row together with the GELU (``memory/fp8_feedforward.py``, installed by the loader).
 
 Storage scheme (why integer dtypes)
 - A quantized layer is the same module object with its class swapped to ``Fp8Linear`` / ``Fp8Conv2d`` (names,

@@ -21,6 +21,7 @@ import torch
 from .. import bridge
 from .engine import LeanEngine, ModelParts, parts_from_components
 from .folders import load_diffusers_folder
+from .fp8_feedforward import fuse_feedforwards
 from .fp8_weights import STORAGE_NAMES, compute_dtype_for, quantize_module, resolve_fast
 from .ldm import load_ldm_checkpoint
 from .policies import DTYPES, apply_vram_policy, check_policy_args
@@ -92,15 +93,18 @@ def build_engine(parts: ModelParts, vram_policy: str = "auto", vram_budget_gb: f
 
     ``weight_dtype`` ``fp8_e4m3fn`` / ``fp8_e4m3fn_fast`` store the denoiser's weights in fp8, in place, before the
     plan is made (so it counts 1 byte per fp8 weight); ``engine.dtype`` is then the compute dtype and the plan text
-    names the storage."""
+    names the storage. With fp8 matmuls, tanh-GELU feed-forwards quantize their hidden activation in one pass
+    (``memory/fp8_feedforward.py``)."""
     dev = torch.device(device) if device is not None else bridge.default_device()
     dtype = resolve_dtype(weight_dtype, "weight_dtype", dev)
     vae = resolve_dtype(vae_dtype, "vae_dtype", dev, vae=True)
     if weight_dtype in STORAGE_NAMES:
         check_policy_args(vram_policy, vram_budget_gb)  # a typo must not leave the modules converted
         on_gpu = dev.type == "cuda" and torch.cuda.is_available()
-        quantize_module(parts.unet, dtype, fast=resolve_fast(weight_dtype == "fp8_e4m3fn_fast", dev),
-                        work_device=dev if on_gpu else None)
+        fast = resolve_fast(weight_dtype == "fp8_e4m3fn_fast", dev)
+        quantize_module(parts.unet, dtype, fast=fast, work_device=dev if on_gpu else None)
+        if fast:
+            fuse_feedforwards(parts.unet, dev)
     placement = apply_vram_policy(parts, vram_policy, device=dev, vram_budget_gb=vram_budget_gb, dtype=dtype,
                                   vae_dtype=vae, **policy_kwargs)
     cfg = placement.config
