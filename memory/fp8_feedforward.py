@@ -13,9 +13,11 @@ Invariants
 - ``fuse_feedforwards(module, device)`` gives each eligible ``FeedForward`` of ``module`` the instance ``forward``
   ``fused_forward`` bound to it (the same function for all: dynamo guards its code, so a regionally compiled
   model keeps one graph for all its blocks) and returns how many; none where ``device`` cannot run per-row fp8
-  GEMMs (``fp8_matmul.rows_supported``). Eligible: the ``FeedForward`` class itself, ``net`` = [diffusers'
-  ``GELU`` class with ``approximate="tanh"``, ``Dropout``, an fp8-fast ``Fp8Linear``], no instance ``forward``
-  already (another library's override is left alone).
+  GEMMs (``fp8_matmul.rows_supported``) or Triton kernels (without the kernel the op would run its plain-torch
+  reference, no faster than diffusers' path). Eligible: the ``FeedForward`` class itself, ``net`` = [diffusers'
+  ``GELU`` class with ``approximate="tanh"``, ``Dropout``, an fp8-fast ``Fp8Linear`` whose input rows fit one
+  kernel program (``kernels.fp8_rows.MAX_ROW``)], no instance ``forward`` already (another library's override is
+  left alone).
 - Each call decides again (``fused_now``): the output layer still fp8-fast, no hooks on it or on the GELU module (a
   LoRA term on the output layer is a forward hook), a non-empty bf16 CUDA input, no autograd graph, the dropout
   inactive, no extra arguments. Otherwise diffusers' own forward runs, unchanged.
@@ -30,7 +32,8 @@ import types
 
 import torch
 
-from ..kernels.fp8_rows import fp8_rows_op
+from ..kernels.dispatch import triton_unusable_reason
+from ..kernels.fp8_rows import MAX_ROW, fp8_rows_op
 from .fp8_matmul import FAST_OUT_DTYPE, FP8_DTYPE, fp8_linear_rows, rows_supported
 from .fp8_weights import Fp8Linear
 
@@ -52,7 +55,7 @@ def eligible(ff: torch.nn.Module) -> bool:
         return False
     act, drop, out = ff.net
     return (type(act) is gelu and act.approximate == "tanh" and isinstance(drop, torch.nn.Dropout)
-            and isinstance(out, Fp8Linear) and out.fp8_fast)
+            and isinstance(out, Fp8Linear) and out.fp8_fast and out.in_features <= MAX_ROW)
 
 
 def layers_ready(ff: torch.nn.Module) -> bool:
@@ -83,9 +86,9 @@ def fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.T
 
 def fuse_feedforwards(module: torch.nn.Module, device) -> int:
     """Install ``fused_forward`` on every eligible ``FeedForward`` of ``module``; how many (0 where ``device`` has no
-    per-row fp8 GEMM)."""
+    per-row fp8 GEMM or cannot run Triton)."""
     candidates = [m for m in module.modules() if eligible(m)]
-    if not candidates or not rows_supported(device):
+    if not candidates or not rows_supported(device) or triton_unusable_reason(torch.device(device)) is not None:
         return 0
     for ff in candidates:
         ff.forward = types.MethodType(fused_forward, ff)

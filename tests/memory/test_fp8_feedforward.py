@@ -65,9 +65,22 @@ def test_eligible_feedforwards():
     assert not ffm.eligible(_install(_ff()))  # an instance forward is already there
 
 
-def test_no_fusion_where_the_device_has_no_per_row_gemm():
+def test_rows_wider_than_one_kernel_program_are_not_eligible():
+    torch.manual_seed(0)
+    wide = FeedForward(16, 16, activation_fn="gelu-approximate", inner_dim=fr.MAX_ROW + 16).to(torch.bfloat16)
+    fp8.quantize_module(wide, torch.bfloat16, fast=True)
+    assert wide.net[2].fp8_fast and not ffm.eligible(wide)
+
+
+def test_no_fusion_where_the_device_has_no_per_row_gemm_or_no_triton(monkeypatch):
     ff = _ff()
     assert ffm.fuse_feedforwards(ff, "cpu") == 0 and not ffm.is_fused(ff) and "forward" not in ff.__dict__
+    monkeypatch.setattr(ffm, "rows_supported", lambda device: True)
+    monkeypatch.setattr(ffm, "triton_unusable_reason", lambda device: "no Triton here")
+    assert ffm.fuse_feedforwards(ff, "cuda") == 0 and "forward" not in ff.__dict__
+    monkeypatch.setattr(ffm, "triton_unusable_reason", lambda device: None)
+    assert ffm.fuse_feedforwards(ff, "cuda") == 1 and ffm.is_fused(ff)
+    assert ffm.fuse_feedforwards(ff, "cuda") == 0  # installed once
 
 
 def test_build_engine_fuses_nothing_without_fp8_tensor_cores():
