@@ -10,9 +10,9 @@ Math, for row ``i`` of ``x`` [M, K] (activation dtype ``d``):
 
 ``ACT_SCALE_FACTOR = (1 + 2^-7) / 448``: the margin keeps ``|g / s|`` below 448 (e4m3fn's largest value), so no
 clamp is needed (``r_i`` is within an ulp of ``1 / s_i``); ``MIN_ACT_SCALE`` keeps an all-zero row finite. One
-reciprocal per row, not a division per element: an IEEE division is a dozen instructions, and with it the kernel
-was bound by arithmetic, not memory. ``g`` is rounded to ``d`` because
-diffusers' ``GELU`` returns it in the activation dtype and the reference quantizes that tensor.
+reciprocal per row, not a division per element: an IEEE division is a dozen instructions, enough to make the kernel
+bound by arithmetic instead of memory. ``g`` is rounded to ``d`` because diffusers' ``GELU`` returns it in the
+activation dtype and the reference quantizes that tensor.
 
 Three implementations, one signature ``(x, gelu_tanh) -> (q, s)``: ``fp8_rows_reference`` (plain torch:
 ``F.gelu(x, approximate="tanh")`` and the formula above), ``fp8_rows_triton`` (the kernel: one program per row
