@@ -97,14 +97,20 @@ def fp8_linear_fast(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     xq, s_x = quantize_activation(x2)
+    out = _scaled_gemm(xq, w_fp8, s_x, w_scale, bias, out_dtype)
+    return out.view(*shape[:-1], out.shape[-1])
+
+
+def _scaled_gemm(xq: torch.Tensor, w_fp8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``(xq scale_a) (w_fp8 scale_b)^T + bias`` through ``_scaled_mm``: the bias fused when it is in ``out_dtype``,
+    added after otherwise."""
     fused_bias = bias is not None and bias.dtype == out_dtype
-    out = torch._scaled_mm(xq, w_fp8.t(), scale_a=s_x, scale_b=w_scale, bias=bias if fused_bias else None,
+    out = torch._scaled_mm(xq, w_fp8.t(), scale_a=scale_a, scale_b=scale_b, bias=bias if fused_bias else None,
                            out_dtype=out_dtype, use_fast_accum=FAST_ACCUMULATE)
     if isinstance(out, tuple):  # torch 2.4 returns (out, amax)
         out = out[0]
-    if bias is not None and not fused_bias:
-        out = out + bias.to(out_dtype)
-    return out.view(*shape[:-1], out.shape[-1])
+    return out if bias is None or fused_bias else out + bias.to(out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,9 +145,4 @@ def fp8_linear_rows(xq: torch.Tensor, s_x: torch.Tensor, w_fp8: torch.Tensor, w_
     over the N columns, as ``_scaled_mm`` takes per-row scales on both sides or on neither). Check
     ``rows_supported`` first."""
     scale_b = w_scale.reshape(1, 1).expand(1, w_fp8.shape[0]).contiguous()
-    fused_bias = bias is not None and bias.dtype == out_dtype
-    out = torch._scaled_mm(xq, w_fp8.t(), scale_a=s_x, scale_b=scale_b, bias=bias if fused_bias else None,
-                           out_dtype=out_dtype, use_fast_accum=FAST_ACCUMULATE)
-    if isinstance(out, tuple):  # torch 2.4 returns (out, amax)
-        out = out[0]
-    return out if bias is None or fused_bias else out + bias.to(out_dtype)
+    return _scaled_gemm(xq, w_fp8, s_x, scale_b, bias, out_dtype)
